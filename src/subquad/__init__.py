@@ -1,0 +1,25 @@
+"""subquad: exact attention in bounded memory, on every PyTorch device.
+
+Self-attention does not need O(n²) memory (Rabe & Staats, 2021): queries and keys are processed in
+tiles with a running max, sum and weighted sum per row, so the ``Lq x Lk`` matrix never exists.
+"""
+
+from . import mods
+from ._api import attention, explain, sdpa
+from ._planner import BACKEND_NAMES as BACKENDS
+from ._planner import MemoryBudgetError, Plan
+
+__all__ = ["attention", "sdpa", "explain", "Plan", "MemoryBudgetError", "BACKENDS", "mods", "patch_sdpa", "integrations"]
+__version__ = "0.1.0"
+
+
+def __getattr__(name: str):  # lazy: integrations import host libraries only when used
+    if name == "patch_sdpa":
+        from .integrations.patch import patch_sdpa
+
+        return patch_sdpa
+    if name == "integrations":
+        import importlib
+
+        return importlib.import_module(".integrations", __name__)
+    raise AttributeError(f"module 'subquad' has no attribute {name!r}")

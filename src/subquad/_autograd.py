@@ -1,0 +1,144 @@
+"""The autograd Function: saves q, k, v, out and the lse; the backward walks the tiles again.
+
+The backward never materializes ``Lq x Lk``: per tile it recomputes the scores from the saved lse
+(FlashAttention-2), with PyTorch's fused CPU backward kernel where it accepts the tile and the
+matmul kernel otherwise (a float mask's gradient, tensors captured by ``score_mod``, dropout).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from typing import Any, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from . import _engine
+from ._inputs import Inputs
+from ._kernels import Grads
+
+
+def captured_tensors(fn: Any) -> List[Tensor]:
+    """Tensors requiring grad that a callback can read: closure cells, defaults, attributes, parameters.
+
+    These become extra inputs of the autograd Function so that their gradients flow.
+    """
+    if fn is None:
+        return []
+    found: List[Tensor] = []
+    seen: set = set()
+
+    def add(obj: Any, depth: int) -> None:
+        if depth > 3 or id(obj) in seen:
+            return
+        seen.add(id(obj))
+        if isinstance(obj, Tensor):
+            if obj.requires_grad:
+                found.append(obj)
+        elif isinstance(obj, torch.nn.Module):
+            for p in obj.parameters():
+                add(p, depth + 1)
+        elif isinstance(obj, (list, tuple)):
+            for x in obj:
+                add(x, depth + 1)
+        elif isinstance(obj, dict):
+            for x in obj.values():
+                add(x, depth + 1)
+        elif inspect.ismethod(obj):
+            add(obj.__self__, depth + 1)
+            add(obj.__func__, depth + 1)
+        elif inspect.isfunction(obj):
+            for cell in obj.__closure__ or ():
+                try:
+                    add(cell.cell_contents, depth + 1)
+                except ValueError:  # an empty cell
+                    pass
+            for d in obj.__defaults__ or ():
+                add(d, depth + 1)
+        elif hasattr(obj, "__dict__") and not isinstance(obj, type):
+            for x in vars(obj).values():
+                add(x, depth + 1)
+            if callable(obj) and hasattr(type(obj), "__call__"):
+                add(getattr(obj, "__call__"), depth + 1)
+
+    add(fn, 0)
+    return found
+
+
+class _Attention(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        meta: Tuple[Inputs, str, Tuple[int, int], str, Tuple[int, int], int],
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        attn_mask: Optional[Tensor],
+        *captured: Tensor,
+    ) -> Tuple[Tensor, Tensor]:
+        inp, kernel, chunk, bwd_kernel, bwd_chunk, seed = meta
+        inp = dataclasses.replace(inp, query=query, key=key, value=value, attn_mask=attn_mask)
+        out, lse = _engine.forward(inp, kernel, chunk, seed, need_lse=True)
+        assert lse is not None
+        ctx.save_for_backward(query, key, value, attn_mask, out, lse, *captured)
+        ctx.meta = (dataclasses.replace(inp, query=None, key=None, value=None, attn_mask=None), bwd_kernel, bwd_chunk, seed)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: Tensor, _grad_lse: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:
+        if torch.is_grad_enabled():  # only true under create_graph=True
+            raise NotImplementedError(
+                "subquad's attention does not support double backward (create_graph=True); "
+                "use torch.nn.functional.scaled_dot_product_attention for higher-order gradients."
+            )
+        query, key, value, attn_mask, out, lse, *captured = ctx.saved_tensors
+        inp0, kernel, chunk, seed = ctx.meta
+        inp = dataclasses.replace(inp0, query=query, key=key, value=value, attn_mask=attn_mask)
+        need = ctx.needs_input_grad
+        half = query.dtype in (torch.float16, torch.bfloat16)
+        acc_dtype = torch.float32 if half else query.dtype
+
+        def zeros_like(t: Tensor, wanted: bool) -> Optional[Tensor]:
+            return torch.zeros(t.shape, dtype=acc_dtype, device=t.device) if wanted else None
+
+        grads = Grads(
+            dq=zeros_like(query, need[1]),
+            dk=zeros_like(key, need[2]),
+            dv=zeros_like(value, need[3]),
+            dmask=torch.zeros(attn_mask.shape, dtype=torch.float32 if attn_mask.dtype != torch.float64 else torch.float64,
+                              device=attn_mask.device) if attn_mask is not None and need[4] else None,
+            captured=list(captured),
+            dcaptured=[torch.zeros_like(c) for c in captured],
+        )
+        grad_out = grad_out.contiguous() if kernel == "fused" else grad_out
+        with torch.no_grad():
+            _engine.backward(inp, kernel, chunk, seed, grad_out, out, lse, grads)
+
+        def cast(g: Optional[Tensor], like: Tensor) -> Optional[Tensor]:
+            return None if g is None else g.to(like.dtype)
+
+        return (
+            None,
+            cast(grads.dq, query),
+            cast(grads.dk, key),
+            cast(grads.dv, value),
+            cast(grads.dmask, attn_mask) if attn_mask is not None else None,
+            *[g if n else None for g, n in zip(grads.dcaptured, need[5:])],
+        )
+
+
+def attention_with_grad(
+    inp: Inputs,
+    kernel: str,
+    chunk: Tuple[int, int],
+    bwd_kernel: str,
+    bwd_chunk: Tuple[int, int],
+    seed: int,
+    captured: Sequence[Tensor],
+) -> Tuple[Tensor, Tensor]:
+    mask = inp.attn_mask
+    meta = (dataclasses.replace(inp, query=None, key=None, value=None, attn_mask=None), kernel, chunk, bwd_kernel, bwd_chunk, seed)
+    # mask_mod / score_mod are plain Python objects and ride along in ``meta``.
+    return _Attention.apply(meta, inp.query, inp.key, inp.value, mask, *captured)

@@ -1,0 +1,80 @@
+"""The ``subquad`` command: ``subquad info`` and ``subquad bench``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import List, Optional
+
+import torch
+
+
+def _info(args: argparse.Namespace) -> int:
+    import subquad
+    from subquad._kernels import cpu_flash_unavailable_reason
+    from subquad._planner import format_bytes, free_memory_bytes
+
+    device = torch.device(args.device)
+    print(f"subquad {subquad.__version__}, torch {torch.__version__}")
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{device.type} ({torch.get_num_threads()} threads)"
+    print(f"device: {name}; free memory ≈ {format_bytes(free_memory_bytes(device))}")
+    why = cpu_flash_unavailable_reason()
+    print(f"fused CPU flash kernel (per tile, with lse): {'available' if why is None else 'unavailable: ' + why}")
+    if device.type == "cuda":
+        from torch.backends import cuda as bc
+
+        for n in ("flash_sdp_enabled", "mem_efficient_sdp_enabled", "cudnn_sdp_enabled", "math_sdp_enabled"):
+            if hasattr(bc, n):
+                print(f"SDPA {n.replace('_sdp_enabled', '')}: {'enabled' if getattr(bc, n)() else 'disabled'}")
+    B, H, L, E = args.shape
+    dtype = getattr(torch, args.dtype)
+    q = torch.empty(B, H, L, E, dtype=dtype, device=device)
+    print()
+    plan = subquad.explain(q, q, q, is_causal=args.causal, memory_budget=args.budget)
+    print(plan)
+    if args.run:
+        import time
+
+        g = torch.Generator(device="cpu").manual_seed(0)
+        q, k, v = (torch.randn(B, H, L, E, generator=g, dtype=dtype).to(device) for _ in range(3))
+        t0 = time.perf_counter()
+        out = subquad.attention(q, k, v, is_causal=args.causal, memory_budget=args.budget)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        print(f"\nran {plan.backend}: {dt * 1e3:.1f} ms, output {tuple(out.shape)} {str(out.dtype).replace('torch.', '')}")
+    return 0
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "bench":
+        try:
+            from subquad.bench.cli import main as bench_main
+        except ImportError as e:  # pragma: no cover
+            print(f"subquad bench is unavailable: {e}", file=sys.stderr)
+            return 2
+        return int(bench_main(argv[1:]) or 0)
+    parser = argparse.ArgumentParser(prog="subquad", description="Exact attention in bounded memory.")
+    sub = parser.add_subparsers(dest="command")
+    p = sub.add_parser("info", help="device, available kernels, and the plan for a sample input")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--shape", type=lambda s: tuple(int(x) for x in s.split(",")), default=(1, 8, 4096, 64),
+                   help="B,H,L,E of the sample input (default 1,8,4096,64)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16", "float64"])
+    p.add_argument("--budget", default=None, help="memory budget, e.g. 64MiB (default: half the free memory)")
+    p.add_argument("--causal", action="store_true")
+    p.add_argument("--run", action="store_true", help="also run the sample input and time it")
+    sub.add_parser("bench", help="benchmark attention implementations on this machine (see `subquad bench --help`)")
+    args = parser.parse_args(argv)
+    if args.command is None:
+        args = parser.parse_args(["info"])
+    if args.command == "info":
+        if len(args.shape) != 4:
+            parser.error("--shape takes four integers B,H,L,E")
+        return _info(args)
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,489 @@
+"""Chunk kernels: compute one block of query rows against a list of key segments.
+
+Two kernels share one interface:
+
+* :class:`MatmulKernel` -- pure PyTorch (``bmm``/``baddbmm``), any device, dtype and head dim, with
+  dropout, ``score_mod`` and ``mask_mod``. Online softmax with float32 statistics.
+* :class:`FusedCPUKernel` -- PyTorch's fused CPU flash kernel per segment, which returns each
+  segment's log-sum-exp; segments are merged exactly by their lse.
+
+A kernel's ``forward_rows`` writes ``out[:, :, qs:qe]`` and returns the rows' lse; its
+``backward_rows`` accumulates dQ, dK, dV (and the float mask's gradient) for those rows.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from ._inputs import Inputs
+
+NEG_INF = float("-inf")
+
+
+class Segment(NamedTuple):
+    """A run of keys ``[ks, ke)`` for one block of query rows ``[qs, qe)``.
+
+    ``causal``: ``"none"`` (no key is in the future of any query row), ``"diag"`` (``ks == qs``: the
+    top-left causal mask of the tile is the global one) or ``"partial"`` (needs a generated mask).
+    ``mask_mod``: whether ``mask_mod`` must be evaluated on this tile (False when the tile is known
+    to be fully visible).
+    """
+
+    ks: int
+    ke: int
+    causal: str = "none"
+    mask_mod: bool = False
+
+
+class RowState(NamedTuple):
+    """Online-softmax state of a block of query rows, updated in place tile by tile."""
+
+    m: Tensor  # running max of the scores, (BHk, G*qn)
+    l: Tensor  # running sum of exp(score - m)
+    acc: Tensor  # running sum of exp(score - m) @ V, (BHk, G*qn, Ev)
+
+
+# ------------------------------------------------------------------ helpers
+def _index_grids(inp: Inputs, qs: int, qe: int, ks: int, ke: int) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """FlexAttention-style broadcastable int64 indices: b (B,1,1,1), h (1,Hq,1,1), q (1,1,qn,1), kv (1,1,1,kn)."""
+    dev = inp.device
+    b = torch.arange(inp.B, device=dev).view(-1, 1, 1, 1)
+    h = torch.arange(inp.Hq, device=dev).view(1, -1, 1, 1)
+    qi = torch.arange(qs, qe, device=dev).view(1, 1, -1, 1)
+    ki = torch.arange(ks, ke, device=dev).view(1, 1, 1, -1)
+    return b, h, qi, ki
+
+
+def causal_keep(qs: int, qe: int, ks: int, ke: int, device: torch.device) -> Tensor:
+    """Top-left causal visibility of a tile, ``(qn, kn)`` bool (True = attend)."""
+    qi = torch.arange(qs, qe, device=device).view(-1, 1)
+    ki = torch.arange(ks, ke, device=device).view(1, -1)
+    return ki <= qi
+
+
+def eval_mask_mod(inp: Inputs, qs: int, qe: int, ks: int, ke: int) -> Tensor:
+    """``mask_mod`` on one tile, checked: a bool tensor broadcastable to ``(B, Hq, qn, kn)``."""
+    assert inp.mask_mod is not None
+    b, h, qi, ki = _index_grids(inp, qs, qe, ks, ke)
+    keep = inp.mask_mod(b, h, qi, ki)
+    if not isinstance(keep, Tensor) or keep.dtype != torch.bool:
+        got = keep.dtype if isinstance(keep, Tensor) else type(keep).__name__
+        raise TypeError(f"mask_mod must return a bool tensor (True = attend), got {got}.")
+    try:
+        torch.broadcast_shapes(keep.shape, (inp.B, inp.Hq, qe - qs, ke - ks))
+    except RuntimeError:
+        raise ValueError(
+            f"mask_mod returned shape {tuple(keep.shape)}, which does not broadcast to the tile "
+            f"{(inp.B, inp.Hq, qe - qs, ke - ks)} (B, Hq, q_chunk, kv_chunk)."
+        ) from None
+    return keep
+
+
+def apply_score_mod(inp: Inputs, s4: Tensor, qs: int, qe: int, ks: int, ke: int) -> Tensor:
+    """``score_mod`` on one tile of scores ``(B, Hq, qn, kn)``, checked."""
+    assert inp.score_mod is not None
+    b, h, qi, ki = _index_grids(inp, qs, qe, ks, ke)
+    new = inp.score_mod(s4, b, h, qi, ki)
+    if not isinstance(new, Tensor):
+        raise TypeError(f"score_mod must return a tensor, got {type(new).__name__}.")
+    if new.shape != s4.shape:
+        try:
+            new = new.expand(s4.shape)
+        except RuntimeError:
+            raise ValueError(
+                f"score_mod returned shape {tuple(new.shape)}, expected the score tile's shape {tuple(s4.shape)}."
+            ) from None
+    if not new.is_floating_point():
+        raise TypeError(f"score_mod must return a floating-point tensor, got {new.dtype}.")
+    return new.to(s4.dtype)
+
+
+def _hash32(x: Tensor) -> Tensor:
+    # A 32-bit integer mix (two multiply-xorshift rounds); int64 arithmetic never overflows here
+    # because x < 2**32 and the multiplier < 2**27.
+    x = ((x >> 16) ^ x) * 0x45D9F3B & 0xFFFFFFFF
+    x = ((x >> 16) ^ x) * 0x45D9F3B & 0xFFFFFFFF
+    return (x >> 16) ^ x
+
+
+def dropout_scale(inp: Inputs, seed: int, qs: int, qe: int, ks: int, ke: int, dtype: torch.dtype) -> Tensor:
+    """Dropout multipliers of a tile: 0 or 1/(1-p), a pure function of (seed, b, h, q, kv).
+
+    Counter-based, so forward and backward regenerate the same mask whatever the tiling.
+    """
+    b, h, qi, ki = _index_grids(inp, qs, qe, ks, ke)
+    x = _hash32((b * inp.Hq + h + seed) & 0xFFFFFFFF)
+    x = _hash32(x ^ qi)
+    x = _hash32(x ^ (ki * 0x9E3779B1 & 0xFFFFFFFF))
+    threshold = int(inp.dropout_p * 4294967296.0)  # p * 2**32
+    keep = x >= threshold
+    return keep.to(dtype) * (1.0 / (1.0 - inp.dropout_p))
+
+
+def to_caller_batch(inp: Inputs, t: Tensor) -> Tensor:
+    """A 4-D tensor in the engine's ``(B, ...)`` form, brought to the caller's batch dims."""
+    nb = len(inp.batch_shape)
+    if nb == 1 or t.dim() < 4:
+        return t
+    if t.shape[0] == 1:
+        return t.reshape(*([1] * nb), *t.shape[1:])
+    return t.reshape(*inp.batch_shape, *t.shape[1:])
+
+
+def tile_bias(
+    inp: Inputs, qs: int, qe: int, seg: Segment, dtype: torch.dtype, causal_in_kernel: bool = False
+) -> Optional[Tensor]:
+    """Everything added to a tile's scores as one tensor: ``attn_mask``, causal and ``mask_mod``.
+
+    Broadcastable to ``(*batch_shape, Hq, qn, kn)``; masked entries are ``-inf``. ``None`` when
+    nothing is added.
+    """
+    ks, ke = seg.ks, seg.ke
+    bias: Optional[Tensor] = None
+    if inp.attn_mask is not None:
+        m = inp.mask_tile(qs, qe, ks, ke)
+        if m.dtype == torch.bool:
+            bias = torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill_(m.logical_not(), NEG_INF)
+        else:
+            bias = m.to(dtype)
+    keep: Optional[Tensor] = None
+    if seg.causal == "partial" or (seg.causal == "diag" and not causal_in_kernel):
+        keep = causal_keep(qs, qe, ks, ke, inp.device)
+    if seg.mask_mod:
+        mm = to_caller_batch(inp, eval_mask_mod(inp, qs, qe, ks, ke))
+        keep = mm if keep is None else keep & mm
+    if keep is not None:
+        if bias is None:
+            bias = torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill_(keep.logical_not(), NEG_INF)
+        else:
+            bias = bias.masked_fill(keep.logical_not(), NEG_INF)
+    return bias
+
+
+# ------------------------------------------------------------------ matmul kernel
+class MatmulKernel:
+    """Pure-PyTorch tiles: ``bmm`` for scores, online softmax in float32, ``baddbmm`` into the accumulator."""
+
+    name = "matmul"
+
+    @staticmethod
+    def compute_dtype(inp: Inputs) -> torch.dtype:
+        # Half-precision matmuls on CPU are slow and overflow-prone; upcast tiles there.
+        if inp.device.type == "cpu" and inp.dtype in (torch.float16, torch.bfloat16):
+            return torch.float32
+        return inp.dtype
+
+    def _scaled_q(self, inp: Inputs, qs: int, qe: int, cdt: torch.dtype) -> Tensor:
+        # Scaling q (qn x E) is cheaper than scaling the scores (qn x kn), and keeps fp16 scores in range.
+        q_t = torch.mul(inp.query[:, :, qs:qe].to(cdt), inp.scale)
+        return q_t.reshape(inp.B * inp.Hk, inp.G * (qe - qs), inp.E)
+
+    def _kv(self, t: Tensor, inp: Inputs, seg: Segment, dtype: torch.dtype) -> Tensor:
+        t = t[:, :, seg.ks : seg.ke].reshape(inp.B * inp.Hk, seg.ke - seg.ks, t.shape[-1])
+        return t if t.dtype == dtype else t.to(dtype)
+
+    def _raw_scores(self, inp: Inputs, q_t: Tensor, seg: Segment, cdt: torch.dtype) -> Tensor:
+        """``scale · q kᵀ`` of one tile, ``(B*Hk, G*qn, kn)`` in the stats dtype."""
+        s = torch.bmm(q_t, self._kv(inp.key, inp, seg, cdt).transpose(1, 2))
+        return s if s.dtype == inp.stats_dtype else s.to(inp.stats_dtype)
+
+    def _add_bias(self, inp: Inputs, s: Tensor, qs: int, qe: int, seg: Segment) -> Tensor:
+        bias = tile_bias(inp, qs, qe, seg, inp.stats_dtype)
+        if bias is not None:
+            s.view(*inp.batch_shape, inp.Hq, qe - qs, seg.ke - seg.ks).add_(bias)
+        return s
+
+    def _scores(self, inp: Inputs, q_t: Tensor, qs: int, qe: int, seg: Segment, cdt: torch.dtype) -> Tensor:
+        s = self._raw_scores(inp, q_t, seg, cdt)
+        if inp.score_mod is not None:
+            qn, kn = qe - qs, seg.ke - seg.ks
+            s = apply_score_mod(inp, s.view(inp.B, inp.Hq, qn, kn), qs, qe, seg.ks, seg.ke)
+            s = s.reshape(inp.B * inp.Hk, inp.G * qn, kn)
+        return self._add_bias(inp, s, qs, qe, seg)
+
+    def forward_rows(
+        self, inp: Inputs, qs: int, qe: int, segments: Sequence[Segment], out: Tensor, seed: int
+    ) -> Tensor:
+        """Online softmax over ``segments`` for rows ``[qs, qe)``; writes ``out`` and returns the lse."""
+        B, Hq, Hk, G = inp.B, inp.Hq, inp.Hk, inp.G
+        qn = qe - qs
+        sdt = inp.stats_dtype
+        cdt = self.compute_dtype(inp)
+        q_t = self._scaled_q(inp, qs, qe, cdt)
+        state = RowState(
+            m=torch.full((B * Hk, G * qn), NEG_INF, dtype=sdt, device=inp.device),
+            l=torch.zeros((B * Hk, G * qn), dtype=sdt, device=inp.device),
+            acc=torch.zeros((B * Hk, G * qn, inp.Ev), dtype=sdt, device=inp.device),
+        )
+        for seg in segments:
+            s = self._scores(inp, q_t, qs, qe, seg, cdt)
+            m_new = torch.maximum(state.m, s.amax(dim=-1))
+            m_ref = m_new.masked_fill(m_new == NEG_INF, 0.0)  # rows with nothing visible yet stay finite
+            p = s.sub_(m_ref.unsqueeze(-1)).exp_()
+            correction = torch.exp(state.m - m_ref)
+            state.l.mul_(correction).add_(p.sum(dim=-1))
+            state.acc.mul_(correction.unsqueeze(-1))
+            if inp.dropout_p > 0.0:
+                p.view(B, Hq, qn, -1).mul_(dropout_scale(inp, seed, qs, qe, seg.ks, seg.ke, sdt))
+            v_t = self._kv(inp.value, inp, seg, cdt)
+            if v_t.dtype == sdt:
+                state.acc.baddbmm_(p, v_t)
+            else:
+                state.acc.add_(torch.bmm(p.to(v_t.dtype), v_t))
+            state.m.copy_(m_new)
+            del s, p
+        l_safe = state.l.masked_fill(state.l == 0, 1.0)  # fully masked rows: acc is 0, so output 0
+        out[:, :, qs:qe].copy_(state.acc.div_(l_safe.unsqueeze(-1)).view(B, Hq, qn, inp.Ev))
+        return (state.m + torch.log(state.l)).view(B, Hq, qn)
+
+    def backward_rows(
+        self,
+        inp: Inputs,
+        qs: int,
+        qe: int,
+        segments: Sequence[Segment],
+        grad_out: Tensor,
+        out: Tensor,
+        lse: Tensor,
+        seed: int,
+        grads: "Grads",
+    ) -> None:
+        """FlashAttention-2 backward for rows ``[qs, qe)``, accumulated into ``grads``.
+
+        ``P = exp(S - lse)``; ``dV += Pᵀ dO``; ``dP = dO Vᵀ``; ``dS = P ∘ (dP - D)`` with
+        ``D = rowsum(dO ∘ O)``; ``dQ += scale·dS K``; ``dK += scale·dSᵀ Q``. ``dS`` is also the
+        gradient of a float mask tile and, pulled back through ``score_mod``, of what it captured.
+        """
+        B, Hq, Hk, G = inp.B, inp.Hq, inp.Hk, inp.G
+        qn = qe - qs
+        sdt = inp.stats_dtype
+        q_t = self._scaled_q(inp, qs, qe, sdt)
+        do_t = grad_out[:, :, qs:qe].to(sdt).reshape(B * Hk, G * qn, inp.Ev)
+        D = (do_t * out[:, :, qs:qe].reshape(B * Hk, G * qn, inp.Ev).to(sdt)).sum(dim=-1, keepdim=True)
+        lse_t = lse[:, :, qs:qe].reshape(B * Hk, G * qn, 1).to(sdt)
+        lse_t = lse_t.masked_fill(lse_t == NEG_INF, 0.0)  # fully masked rows: S = -inf, so P = 0
+        dq_acc = torch.zeros_like(q_t) if grads.dq is not None else None
+        for seg in segments:
+            kn = seg.ke - seg.ks
+            k_t = self._kv(inp.key, inp, seg, sdt)
+            v_t = self._kv(inp.value, inp, seg, sdt)
+            s_in: Optional[Tensor] = None
+            s_mod: Optional[Tensor] = None
+            if inp.score_mod is None:
+                s = self._scores(inp, q_t, qs, qe, seg, sdt)
+            else:
+                raw = torch.bmm(q_t, k_t.transpose(1, 2)).view(B, Hq, qn, kn)
+                with torch.enable_grad():
+                    s_in = raw.detach().requires_grad_()
+                    s_mod = apply_score_mod(inp, s_in, qs, qe, seg.ks, seg.ke)
+                s = self._add_bias(inp, s_mod.detach().reshape(B * Hk, G * qn, kn).clone(), qs, qe, seg)
+            p = s.sub_(lse_t).exp_()
+            dp = torch.bmm(do_t, v_t.transpose(1, 2))
+            pd = p
+            if inp.dropout_p > 0.0:
+                z = dropout_scale(inp, seed, qs, qe, seg.ks, seg.ke, sdt).expand(B, Hq, qn, kn).reshape(B * Hk, G * qn, kn)
+                pd = p * z
+                dp.mul_(z)
+                del z
+            if grads.dv is not None:
+                grads.dv[:, :, seg.ks : seg.ke] += torch.bmm(pd.transpose(1, 2), do_t).view(B, Hk, kn, inp.Ev).to(grads.dv.dtype)
+            del pd
+            ds = p.mul_(dp.sub_(D))
+            del dp
+            if grads.dmask is not None:
+                _accumulate_mask_grad(grads.dmask, ds.view(*inp.batch_shape, Hq, qn, kn), qs, qe, seg.ks, seg.ke)
+            if s_mod is not None and s_in is not None:
+                wanted = [s_in, *grads.captured]
+                pulled = torch.autograd.grad(s_mod, wanted, ds.view(B, Hq, qn, kn), allow_unused=True)
+                for acc_g, g in zip(grads.dcaptured, pulled[1:]):
+                    if g is not None:
+                        acc_g += g
+                ds = pulled[0].reshape(B * Hk, G * qn, kn) if pulled[0] is not None else torch.zeros_like(ds)
+                del s_mod, s_in, pulled
+            if dq_acc is not None:
+                dq_acc.baddbmm_(ds, k_t)
+            if grads.dk is not None:
+                # q_t already carries the scale.
+                grads.dk[:, :, seg.ks : seg.ke] += torch.bmm(ds.transpose(1, 2), q_t).view(B, Hk, kn, inp.E).to(grads.dk.dtype)
+            del ds
+        if grads.dq is not None and dq_acc is not None:
+            grads.dq[:, :, qs:qe] += dq_acc.mul_(inp.scale).view(B, Hq, qn, inp.E).to(grads.dq.dtype)
+
+
+class Grads(NamedTuple):
+    """Gradient accumulators of one backward (``None`` where no gradient is wanted)."""
+
+    dq: Optional[Tensor]
+    dk: Optional[Tensor]
+    dv: Optional[Tensor]
+    dmask: Optional[Tensor]
+    captured: Sequence[Tensor] = ()
+    dcaptured: Sequence[Tensor] = ()
+
+
+def _accumulate_mask_grad(dmask: Tensor, ds: Tensor, qs: int, qe: int, ks: int, ke: int) -> None:
+    """Add a tile of dS, summed over the mask's broadcast dims, into the mask's gradient."""
+    target = dmask
+    if dmask.shape[-2] != 1:
+        target = target[..., qs:qe, :]
+    if dmask.shape[-1] != 1:
+        target = target[..., ks:ke]
+    dims = [i for i, (t, s) in enumerate(zip(target.shape, ds.shape)) if t == 1 and s != 1]
+    red = ds.sum(dim=dims, keepdim=True) if dims else ds
+    target += red.to(target.dtype)
+
+
+# ------------------------------------------------------------------ fused CPU kernel
+def _cpu_flash_ops() -> Tuple[Optional[Callable[..., Tuple[Tensor, Tensor]]], Optional[Callable[..., Tuple[Tensor, Tensor, Tensor]]]]:
+    ops = torch.ops.aten
+    fwd = getattr(ops, "_scaled_dot_product_flash_attention_for_cpu", None)
+    bwd = getattr(ops, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+    return fwd, bwd
+
+
+def _probe_cpu_flash() -> Optional[str]:
+    """Run the private CPU flash kernel once on a tiny input; ``None`` if it works, else why not."""
+    fwd, bwd = _cpu_flash_ops()
+    if fwd is None:
+        return "this PyTorch build has no aten._scaled_dot_product_flash_attention_for_cpu"
+    try:
+        g = torch.Generator().manual_seed(0)
+        q = torch.randn(1, 2, 3, 4, generator=g, dtype=torch.float64)
+        k = torch.randn(1, 1, 5, 4, generator=g, dtype=torch.float64)
+        v = torch.randn(1, 1, 5, 4, generator=g, dtype=torch.float64)
+        mask = torch.zeros(3, 5, dtype=torch.float64)
+        mask[1, 2:] = NEG_INF
+        o, lse = fwd(q, k, v, 0.0, False, attn_mask=mask, scale=0.5)
+        s = (q @ k.transpose(-1, -2)) * 0.5 + mask
+        ref_lse = torch.logsumexp(s, dim=-1)
+        ref = torch.softmax(s, dim=-1) @ v
+        if o.shape != ref.shape or lse.shape != ref_lse.shape:
+            return "the private CPU flash kernel returned unexpected shapes (GQA or lse layout changed)"
+        if not (torch.allclose(o, ref, atol=1e-10) and torch.allclose(lse.to(torch.float64), ref_lse, atol=1e-10)):
+            return "the private CPU flash kernel failed its self-check"
+        if bwd is None:
+            return "this PyTorch build has no aten._scaled_dot_product_flash_attention_for_cpu_backward"
+    except Exception as e:  # a changed private signature surfaces as any error
+        return f"the private CPU flash kernel failed its self-check ({type(e).__name__}: {e})"
+    return None
+
+
+_CPU_FLASH_PROBE: List[Optional[str]] = []
+
+
+def cpu_flash_unavailable_reason() -> Optional[str]:
+    if not _CPU_FLASH_PROBE:
+        _CPU_FLASH_PROBE.append(_probe_cpu_flash())
+    return _CPU_FLASH_PROBE[0]
+
+
+def _mask_arg(inp: Inputs, bias: Optional[Tensor]) -> Optional[Tensor]:
+    """The kernel accepts 2-D or 4-D masks only; fold the caller's batch dims into one."""
+    if bias is None:
+        return None
+    nb = len(inp.batch_shape)
+    if nb == 1:
+        return bias
+    if nb == 0:
+        return bias.unsqueeze(0)
+    if all(s == 1 for s in bias.shape[:nb]):
+        return bias.reshape(1, *bias.shape[nb:])
+    return bias.expand(*inp.batch_shape, *bias.shape[nb:]).reshape(inp.B, *bias.shape[nb:])
+
+
+class FusedCPUKernel:
+    """PyTorch's fused CPU flash kernel per segment, merged by log-sum-exp."""
+
+    name = "fused"
+
+    def _segment(
+        self, inp: Inputs, qs: int, qe: int, seg: Segment, need_empty_rows: bool
+    ) -> Tuple[Tensor, Tensor]:
+        fwd, _ = _cpu_flash_ops()
+        assert fwd is not None
+        q_t = inp.query[:, :, qs:qe]
+        k_t = inp.key[:, :, seg.ks : seg.ke]
+        v_t = inp.value[:, :, seg.ks : seg.ke]
+        bias = _mask_arg(inp, self.bias(inp, qs, qe, seg))
+        o_t, lse_t = fwd(q_t, k_t, v_t, 0.0, seg.causal == "diag", attn_mask=bias, scale=inp.scale)
+        if bias is not None and need_empty_rows:
+            # The kernel reports lse = 0 for rows whose keys are all masked; they must weigh nothing.
+            empty = (bias != NEG_INF).any(dim=-1).logical_not_()
+            lse_t = lse_t.masked_fill(empty, NEG_INF)
+        return o_t, lse_t
+
+    def bias(self, inp: Inputs, qs: int, qe: int, seg: Segment) -> Optional[Tensor]:
+        bias = tile_bias(inp, qs, qe, seg, inp.dtype, causal_in_kernel=True)
+        if inp.score_mod is not None:
+            add = inp.score_mod.additive_bias  # type: ignore[attr-defined]
+            b, h, qi, ki = _index_grids(inp, qs, qe, seg.ks, seg.ke)
+            extra = to_caller_batch(inp, add(b, h, qi, ki).to(inp.dtype))
+            bias = extra if bias is None else bias + extra
+        return bias
+
+    def forward_rows(
+        self, inp: Inputs, qs: int, qe: int, segments: Sequence[Segment], out: Optional[Tensor], seed: int
+    ) -> Tuple[Tensor, Tensor]:
+        """Returns ``(rows_out, lse)``; ``rows_out`` is written into ``out`` when one is given."""
+        if len(segments) == 1:
+            o_t, lse = self._segment(inp, qs, qe, segments[0], need_empty_rows=True)
+            if out is not None:
+                out[:, :, qs:qe].copy_(o_t)
+            return o_t, lse
+        sdt = inp.stats_dtype
+        acc: Optional[Tensor] = None
+        lse = torch.empty(0)
+        for seg in segments:
+            o_t, lse_t = self._segment(inp, qs, qe, seg, need_empty_rows=True)
+            lse_t = lse_t.to(sdt)
+            if acc is None:
+                acc, lse = o_t.to(sdt), lse_t
+                continue
+            # Exact merge of two partial softmaxes over disjoint keys.
+            lse_new = torch.logaddexp(lse, lse_t)
+            lse_ref = lse_new.masked_fill(lse_new == NEG_INF, 0.0)
+            acc.mul_(torch.exp(lse - lse_ref).unsqueeze(-1))
+            acc.add_(o_t.to(sdt).mul_(torch.exp(lse_t - lse_ref).unsqueeze(-1)))
+            lse = lse_new
+        assert acc is not None
+        if out is not None:
+            out[:, :, qs:qe].copy_(acc)
+        return acc, lse
+
+    def backward_rows(
+        self,
+        inp: Inputs,
+        qs: int,
+        qe: int,
+        segments: Sequence[Segment],
+        grad_out: Tensor,
+        out: Tensor,
+        lse: Tensor,
+        seed: int,
+        grads: Grads,
+    ) -> None:
+        """The fused CPU backward per segment, fed the *global* out and lse of these rows."""
+        _, bwd = _cpu_flash_ops()
+        assert bwd is not None
+        q_t = inp.query[:, :, qs:qe]
+        do_t = grad_out[:, :, qs:qe]
+        o_t = out[:, :, qs:qe]
+        # The kernel's own convention for fully masked rows is lse = 0 (their P is 0 either way).
+        lse_t = lse[:, :, qs:qe]
+        lse_t = lse_t.masked_fill(lse_t == NEG_INF, 0.0).to(torch.float64 if inp.dtype == torch.float64 else torch.float32)
+        for seg in segments:
+            k_t = inp.key[:, :, seg.ks : seg.ke]
+            v_t = inp.value[:, :, seg.ks : seg.ke]
+            bias = _mask_arg(inp, self.bias(inp, qs, qe, seg))
+            gq, gk, gv = bwd(
+                do_t, q_t, k_t, v_t, o_t, lse_t, 0.0, seg.causal == "diag", attn_mask=bias, scale=inp.scale
+            )
+            if grads.dq is not None:
+                grads.dq[:, :, qs:qe] += gq
+            if grads.dk is not None:
+                grads.dk[:, :, seg.ks : seg.ke] += gk
+            if grads.dv is not None:
+                grads.dv[:, :, seg.ks : seg.ke] += gv

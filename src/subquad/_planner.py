@@ -1,0 +1,538 @@
+"""The memory model and the planner: which path runs, with which tiles, and why not the others.
+
+Each backend states what it supports as data and explains refusals as sentences
+(:meth:`Backend.not_supported_reasons`); its memory model predicts the peak *extra* bytes of a call
+(beyond the inputs and the output) for a tile size. The planner walks the backends fastest first
+and keeps the first that supports the call and has a tile size whose prediction fits the budget,
+taking the largest such tiles (whole key rows first).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+
+from ._inputs import Inputs
+from ._kernels import MatmulKernel, cpu_flash_unavailable_reason
+
+MiB = 1 << 20
+DEFAULT_BUDGET_FRACTION = 0.5
+"""``memory_budget=None`` allows this fraction of the device's free memory."""
+
+# The MPS matmul errors at 2**32 elements and has been reported to corrupt results near 2**31.
+MPS_MAX_MATMUL_ELEMENTS = 1 << 30
+
+
+class MemoryBudgetError(MemoryError):
+    """The memory budget is too small for even the smallest tiles of every path."""
+
+
+# ------------------------------------------------------------------ budgets
+_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40,
+    "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
+}
+
+
+def parse_budget(memory_budget: Union[int, str]) -> int:
+    """Bytes from an int or a string such as ``"512MiB"``, ``"2GB"``, ``"1.5GiB"``."""
+    if isinstance(memory_budget, bool):
+        raise ValueError(f"Expected memory_budget to be None, an int of bytes or a string like '512MiB', got {memory_budget!r}.")
+    if isinstance(memory_budget, int):
+        value = memory_budget
+    elif isinstance(memory_budget, float) and memory_budget.is_integer():
+        value = int(memory_budget)
+    elif isinstance(memory_budget, str):
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*", memory_budget)
+        if m is None or m.group(2).lower() not in _UNITS:
+            raise ValueError(
+                f"Could not parse memory_budget={memory_budget!r}; use bytes or a number with a unit "
+                "(B, KB, MB, GB, KiB, MiB, GiB), e.g. '512MiB' or '2GB'."
+            )
+        value = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    else:
+        raise ValueError(
+            f"Expected memory_budget to be None, an int of bytes or a string like '512MiB', got {memory_budget!r}."
+        )
+    if value < 0:
+        raise ValueError(f"Expected memory_budget >= 0, got {memory_budget!r}.")
+    return value
+
+
+def free_memory_bytes(device: torch.device) -> int:
+    """Memory the device could still give to one call."""
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        reusable = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return int(free + reusable)
+    if device.type == "mps":
+        mps = torch.mps
+        if hasattr(mps, "recommended_max_memory") and hasattr(mps, "current_allocated_memory"):
+            return max(0, int(mps.recommended_max_memory() - mps.current_allocated_memory()))
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError, AttributeError):
+        return 8 << 30
+
+
+def resolve_budget(memory_budget: Optional[Union[int, str]], device: torch.device) -> int:
+    if memory_budget is None:
+        return int(DEFAULT_BUDGET_FRACTION * free_memory_bytes(device))
+    return parse_budget(memory_budget)
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+# ------------------------------------------------------------------ backends
+@dataclass(frozen=True)
+class Options:
+    """The call's options that are not part of :class:`Inputs`."""
+
+    return_lse: bool = False
+    chunk_size: Optional[Tuple[int, int]] = None
+    captured_requires_grad: bool = False
+
+
+def _threads() -> int:
+    return max(1, torch.get_num_threads())
+
+
+class Backend:
+    """A path that can run an attention call. Subclasses describe themselves as data."""
+
+    name = ""
+    tiled = True
+    devices: Tuple[str, ...] = ()
+
+    def not_supported_reasons(self, inp: Inputs, opts: Options) -> List[str]:
+        reasons = []
+        if self.devices and inp.device.type not in self.devices:
+            reasons.append(f"runs on {'/'.join(self.devices)} only, the tensors are on {inp.device.type}")
+        return reasons
+
+    def forward_bytes(self, inp: Inputs, qc: int, kc: int, need_lse: bool) -> int:
+        raise NotImplementedError
+
+    def backward_bytes(self, inp: Inputs, qc: int, kc: int, opts: Options) -> int:
+        raise NotImplementedError
+
+    def backward_kernel(self, inp: Inputs, opts: Options) -> str:
+        return self.name
+
+
+def _bh(inp: Inputs) -> int:
+    return inp.B * inp.Hq
+
+
+def _grad_accum_bytes(inp: Inputs) -> int:
+    # Half-precision gradients are accumulated across tiles in float32, then cast.
+    if inp.dtype in (torch.float16, torch.bfloat16):
+        q = inp.B * inp.Hq * inp.Lq * inp.E
+        kv = inp.B * inp.Hk * inp.Lk * (inp.E + inp.Ev)
+        return (q + kv) * (4 + inp.itemsize)
+    return 0
+
+
+class MatmulBackend(Backend):
+    """Pure-PyTorch tiles (``bmm``): every device, dtype, head dim, dropout and callback."""
+
+    name = "matmul"
+
+    def forward_bytes(self, inp: Inputs, qc: int, kc: int, need_lse: bool) -> int:
+        qc, kc = min(qc, max(inp.Lq, 1)), min(kc, max(inp.Lk, 1))
+        bh, st = _bh(inp), inp.stats_itemsize
+        cs = torch.tensor([], dtype=MatmulKernel.compute_dtype(inp)).element_size()
+        tile = bh * qc * kc
+        n = inp.B * inp.Hq * qc * inp.E * cs  # scaled q block
+        n += inp.B * inp.Hk * kc * (inp.E + inp.Ev) * cs * (2 if cs != inp.itemsize else 0)  # k/v casts
+        n += tile * st * 2  # scores + one temporary (exp, cast or reduction)
+        if cs != st:
+            n += tile * cs  # the matmul's own output before the float32 cast, and p cast for p @ v
+        n += inp.mask_tile_elements(qc, kc) * (st + 1)
+        if inp.is_causal:
+            n += qc * kc * (st + 1) + (qc + kc) * 8
+        if inp.score_mod is not None:
+            n += 3 * tile * st + 2 * qc * kc * 8  # the callback's result and its intermediates
+        if inp.mask_mod is not None:
+            n += 2 * tile + tile * st + 2 * qc * kc * 8
+        if inp.dropout_p > 0:
+            n += tile * (8 * 2 + st + 1)
+        n += bh * qc * (inp.Ev * st * 2 + 6 * st)  # accumulator, p @ v, row statistics
+        if need_lse:
+            n += inp.lse_bytes()
+        return n + 256 * 1024  # index vectors, allocator rounding
+
+    def backward_bytes(self, inp: Inputs, qc: int, kc: int, opts: Options) -> int:
+        qc, kc = min(qc, max(inp.Lq, 1)), min(kc, max(inp.Lk, 1))
+        bh, st = _bh(inp), inp.stats_itemsize
+        tile = bh * qc * kc
+        n = bh * qc * (2 * inp.E + 3 * inp.Ev + 2) * st  # q, dq block, dO, O, D
+        n += inp.B * inp.Hk * kc * (inp.E + inp.Ev) * st * 3  # k/v casts, dK/dV tiles
+        n += tile * st * 4  # S/P, dP, dropout or dS, one temporary
+        n += inp.mask_tile_elements(qc, kc) * (st + 1)
+        if inp.is_causal:
+            n += qc * kc * (st + 1) + (qc + kc) * 8
+        if inp.score_mod is not None:
+            n += 5 * tile * st + 2 * qc * kc * 8  # callback graph kept for its vjp
+        if inp.mask_mod is not None:
+            n += 2 * tile + tile * st + 2 * qc * kc * 8
+        if inp.dropout_p > 0:
+            n += tile * (8 * 2 + st * 2 + 1)
+        if inp.attn_mask is not None and inp.attn_mask.requires_grad:
+            n += inp.attn_mask.numel() * 4 + inp.mask_tile_elements(qc, kc) * st
+        return n + _grad_accum_bytes(inp) + 256 * 1024
+
+
+class FusedCPUBackend(Backend):
+    """PyTorch's fused CPU flash kernel, per block of rows and key segment, merged by lse."""
+
+    name = "fused"
+    devices = ("cpu",)
+    # The kernel's own working set per thread: a qSplit x kvSplit score block (256 x 512 at most),
+    # its reduced-precision copy, and qSplit rows of accumulator.
+    _Q_SPLIT, _KV_SPLIT = 256, 512
+
+    def not_supported_reasons(self, inp: Inputs, opts: Options) -> List[str]:
+        reasons = super().not_supported_reasons(inp, opts)
+        if reasons:
+            return reasons
+        why = cpu_flash_unavailable_reason()
+        if why:
+            reasons.append(why)
+        if inp.Ev != inp.E:
+            reasons.append(f"the CPU flash kernel needs value's head dim Ev == E, got Ev={inp.Ev}, E={inp.E}")
+        if inp.dropout_p > 0:
+            reasons.append("the CPU flash kernel does not support dropout")
+        if inp.score_mod is not None and getattr(inp.score_mod, "additive_bias", None) is None:
+            reasons.append("score_mod is a general callback (only additive built-ins such as mods.alibi run fused)")
+        if opts.captured_requires_grad:
+            reasons.append("tensors captured by score_mod require grad; the fused backward cannot return their gradient")
+        if inp.attn_mask is not None and inp.attn_mask.requires_grad and torch.is_grad_enabled():
+            reasons.append("attn_mask requires grad; the fused backward does not return the mask's gradient")
+        return reasons
+
+    def _kernel_bytes(self, inp: Inputs, qc: int, kc: int) -> int:
+        qs, ks = min(self._Q_SPLIT, qc), min(self._KV_SPLIT, kc)
+        per_thread = qs * ks * (4 + inp.itemsize) + qs * (inp.Ev + 2) * 4
+        n = _threads() * per_thread
+        if inp.dtype in (torch.float16, torch.bfloat16):
+            n += inp.B * inp.Hk * kc * (inp.E + inp.Ev) * inp.itemsize  # packed K/V on CPUs that pack
+        return n
+
+    def _bias_bytes(self, inp: Inputs, qc: int, kc: int) -> int:
+        n = 0
+        if inp.attn_mask is not None and inp.attn_mask.dtype != inp.dtype:
+            n += inp.mask_tile_elements(qc, kc) * (inp.itemsize + 1)
+        generated = inp.mask_mod is not None or inp.is_causal
+        if generated:
+            n += inp.B * inp.Hq * qc * kc * (inp.itemsize + 2) if inp.mask_mod is not None else qc * kc * (inp.itemsize + 1)
+        if inp.score_mod is not None:
+            n += inp.Hq * qc * kc * (inp.itemsize + 4) + 2 * qc * kc * 8
+        if inp.attn_mask is not None or generated or inp.score_mod is not None:
+            n += inp.B * inp.Hq * qc * kc  # the fully-masked-row check
+        return n
+
+    def forward_bytes(self, inp: Inputs, qc: int, kc: int, need_lse: bool) -> int:
+        qc, kc = min(qc, max(inp.Lq, 1)), min(kc, max(inp.Lk, 1))
+        bh, st = _bh(inp), inp.stats_itemsize
+        n = self._kernel_bytes(inp, qc, kc) + self._bias_bytes(inp, qc, kc)
+        n += bh * qc * 4 * 2  # the kernel's lse rows and their masked copy
+        if qc < inp.Lq:
+            n += bh * qc * inp.Ev * inp.itemsize  # the block's output before it is copied into place
+        if kc < inp.Lk or inp.is_causal:
+            n += bh * qc * (inp.Ev * st * 2 + 4 * st)  # lse merge: accumulator and a weighted copy
+        if need_lse:
+            n += inp.lse_bytes()
+        return n + 256 * 1024
+
+    def backward_bytes(self, inp: Inputs, qc: int, kc: int, opts: Options) -> int:
+        qc, kc = min(qc, max(inp.Lq, 1)), min(kc, max(inp.Lk, 1))
+        bh = _bh(inp)
+        n = self._kernel_bytes(inp, qc, kc) * 2 + self._bias_bytes(inp, qc, kc)
+        n += bh * qc * 4  # lse rows
+        # The kernel returns dQ, dK, dV for its tile (float32 accumulators inside for half inputs).
+        n += (bh * qc * inp.E + inp.B * inp.Hk * kc * (inp.E + inp.Ev)) * (inp.itemsize + 4)
+        return n + 256 * 1024
+
+
+class SdpaBackend(Backend):
+    """``torch.nn.functional.scaled_dot_product_attention`` on the whole input, fused kernels only.
+
+    The math fallback (which materializes ``B·H·Lq·Lk`` scores) is never allowed to run here.
+    """
+
+    name = "sdpa"
+    tiled = False
+    devices = ("cuda", "cpu", "mps")
+
+    def not_supported_reasons(self, inp: Inputs, opts: Options) -> List[str]:
+        reasons = super().not_supported_reasons(inp, opts)
+        if inp.has_callbacks:
+            reasons.append("score_mod/mask_mod are not supported by torch's SDPA")
+        if opts.return_lse:
+            reasons.append("return_lse=True: torch's SDPA does not return the log-sum-exp")
+        if opts.chunk_size is not None:
+            reasons.append("chunk_size asks for tiles; SDPA runs the whole input")
+        if inp.attn_mask is not None and inp.attn_mask.requires_grad and torch.is_grad_enabled():
+            reasons.append("attn_mask requires grad: SDPA would take its math path (Lq x Lk memory)")
+        if inp.device.type == "cpu":
+            if inp.Ev != inp.E:
+                reasons.append(f"on CPU SDPA's fused kernel needs Ev == E, got Ev={inp.Ev}, E={inp.E}")
+            if inp.dropout_p > 0:
+                reasons.append("on CPU SDPA's fused kernel does not support dropout")
+            if inp.G > 1:
+                reasons.append("on CPU SDPA takes its math path for grouped-query attention")
+        if inp.device.type == "cuda" and inp.dtype == torch.float64:
+            reasons.append("no fused CUDA kernel takes float64")
+        return reasons
+
+    def forward_bytes(self, inp: Inputs, qc: int, kc: int, need_lse: bool) -> int:
+        bh = _bh(inp)
+        n = bh * inp.Lq * 4 * 2  # the kernel's lse / softmax statistics
+        if inp.attn_mask is not None:
+            # Bool masks become float masks; the efficient kernel pads Lk to a multiple of 16.
+            n += inp.mask_tile_elements(inp.Lq, inp.Lk + 16) * inp.itemsize * 2
+        if inp.device.type == "mps":
+            n += bh * inp.Lq * inp.Lk * 4 * 2  # MPS materializes the scores
+        if inp.device.type == "cpu":
+            n += FusedCPUBackend()._kernel_bytes(inp, inp.Lq, inp.Lk)
+        return n + 1 * MiB
+
+    def backward_bytes(self, inp: Inputs, qc: int, kc: int, opts: Options) -> int:
+        bh = _bh(inp)
+        n = self.forward_bytes(inp, qc, kc, True)
+        n += (bh * inp.Lq * inp.E + inp.B * inp.Hk * inp.Lk * (inp.E + inp.Ev)) * 4  # float32 accumulators
+        if inp.device.type == "mps":
+            n += bh * inp.Lq * inp.Lk * 4 * 2
+        return n
+
+
+BACKENDS: Dict[str, Backend] = {b.name: b for b in (SdpaBackend(), FusedCPUBackend(), MatmulBackend())}
+BACKEND_NAMES: Tuple[str, ...] = tuple(BACKENDS)
+
+
+def priority(device: torch.device) -> List[str]:
+    if device.type == "cpu":
+        # Same kernel as SDPA, but it also returns the lse and runs in tiles.
+        return ["fused", "sdpa", "matmul"]
+    return ["sdpa", "matmul"]
+
+
+# ------------------------------------------------------------------ the plan
+@dataclass
+class Plan:
+    """What :func:`subquad.attention` would run for a call, and why.
+
+    ``chunk_size`` is ``(q_chunk, kv_chunk)`` of the forward (``None`` for a whole-input kernel);
+    ``predicted_peak_bytes`` is the model's upper bound of the call's extra memory (forward plus
+    backward when gradients are needed); ``rejected`` maps each path not taken to its reasons.
+    """
+
+    backend: str
+    chunk_size: Optional[Tuple[int, int]]
+    predicted_peak_bytes: int
+    budget_bytes: int
+    rejected: Dict[str, List[str]] = field(default_factory=dict)
+    backward_backend: Optional[str] = None
+    backward_chunk_size: Optional[Tuple[int, int]] = None
+    shape: str = ""
+    notes: List[str] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        lines = [f"subquad plan for {self.shape}" if self.shape else "subquad plan"]
+        tiles = "whole input" if self.chunk_size is None else f"tiles of {self.chunk_size[0]} x {self.chunk_size[1]}"
+        lines.append(f"  backend:   {self.backend} ({tiles})")
+        if self.backward_backend is not None:
+            btiles = (
+                "whole input" if self.backward_chunk_size is None
+                else f"tiles of {self.backward_chunk_size[0]} x {self.backward_chunk_size[1]}"
+            )
+            lines.append(f"  backward:  {self.backward_backend} ({btiles})")
+        lines.append(
+            f"  memory:    predicted peak {format_bytes(self.predicted_peak_bytes)} "
+            f"of a {format_bytes(self.budget_bytes)} budget (extra beyond inputs and output)"
+        )
+        for note in self.notes:
+            lines.append(f"  note:      {note}")
+        for name, reasons in self.rejected.items():
+            for i, reason in enumerate(reasons):
+                lines.append(f"  {'not ' + name + ':' if i == 0 else '':<14}{reason}")
+        return "\n".join(lines)
+
+
+def _candidates(n: int) -> List[int]:
+    """The whole length, then powers of two below it, descending."""
+    if n <= 1:
+        return [1]
+    out = [n]
+    p = 1 << (n - 1).bit_length() - 1
+    if p == n:
+        p //= 2
+    while p >= 1:
+        out.append(p)
+        p //= 2
+    return out
+
+
+def _tile_options(inp: Inputs, backend: Backend) -> List[Tuple[int, int]]:
+    """Tile sizes to try, best first: large tiles, whole key rows preferred."""
+    qcs, kcs = _candidates(inp.Lq), _candidates(inp.Lk)
+    if inp.is_causal or (backend.name == "fused" and inp.mask_mod is not None):
+        # Square, aligned tiles let whole tiles above the diagonal be skipped.
+        pairs = [(qc, qc) for qc in _candidates(min(max(inp.Lq, 1), max(inp.Lk, 1)))]
+        pairs.insert(0, (max(inp.Lq, 1), max(inp.Lk, 1)))
+    else:
+        pairs = [(qc, kc) for qc in qcs for kc in kcs]
+    if backend.name == "fused" and inp.mask_kind != "bool" and not inp.has_callbacks and not inp.is_causal:
+        # The kernel tiles internally; key segments only cost calls. Whole key rows always.
+        pairs = [(qc, max(inp.Lk, 1)) for qc in qcs]
+    lq, lk = max(inp.Lq, 1), max(inp.Lk, 1)
+    pairs = sorted(set(pairs), key=lambda p: (-min(p[0], lq) * min(p[1], lk), -p[1], -p[0]))
+    if inp.device.type == "mps":
+        pairs = [p for p in pairs if inp.B * inp.Hq * p[0] * p[1] < MPS_MAX_MATMUL_ELEMENTS]
+    return pairs
+
+
+def _fit(
+    inp: Inputs, backend: Backend, opts: Options, budget: int, need_grad: bool, need_lse: bool
+) -> Tuple[Optional[Tuple[int, int]], Optional[Tuple[int, int]], int, int]:
+    """Largest forward (and backward) tiles within the budget.
+
+    Returns ``(fwd_tiles, bwd_tiles, predicted, smallest_possible)``; tiles are ``None`` if none fit.
+    """
+    def bwd(p: Tuple[int, int]) -> int:
+        return bwd_backend.backward_bytes(inp, p[0], p[1], opts) if need_grad else 0
+
+    bwd_backend = BACKENDS[backend.backward_kernel(inp, opts)] if need_grad else backend
+    if not backend.tiled:
+        pred = backend.forward_bytes(inp, inp.Lq, inp.Lk, need_lse) + (
+            backend.backward_bytes(inp, inp.Lq, inp.Lk, opts) if need_grad else 0
+        )
+        return (None, None, pred, pred) if pred <= budget else (None, None, pred, pred)
+    if opts.chunk_size is not None:
+        f = opts.chunk_size
+        pred = backend.forward_bytes(inp, *f, need_lse) + bwd(f)
+        return f, f, pred, pred
+    options = _tile_options(inp, backend)
+    fwd = next((p for p in options if backend.forward_bytes(inp, *p, need_lse) <= budget), None)
+    smallest = backend.forward_bytes(inp, *options[-1], need_lse) + bwd(options[-1])
+    if fwd is None:
+        return None, None, smallest, smallest
+    fwd_pred = backend.forward_bytes(inp, *fwd, need_lse)
+    if not need_grad:
+        return fwd, None, fwd_pred, smallest
+    # Forward-saved state (the lse) stays alive during the backward: both share the budget.
+    saved = inp.lse_bytes()
+    bwd_tiles = next((p for p in options if saved + bwd(p) <= budget), None)
+    if bwd_tiles is None:
+        return None, None, smallest, smallest
+    return fwd, bwd_tiles, max(fwd_pred, saved + bwd(bwd_tiles)), smallest
+
+
+def make_plan(
+    inp: Inputs,
+    opts: Options,
+    budget: int,
+    backend: str = "auto",
+) -> Plan:
+    """Choose the path and tiles for a call. Raises :class:`MemoryBudgetError` if nothing fits."""
+    need_grad = inp.requires_grad
+    need_lse = opts.return_lse or need_grad
+    names = priority(inp.device) if backend == "auto" else [backend]
+    rejected: Dict[str, List[str]] = {}
+    smallest_overall: Optional[int] = None
+    for name in names:
+        b = BACKENDS[name]
+        reasons = b.not_supported_reasons(inp, opts)
+        if reasons:
+            rejected[name] = reasons
+            continue
+        fwd, bwd_tiles, pred, smallest = _fit(inp, b, opts, budget, need_grad, need_lse)
+        over = pred > budget and opts.chunk_size is None
+        if over or (b.tiled and fwd is None):
+            tiles = "its smallest tiles need" if b.tiled else "needs"
+            rejected[name] = [f"{tiles} ≈{format_bytes(smallest)}, the budget is {format_bytes(budget)}"]
+            smallest_overall = smallest if smallest_overall is None else min(smallest_overall, smallest)
+            continue
+        plan = Plan(
+            backend=name,
+            chunk_size=fwd,
+            predicted_peak_bytes=int(pred),
+            budget_bytes=budget,
+            rejected=rejected,
+            backward_backend=b.backward_kernel(inp, opts) if need_grad else None,
+            backward_chunk_size=bwd_tiles,
+            shape=describe(inp),
+        )
+        if fwd is not None and fwd[1] >= inp.Lk and fwd[0] < inp.Lq:
+            plan.notes.append("whole key rows per block (no kv chunking)")
+        if opts.chunk_size is not None and pred > budget:
+            plan.notes.append("chunk_size was forced; its predicted peak exceeds the budget")
+        if backend == "auto":
+            for later in names[names.index(name) + 1 :]:
+                plan.rejected.setdefault(later, ["slower path; the one above fits"])
+        return plan
+    if smallest_overall is not None:
+        raise MemoryBudgetError(
+            f"memory_budget={format_bytes(budget)} is too small for {describe(inp)}: the smallest tiles "
+            f"need ≈{format_bytes(smallest_overall)}; pass memory_budget of at least {smallest_overall} bytes."
+            + "".join(f"\n  {n}: {'; '.join(r)}" for n, r in rejected.items())
+        )
+    raise NotImplementedError(
+        f"backend={backend!r} cannot run {describe(inp)}:"
+        + "".join(f"\n  {n}: {'; '.join(r)}" for n, r in rejected.items())
+    )
+
+
+def describe(inp: Inputs) -> str:
+    heads = f"{inp.Hq}" if inp.G == 1 else f"{inp.Hq}q/{inp.Hk}kv"
+    ev = f", Ev={inp.Ev}" if inp.Ev != inp.E else ""
+    extras = []
+    if inp.attn_mask is not None:
+        extras.append(f"{inp.mask_kind} mask {tuple(inp.attn_mask.shape)}")
+    if inp.is_causal:
+        extras.append("causal")
+    if inp.score_mod is not None:
+        extras.append("score_mod")
+    if inp.mask_mod is not None:
+        extras.append("mask_mod")
+    if inp.dropout_p > 0:
+        extras.append(f"dropout {inp.dropout_p}")
+    tail = (", " + ", ".join(extras)) if extras else ""
+    dt = str(inp.dtype).replace("torch.", "")
+    return f"B={inp.B} H={heads} Lq={inp.Lq} Lk={inp.Lk} E={inp.E}{ev} {dt} on {inp.device.type}{tail}"
+
+
+def halve(chunk: Optional[Tuple[int, int]], inp: Inputs) -> Tuple[int, int]:
+    """Tiles half the size (along the longer side first), for the out-of-memory retry."""
+    if chunk is None:
+        chunk = (max(inp.Lq, 1), max(inp.Lk, 1))
+    qc, kc = min(chunk[0], max(inp.Lq, 1)), min(chunk[1], max(inp.Lk, 1))
+    if inp.is_causal:
+        side = max(1, min(qc, kc) // 2)
+        return side, side
+    return (max(1, qc // 2), kc) if qc >= kc or kc <= 16 else (qc, max(1, kc // 2))
+
+
+def _unused(_: Sequence[object]) -> None:  # pragma: no cover
+    return None

@@ -1,0 +1,191 @@
+"""``subquad bench``: compare attention implementations on one command line.
+
+Examples::
+
+    subquad bench                                   # the quick preset on the default device
+    subquad bench --preset sd15-1024 --out runs/sd15
+    subquad bench --shape 1,8,8192,64 --mask causal alibi --impl 'sdpa-*' 'subquad*'
+    subquad bench --preset quick --compare runs/old/results.json --fail-if-regression 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Optional
+
+import torch
+
+from . import cases as cases_mod
+from . import impls as impls_mod
+from . import measure, report
+
+EPILOG = """\
+status: ok, unsupported (missing, or the implementation refuses the case: the reason says why),
+oom (out of memory, recorded rather than raised), error (anything else, with the exception).
+Metrics: median time over timed calls after a warm-up, with the device synchronized around each
+call; TFLOP/s = 4·B·H·Lq·Lk·E (÷2 causal, ×3.5 forward+backward) / time; peak extra memory above
+the inputs, output included (CUDA allocator peak, or on CPU the RSS high-water mark in a worker
+process); relative error against a float64 reference on sampled query rows. See docs/bench.md.
+"""
+
+
+def default_device() -> str:
+    if torch.cuda.is_available():
+        return "cuda"
+    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+        return "mps"
+    return "cpu"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``subquad bench`` (also used by the ``subquad`` command's subparser)."""
+    what = parser.add_argument_group("what to run")
+    what.add_argument("--preset", choices=sorted(cases_mod.PRESETS),
+                      help="a named set of cases (default: quick unless --shape is given)")
+    what.add_argument("--shape", action="append", type=_shape, metavar="B,H,Lq,Lk,E",
+                      help="a shape to run instead of a preset (B,H,L,E also works); repeatable")
+    what.add_argument("--dtype", type=_dtype, metavar="{fp16,bf16,fp32,fp64}",
+                      help="override the dtype (default: the preset's, else fp16 on GPUs and "
+                           "fp32 on CPU)")
+    what.add_argument("--mask", nargs="+", choices=cases_mod.MASKS,
+                      help="one or more masks to run each shape with (overrides the preset's)")
+    what.add_argument("--backward", action="store_true", default=None,
+                      help="measure forward+backward instead of forward only")
+    what.add_argument("--budget", metavar="BYTES",
+                      help="memory_budget for subquad, e.g. 512MiB (other implementations "
+                           "ignore it)")
+    what.add_argument("--device", help="cpu, cuda, cuda:1, mps (default: the best available)")
+    what.add_argument("--impl", nargs="+", metavar="NAME",
+                      help="implementations to run, glob patterns allowed ('sdpa-*', "
+                           "'subquad*'); default: the preset's, else all")
+    what.add_argument("--no-skip", action="store_true",
+                      help="also run what is predicted too slow or too big for this CPU")
+    what.add_argument("--in-process", action="store_true",
+                      help="run CPU cases in this process instead of a worker process (faster "
+                           "to start; peak memory is less exact)")
+    what.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
+    out = parser.add_argument_group("output")
+    out.add_argument("--out", metavar="DIR",
+                     help="write results.json, results.csv, time.png and memory.png here")
+    out.add_argument("--compare", metavar="OLD.json", help="print new/old ratios against a "
+                     "previous results.json")
+    out.add_argument("--fail-if-regression", type=float, metavar="PCT",
+                     help="with --compare: exit with status 1 if a time or peak memory grew by "
+                          "more than PCT percent, or a case that ran now fails")
+    out.add_argument("--plain", action="store_true", help="plain text output even if rich is "
+                     "installed")
+    out.add_argument("--list", action="store_true",
+                     help="list presets and implementations (with availability) and exit")
+
+
+def _shape(text: str):
+    try:
+        return cases_mod.parse_shape(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _dtype(text: str) -> str:
+    try:
+        return cases_mod.parse_dtype(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="subquad bench", description="Benchmark attention implementations: time, TFLOP/s, "
+        "peak memory and accuracy.", epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_arguments(parser)
+    return parser
+
+
+def _check_device(device: str) -> Optional[str]:
+    try:
+        dev = torch.device(device)
+    except RuntimeError as exc:
+        return f"--device {device!r} is not a device: {exc}"
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        return f"--device {device}: CUDA is not available in this torch ({torch.__version__})"
+    if dev.type == "mps" and not torch.backends.mps.is_available():
+        return f"--device {device}: MPS is not available"
+    if dev.type not in ("cpu", "cuda", "mps"):
+        return f"--device {device}: expected cpu, cuda[:N] or mps"
+    return None
+
+
+def print_list(device: str) -> None:
+    print("presets:")
+    for preset in cases_mod.PRESETS.values():
+        print(f"  {preset.name:<17} {preset.description}")
+    print(f"\nimplementations on {device}:")
+    probe = cases_mod.Case(1, 1, 128, 128, 64, device=device).resolve(device)
+    for impl in impls_mod.IMPLS.values():
+        reasons = impl.not_supported_reasons(probe)
+        state = "available" if not reasons else "; ".join(reasons)
+        print(f"  {impl.name:<16} {impl.description}\n  {'':<16} [{state}]")
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """Entry point of ``subquad bench``; ``argv`` are the arguments after ``bench``. Returns the
+    exit status: 0, 1 for a regression under --fail-if-regression, 2 for a usage error."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    device = args.device or default_device()
+    problem = _check_device(device)
+    if problem:
+        parser.error(problem)
+    if args.list:
+        print_list(device)
+        return 0
+    if args.preset and args.shape:
+        parser.error("give either --preset or --shape, not both")
+    if args.fail_if_regression is not None and not args.compare:
+        parser.error("--fail-if-regression needs --compare OLD.json")
+    if args.compare and not os.path.isfile(args.compare):
+        parser.error(f"--compare {args.compare}: no such file")
+
+    preset = None if args.shape else cases_mod.PRESETS[args.preset or "quick"]
+    overrides = dict(dtype=args.dtype, masks=args.mask, budget=args.budget)
+    if preset is not None:
+        cases = cases_mod.preset_cases(preset, device, backward=args.backward, **overrides)
+        timing = preset.timing
+    else:
+        cases = cases_mod.shape_cases(args.shape, device, backward=bool(args.backward), **overrides)
+        timing = cases_mod.Timing()
+    try:
+        impls = impls_mod.select(args.impl or (preset.impls if preset else None))
+    except ValueError as exc:
+        parser.error(str(exc))
+    jobs = [(impl, case) for case in cases for impl in impls]
+
+    plain = args.plain
+    title = f"subquad bench: {preset.name if preset else 'custom shapes'} on " \
+            f"{measure.device_name(device)}, torch {torch.__version__}, {len(jobs)} runs"
+    print(title, file=sys.stderr, flush=True)
+    with report.Progress(len(jobs), plain=plain) as progress:
+        results = measure.run_all(
+            jobs, timing, seed=args.seed, skip_slow=not args.no_skip,
+            isolate=False if args.in_process else None, progress=progress.update,
+        )
+
+    report.print_table(results, plain=plain)
+    if args.out:
+        paths = report.save(results, args.out)
+        print("wrote " + ", ".join(paths))
+    else:
+        print("(pass --out DIR to save results.json, results.csv and plots)")
+
+    if args.compare:
+        old = report.load_json(args.compare)
+        text, regressions = report.compare(results, old, args.fail_if_regression)
+        print(f"\ncompared with {args.compare}:\n{text}")
+        if regressions:
+            print("regressions:\n  " + "\n  ".join(regressions))
+            if args.fail_if_regression is not None:
+                return 1
+    return 0

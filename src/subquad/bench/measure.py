@@ -1,0 +1,516 @@
+"""Measuring one (implementation, case): time, peak extra memory, accuracy, status.
+
+How, in order, for one case:
+
+1. ``not_supported_reasons`` → status ``unsupported`` without running anything.
+2. Inputs are made, the implementation prepares its call, and it runs for the warm-up; a refusal
+   there is ``unsupported``, an allocation failure ``oom``, anything else ``error`` (never a crash).
+3. One call runs between a memory reset and a memory read: on CUDA the caching allocator's
+   ``max_memory_allocated`` after ``reset_peak_memory_stats``, minus what was allocated before;
+   on CPU the process's RSS high-water mark (``VmHWM`` after writing ``5`` to
+   ``/proc/self/clear_refs``) minus its RSS before. The number includes the output (and, with
+   backward, the three input gradients). Its output is checked against a float64 reference
+   computed for a sample of query rows only (and, with backward, so are those rows of dQ).
+4. Further calls until the timing target is met; the median is reported. Every call is timed with
+   the device synchronized before and after.
+
+On CPU each case runs in a worker process started with ``MALLOC_MMAP_THRESHOLD_=131072``: glibc
+then serves every block over 128 KiB with mmap and returns it on free, so RSS falls back after a
+call and the next call's high-water mark is its own. A worker that the kernel kills (the OOM
+killer sends SIGKILL) becomes an ``oom`` record and a fresh worker takes the next case.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import json
+import math
+import os
+import platform
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+from .cases import BenchInputs, Case, Timing, make_inputs
+from .impls import IMPLS, Impl, is_out_of_memory, refusal_reason
+
+STATUSES = ("ok", "unsupported", "oom", "error")
+
+
+@dataclass
+class Result:
+    """One row of results.json."""
+
+    impl: str
+    case: str
+    mode: str
+    status: str = "ok"
+    reason: Optional[str] = None
+    median_ms: Optional[float] = None
+    min_ms: Optional[float] = None
+    reps: int = 0
+    tflops: Optional[float] = None
+    peak_bytes: Optional[int] = None
+    output_bytes: Optional[int] = None
+    memory_method: Optional[str] = None
+    rel_err: Optional[float] = None
+    rel_err_grad: Optional[float] = None
+    shape: list = field(default_factory=list)  # [B, H, Lq, Lk, E]
+    dtype: str = ""
+    mask: str = "none"
+    budget: Optional[str] = None
+    plan: dict = field(default_factory=dict)  # subquad's plan: backend, chunk_size, predicted peak
+    warnings: list = field(default_factory=list)
+    device: str = ""
+    device_name: str = ""
+    torch_version: str = ""
+    subquad_version: Optional[str] = None
+    threads: Optional[int] = None
+
+    @classmethod
+    def for_case(cls, impl: str, case: Case) -> "Result":
+        return cls(
+            impl=impl, case=case.name, mode=case.mode, shape=list(case.shape),
+            dtype=case.dtype or "", mask=case.mask, budget=case.budget, device=case.device,
+            output_bytes=case.output_bytes, **environment(case.device),
+        )
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# ------------------------------------------------------------------------- environment
+
+_ENV_CACHE: dict = {}
+
+
+def environment(device: str) -> dict:
+    """device_name, torch_version, subquad_version, threads: the facts every record carries."""
+    if device not in _ENV_CACHE:
+        _ENV_CACHE[device] = {
+            "device_name": device_name(device),
+            "torch_version": torch.__version__,
+            "subquad_version": _subquad_version(),
+            "threads": torch.get_num_threads() if torch.device(device).type == "cpu" else None,
+        }
+    return _ENV_CACHE[device]
+
+
+def device_name(device: str) -> str:
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return torch.cuda.get_device_name(dev)
+    if dev.type == "mps":
+        return f"Apple MPS ({platform.machine()})"
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return f"{model}, {os.cpu_count()} CPUs"
+
+
+def _subquad_version() -> Optional[str]:
+    try:
+        import subquad
+
+        version = getattr(subquad, "__version__", None)
+        if version is None:
+            from importlib.metadata import version as dist_version
+
+            version = dist_version("subquad")
+        return str(version)
+    except Exception:  # a source checkout without metadata: not worth failing a bench for
+        return None
+
+
+# ----------------------------------------------------------------------------- memory
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
+
+
+class CudaPeak:
+    """Peak of the CUDA caching allocator's allocated bytes during a call, above the start."""
+
+    method = "cuda max_memory_allocated"
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.base = 0
+
+    def start(self) -> None:
+        synchronize(self.device)
+        self.base = torch.cuda.memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def stop(self) -> int:
+        synchronize(self.device)
+        return torch.cuda.max_memory_allocated(self.device) - self.base
+
+
+def _status_bytes(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key):
+                return int(line.split()[1]) * 1024  # the kernel reports kB
+    raise OSError(f"{key} not in /proc/self/status")
+
+
+class RssPeak:
+    """Peak resident set size during a call, above the RSS at its start (Linux)."""
+
+    method = "cpu VmHWM - VmRSS"
+
+    def __init__(self):
+        self.base = 0
+
+    @staticmethod
+    def available() -> Optional[str]:
+        """None when usable, else why not."""
+        try:
+            _status_bytes("VmHWM")
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+        except OSError as exc:
+            return f"cannot reset the RSS high-water mark: {exc}"
+        return None
+
+    def start(self) -> None:
+        gc.collect()
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # 5 resets VmHWM to the current RSS
+        self.base = _status_bytes("VmRSS")
+
+    def stop(self) -> int:
+        return max(0, _status_bytes("VmHWM") - self.base)
+
+
+def memory_meter(device: torch.device):
+    """A meter with start()/stop() -> bytes, or a string saying why there is none."""
+    if device.type == "cuda":
+        return CudaPeak(device)
+    if device.type == "cpu":
+        return RssPeak.available() or RssPeak()
+    return f"no peak-memory counter on {device.type}"
+
+
+# ------------------------------------------------------------------------------ errors
+
+
+def _sample(n: int, k: int, gen: torch.Generator) -> list[int]:
+    """Up to ``k`` distinct indices in [0, n), always including the first and the last."""
+    picks = {0, n - 1}
+    if n > 2:
+        picks.update(torch.randperm(n - 2, generator=gen)[: max(0, k - 2)].add(1).tolist())
+    return sorted(picks)
+
+
+def sampled_errors(
+    inputs: BenchInputs,
+    out: torch.Tensor,
+    grad_query: Optional[torch.Tensor] = None,
+    *,
+    heads: int = 4,
+    rows: int = 8,
+    seed: int = 0,
+) -> tuple[float, Optional[float]]:
+    """Relative error ‖out − ref‖ / ‖ref‖ over a sample of (batch, head) pairs and query rows,
+    with ``ref`` computed in float64 on the CPU for those rows only (a row of attention needs
+    only its own query, so this costs rows·Lk·E instead of Lq·Lk·E). With ``grad_query`` the
+    same for dQ, whose row i likewise depends only on query row i and dO row i."""
+    case = inputs.case
+    gen = torch.Generator().manual_seed(seed)
+    flat = _sample(case.batch * case.heads, heads, gen)
+    row_idx = torch.tensor(_sample(case.q_len, rows, gen))
+    j = torch.arange(case.kv_len).view(1, -1)
+    i = row_idx.view(-1, 1)
+    err = [0.0, 0.0]
+    ref_norm = [0.0, 0.0]
+    for bh in flat:
+        b, h = divmod(bh, case.heads)
+        q = inputs.query[b, h, row_idx.to(inputs.query.device)].detach().double().cpu()
+        k = inputs.key[b, h].detach().double().cpu()
+        v = inputs.value[b, h].detach().double().cpu()
+        q.requires_grad_(grad_query is not None)
+        scores = q @ k.T * inputs.scale
+        if case.causal:
+            scores = scores.masked_fill(j > i, float("-inf"))
+        if case.mask == "key-padding":
+            scores = scores.masked_fill(j >= int(inputs.kv_lengths[b]), float("-inf"))
+        if case.mask == "alibi":
+            scores = scores + float(inputs.slopes[h]) * (j - i).double()
+        ref = scores.softmax(dim=-1) @ v
+        got = out[b, h, row_idx.to(out.device)].detach().double().cpu()
+        err[0] += float((got - ref).square().sum())
+        ref_norm[0] += float(ref.square().sum())
+        if grad_query is not None:
+            d_out = inputs.grad_out[b, h, row_idx.to(out.device)].double().cpu()
+            (ref_dq,) = torch.autograd.grad(ref, q, d_out)
+            got_dq = grad_query[b, h, row_idx.to(grad_query.device)].double().cpu()
+            err[1] += float((got_dq - ref_dq).square().sum())
+            ref_norm[1] += float(ref_dq.square().sum())
+
+    def rel(e, r):
+        return math.sqrt(e / r) if r > 0 else math.sqrt(e)
+
+    return rel(err[0], ref_norm[0]), rel(err[1], ref_norm[1]) if grad_query is not None else None
+
+
+# ----------------------------------------------------------------------------- running
+
+
+def _timed(step: Callable[[], torch.Tensor], device: torch.device) -> tuple[float, torch.Tensor]:
+    synchronize(device)
+    start = time.perf_counter()
+    out = step()
+    synchronize(device)
+    return time.perf_counter() - start, out
+
+
+def _step(forward: Callable[[], torch.Tensor], inputs: BenchInputs) -> Callable[[], torch.Tensor]:
+    """The call that is timed: the forward, or forward and backward with gradients set to None
+    first (as ``zero_grad(set_to_none=True)`` does in a training loop)."""
+    if inputs.grad_out is None:
+        return forward
+    tensors = (inputs.query, inputs.key, inputs.value)
+
+    def step():
+        for t in tensors:
+            t.grad = None
+        out = forward()
+        out.backward(inputs.grad_out)
+        return out.detach()
+
+    return step
+
+
+def _finite(x: Optional[float]) -> Optional[float]:
+    return x if x is not None and math.isfinite(x) else None
+
+
+def run_case(impl: Impl, case: Case, timing: Timing = Timing(), *, seed: int = 0,
+             skip_slow: bool = True) -> Result:
+    """Measure ``impl`` on ``case`` in this process. Never raises for a failing implementation:
+    refusals, out-of-memory and other errors come back as a Result with that status."""
+    result = Result.for_case(impl.name, case)
+    reasons = impl.not_supported_reasons(case, skip_slow=skip_slow)
+    if reasons:
+        result.status, result.reason = "unsupported", "; ".join(reasons)
+        return result
+    device = torch.device(case.device)
+    caught: list = []
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            _measure(impl, case, timing, seed, device, result)
+    except Exception as exc:  # recorded, never raised: one bad case must not end the bench
+        warnings_text = " | ".join(sorted({str(w.message).strip() for w in caught}))
+        reason = refusal_reason(impl, exc, warnings_text)
+        if reason is not None:
+            result.status, result.reason = "unsupported", reason
+        elif is_out_of_memory(exc):
+            result.status, result.reason = "oom", _first_line(exc)
+        else:
+            result.status, result.reason = "error", f"{type(exc).__name__}: {_first_line(exc)}"
+        result.median_ms = result.min_ms = result.tflops = result.peak_bytes = None
+        result.reps = 0
+    finally:
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    result.warnings = sorted({str(w.message).strip()[:300] for w in caught})[:5]
+    return result
+
+
+def _first_line(exc: BaseException, limit: int = 400) -> str:
+    text = str(exc).strip()
+    return (text.splitlines()[0] if text else type(exc).__name__)[:limit]
+
+
+def _measure(impl: Impl, case: Case, timing: Timing, seed: int, device: torch.device,
+             result: Result) -> None:
+    inputs = make_inputs(case, seed)
+    forward, info = impl.prepare(inputs)
+    result.plan = info
+    step = _step(forward, inputs)
+
+    warm_total = 0.0
+    for _ in range(1000):
+        dt, out = _timed(step, device)
+        del out
+        warm_total += dt
+        if warm_total >= timing.warmup_s or dt >= timing.target_s:
+            break
+
+    for t in (inputs.query, inputs.key, inputs.value):
+        t.grad = None
+    meter = memory_meter(device)
+    if isinstance(meter, str):
+        result.memory_method = f"unavailable: {meter}"
+        dt, out = _timed(step, device)
+    else:
+        result.memory_method = meter.method
+        meter.start()
+        dt, out = _timed(step, device)
+        result.peak_bytes = meter.stop()
+    times = [dt]
+    grad_query = inputs.query.grad if case.backward else None
+    rel_err, rel_err_grad = sampled_errors(inputs, out, grad_query, seed=seed)
+    result.rel_err, result.rel_err_grad = _finite(rel_err), _finite(rel_err_grad)
+    if result.rel_err is None:
+        result.reason = "output is not finite on the sampled rows"
+    del out, grad_query
+
+    while len(times) < timing.max_reps and times[0] < timing.target_s and (
+        len(times) < timing.min_reps or sum(times) < timing.target_s
+    ):
+        dt, out = _timed(step, device)
+        del out
+        times.append(dt)
+
+    median_s = statistics.median(times)
+    result.reps = len(times)
+    result.median_ms = median_s * 1e3
+    result.min_ms = min(times) * 1e3
+    result.tflops = case.flops / median_s / 1e12 if median_s > 0 else None
+
+
+# ------------------------------------------------------------------------------ worker
+
+
+def _job(impl: Impl, case: Case, timing: Timing, seed: int, skip_slow: bool) -> dict:
+    return {"impl": impl.name, "case": dataclasses.asdict(case), "timing": timing._asdict(),
+            "seed": seed, "skip_slow": skip_slow}
+
+
+def run_job(job: dict) -> dict:
+    """Run a job dict (as sent to a worker) and return its result as a dict."""
+    case = Case(**job["case"])
+    impl = IMPLS.get(job["impl"])
+    if impl is None:
+        result = Result.for_case(job["impl"], case)
+        result.status, result.reason = "error", f"unknown implementation {job['impl']!r}"
+        return result.to_dict()
+    timing = Timing(**job["timing"])
+    return run_case(impl, case, timing, seed=job["seed"], skip_slow=job["skip_slow"]).to_dict()
+
+
+class Worker:
+    """A child process that runs jobs one at a time (see ``subquad.bench.worker``); restarted
+    after it dies. ``command`` replaces the child's command line (tests use it)."""
+
+    def __init__(self, command: Optional[list[str]] = None):
+        self.command = command or [sys.executable, "-m", "subquad.bench.worker"]
+        self.proc: Optional[subprocess.Popen] = None
+        self.stderr = None
+
+    def _start(self) -> None:
+        env = dict(os.environ)
+        env["MALLOC_MMAP_THRESHOLD_"] = "131072"
+        src = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [src, env.get("PYTHONPATH")]))
+        self.stderr = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen(
+            self.command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr,
+            env=env, text=True, bufsize=1,
+        )
+
+    def run(self, job: dict) -> dict:
+        """The job's result dict, or one with status oom/error when the process died."""
+        if self.proc is None or self.proc.poll() is not None:
+            self._start()
+        line = ""
+        try:
+            self.proc.stdin.write(json.dumps(job) + "\n")
+            self.proc.stdin.flush()
+            line = self.proc.stdout.readline()
+        except (BrokenPipeError, OSError):
+            pass
+        if line:
+            return json.loads(line)
+        return self._died()
+
+    def _died(self) -> dict:
+        proc, self.proc = self.proc, None
+        try:
+            code = proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            code = proc.wait()
+        self.stderr.seek(0)
+        tail = self.stderr.read().decode(errors="replace").strip().splitlines()[-3:]
+        if code == -signal.SIGKILL:
+            return {"status": "oom",
+                    "reason": "the worker was killed by SIGKILL (the kernel's OOM killer, most "
+                              "likely)"}
+        return {"status": "error",
+                "reason": f"the worker exited with code {code}: {' | '.join(tail)[-400:]}"}
+
+    def close(self) -> None:
+        if self.proc is not None:
+            try:
+                self.proc.stdin.close()
+                self.proc.wait(timeout=10)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait()
+            self.proc = None
+
+
+ProgressFn = Callable[[int, int, Impl, Case, Optional[Result]], None]
+
+
+def run_all(
+    jobs: list[tuple[Impl, Case]],
+    timing: Timing,
+    *,
+    seed: int = 0,
+    skip_slow: bool = True,
+    isolate: Optional[bool] = None,
+    progress: Optional[ProgressFn] = None,
+    worker: Optional[Worker] = None,
+) -> list[Result]:
+    """Run every job. ``isolate`` (default: on for CPU cases) sends CPU cases to a worker
+    process; cases that an implementation declines are answered here without running anything.
+    ``progress(i, n, impl, case, result)`` is called before (result None) and after each job."""
+    results = []
+    worker = worker or Worker()
+    try:
+        for index, (impl, case) in enumerate(jobs):
+            if progress:
+                progress(index, len(jobs), impl, case, None)
+            reasons = impl.not_supported_reasons(case, skip_slow=skip_slow)
+            on_cpu = torch.device(case.device).type == "cpu"
+            if reasons or not (on_cpu if isolate is None else isolate):
+                result = run_case(impl, case, timing, seed=seed, skip_slow=skip_slow)
+            else:
+                answer = worker.run(_job(impl, case, timing, seed, skip_slow))
+                if "impl" in answer:
+                    result = Result(**answer)
+                else:
+                    result = Result.for_case(impl.name, case)
+                    result.status, result.reason = answer["status"], answer["reason"]
+            results.append(result)
+            if progress:
+                progress(index, len(jobs), impl, case, result)
+    finally:
+        worker.close()
+    return results

@@ -1,0 +1,342 @@
+"""Showing and saving results: the terminal table and progress (rich when installed, plain text
+otherwise), results.json / results.csv, the PNG plots (matplotlib), and ``--compare``.
+
+rich and matplotlib are imported inside the functions that use them: ``pip install
+'subquad[bench]'`` installs both, and nothing else in subquad needs them.
+"""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import json
+import math
+import os
+import sys
+from collections import defaultdict
+from typing import Iterable, Optional, TextIO
+
+from .measure import Result
+
+REQUIRED_FIELDS = ("impl", "case", "mode", "median_ms", "peak_bytes", "tflops", "rel_err",
+                   "status", "reason", "device_name", "torch_version", "dtype", "shape")
+
+
+def have_rich() -> bool:
+    return importlib.util.find_spec("rich") is not None
+
+
+def format_bytes(n: Optional[float]) -> str:
+    if n is None:
+        return "-"
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+def format_ms(ms: Optional[float]) -> str:
+    if ms is None:
+        return "-"
+    return f"{ms:.3f}" if ms < 1 else f"{ms:.2f}" if ms < 100 else f"{ms:.0f}"
+
+
+def _format_err(err: Optional[float]) -> str:
+    return "-" if err is None else f"{err:.1e}"
+
+
+def one_line(result: Result) -> str:
+    """A result in one line, for progress output."""
+    if result.status != "ok":
+        return f"{result.status}: {result.reason or ''}"
+    return (f"{format_ms(result.median_ms)} ms, {result.tflops or 0:.2f} TFLOP/s, "
+            f"peak {format_bytes(result.peak_bytes)}, err {_format_err(result.rel_err)}")
+
+
+# -------------------------------------------------------------------------------- table
+
+COLUMNS = ("impl", "median ms", "TFLOP/s", "peak mem", "rel err", "status")
+
+
+def _common_unsupported(results: list[Result]) -> dict[str, str]:
+    """Implementations unsupported in every case for one same reason (e.g. not installed):
+    shown once under the table instead of in every case."""
+    by_impl = defaultdict(list)
+    for r in results:
+        by_impl[r.impl].append(r)
+    out = {}
+    for impl, rows in by_impl.items():
+        reasons = {r.reason for r in rows}
+        if all(r.status == "unsupported" for r in rows) and len(reasons) == 1:
+            out[impl] = reasons.pop() or ""
+    return out
+
+
+def table_sections(results: list[Result]) -> tuple[list[tuple[str, list[list[str]]]], dict]:
+    """Rows of the table grouped by (case, mode), and the footer of implementations not run."""
+    footer = _common_unsupported(results)
+    sections: dict[str, list[list[str]]] = {}
+    for r in results:
+        if r.impl in footer:
+            continue
+        title = f"{r.case} {r.mode}"
+        status = r.status if r.status != "ok" else ("ok" if not r.reason else f"ok: {r.reason}")
+        if r.status != "ok" and r.reason:
+            status = f"{r.status}: {r.reason}"
+        err = _format_err(r.rel_err)
+        if r.rel_err_grad is not None:
+            err += f" / {_format_err(r.rel_err_grad)}"
+        sections.setdefault(title, []).append([
+            r.impl, format_ms(r.median_ms), "-" if r.tflops is None else f"{r.tflops:.3f}",
+            format_bytes(r.peak_bytes), err, status,
+        ])
+    return list(sections.items()), footer
+
+
+def render_plain(results: list[Result], width: int = 120) -> str:
+    """The results table as plain text."""
+    sections, footer = table_sections(results)
+    lines = []
+    widths = [max(len(COLUMNS[i]), *(len(row[i]) for _, rows in sections for row in rows))
+              for i in range(len(COLUMNS) - 1)] if sections else [len(c) for c in COLUMNS[:-1]]
+
+    def fmt(cells):
+        head = "  ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                         for i, (c, w) in enumerate(zip(cells, widths)))
+        text = f"{head}  {cells[-1]}"
+        return text if len(text) <= width else text[: width - 1] + "…"
+
+    for title, rows in sections:
+        lines.append(f"== {title}")
+        lines.append(fmt(list(COLUMNS)))
+        lines.extend(fmt(row) for row in rows)
+        lines.append("")
+    for impl, reason in footer.items():
+        lines.append(f"not run: {impl}: {reason}")
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def print_table(results: list[Result], *, plain: bool = False, file: TextIO = None) -> None:
+    """Print the results table; with rich when it is installed (and ``plain`` is off)."""
+    file = file or sys.stdout
+    if plain or not have_rich():
+        file.write(render_plain(results))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(file=file)
+    sections, footer = table_sections(results)
+    for title, rows in sections:
+        table = Table(title=title, title_justify="left", show_edge=False, pad_edge=False)
+        for i, name in enumerate(COLUMNS):
+            table.add_column(name, justify="left" if i in (0, len(COLUMNS) - 1) else "right",
+                             overflow="fold")
+        for row in rows:
+            style = None if row[-1].startswith("ok") else "dim"
+            table.add_row(*row, style=style)
+        console.print(table)
+        console.print()
+    for impl, reason in footer.items():
+        console.print(f"[dim]not run: {impl}: {reason}[/dim]", highlight=False)
+
+
+class Progress:
+    """Progress while the bench runs: a rich progress bar that logs each result, or one plain
+    line per result. Use as a context manager and pass ``update`` to ``measure.run_all``."""
+
+    def __init__(self, total: int, *, plain: bool = False, file: TextIO = None):
+        self.total = total
+        self.file = file or sys.stderr
+        self.rich = None
+        if not plain and have_rich():
+            from rich.console import Console
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress as RichProgress
+            from rich.progress import TextColumn, TimeElapsedColumn
+
+            self.rich = RichProgress(
+                TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                TimeElapsedColumn(), console=Console(file=self.file), transient=True,
+            )
+            self.task = self.rich.add_task("starting", total=total)
+
+    def __enter__(self) -> "Progress":
+        if self.rich is not None:
+            self.rich.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.rich is not None:
+            self.rich.__exit__(*exc)
+
+    def update(self, index, total, impl, case, result) -> None:
+        label = f"{impl.name} {case.name} {case.mode}"
+        if self.rich is not None:
+            if result is None:
+                self.rich.update(self.task, description=label)
+            else:
+                self.rich.console.print(f"[{index + 1}/{total}] {label}: {one_line(result)}",
+                                        highlight=False, markup=False)
+                self.rich.advance(self.task)
+        elif result is not None:
+            print(f"[{index + 1}/{total}] {label}: {one_line(result)}", file=self.file,
+                  flush=True)
+
+
+# ---------------------------------------------------------------------------- files
+
+
+def write_json(results: list[Result], path: str) -> None:
+    with open(path, "w") as f:
+        json.dump([r.to_dict() for r in results], f, indent=1, allow_nan=False)
+        f.write("\n")
+
+
+def load_json(path: str) -> list[Result]:
+    """Records of a results.json (unknown keys, e.g. from a newer version, are ignored)."""
+    with open(path) as f:
+        data = json.load(f)
+    if not isinstance(data, list):
+        raise ValueError(f"{path} is not a subquad bench results.json (expected a list of records)")
+    known = set(Result.__dataclass_fields__)
+    return [Result(**{k: v for k, v in rec.items() if k in known}) for rec in data]
+
+
+def write_csv(results: list[Result], path: str) -> None:
+    names = list(Result.__dataclass_fields__)
+    with open(path, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(names)
+        for r in results:
+            row = []
+            for name in names:
+                value = getattr(r, name)
+                if name == "shape":
+                    value = "x".join(map(str, value))
+                elif isinstance(value, (list, dict)):
+                    value = json.dumps(value) if value else ""
+                row.append("" if value is None else value)
+            writer.writerow(row)
+
+
+def _groups(results: Iterable[Result]) -> dict[str, dict[str, list[tuple[int, Result]]]]:
+    """ok results by plot panel (everything but the sequence length) → impl → [(Lq, result)]."""
+    panels: dict = defaultdict(lambda: defaultdict(list))
+    for r in results:
+        if r.status != "ok" or len(r.shape) != 5:
+            continue
+        b, h, lq, lk, e = r.shape
+        kv = "Lk=Lq" if lq == lk else f"Lk={lk}"
+        title = f"B={b} H={h} E={e} {kv} {r.dtype} {r.mask} {r.mode}"
+        if r.budget:
+            title += f" budget={r.budget}"
+        panels[title][r.impl].append((lq, r))
+    return panels
+
+
+def plot(results: list[Result], out_dir: str) -> list[str]:
+    """time.png and memory.png in ``out_dir``: median time and peak extra memory against the
+    query length, log-log, one line per implementation, one panel per other setting. Returns
+    the paths written (none when matplotlib is missing or nothing ran)."""
+    if importlib.util.find_spec("matplotlib") is None:
+        return []
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = _groups(results)
+    if not panels:
+        return []
+    device = next(r.device_name for r in results if r.status == "ok")
+    impl_order = list(dict.fromkeys(r.impl for r in results))
+    colors = {name: plt.get_cmap("tab10")(i % 10) for i, name in enumerate(impl_order)}
+    written = []
+    for filename, metric, label in (
+        ("time.png", lambda r: r.median_ms, "median time (ms)"),
+        ("memory.png", lambda r: r.peak_bytes / 2**20 if r.peak_bytes else None,
+         "peak extra memory (MiB)"),
+    ):
+        ncols = min(3, len(panels))
+        nrows = math.ceil(len(panels) / ncols)
+        fig, axes = plt.subplots(nrows, ncols, figsize=(5.2 * ncols, 3.8 * nrows), squeeze=False)
+        for ax, (title, by_impl) in zip(axes.flat, sorted(panels.items())):
+            lengths = set()
+            for impl in impl_order:
+                points = sorted((lq, metric(r)) for lq, r in by_impl.get(impl, []))
+                points = [(x, y) for x, y in points if y is not None and y > 0]
+                if not points:
+                    continue
+                lengths.update(x for x, _ in points)
+                ax.plot(*zip(*points), marker="o", label=impl, color=colors[impl])
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xticks(sorted(lengths), [str(n) for n in sorted(lengths)])
+            ax.set_xlabel("sequence length Lq")
+            ax.set_ylabel(label)
+            ax.set_title(title, fontsize=9)
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend(fontsize=7)
+        for ax in list(axes.flat)[len(panels):]:
+            ax.set_visible(False)
+        fig.suptitle(f"subquad bench: {label} on {device}", fontsize=10)
+        fig.tight_layout()
+        path = os.path.join(out_dir, filename)
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def save(results: list[Result], out_dir: str) -> list[str]:
+    """results.json, results.csv and the plots in ``out_dir`` (created). Returns the paths."""
+    os.makedirs(out_dir, exist_ok=True)
+    paths = [os.path.join(out_dir, "results.json"), os.path.join(out_dir, "results.csv")]
+    write_json(results, paths[0])
+    write_csv(results, paths[1])
+    return paths + plot(results, out_dir)
+
+
+# ---------------------------------------------------------------------------- compare
+
+# Differences below these are noise, not regressions (page granularity of RSS, timer jitter).
+MEMORY_FLOOR_BYTES = 1 << 20
+TIME_FLOOR_MS = 0.05
+
+
+def compare(new: list[Result], old: list[Result], fail_pct: Optional[float] = None
+            ) -> tuple[str, list[str]]:
+    """A text table of new/old ratios for records matched on (impl, case, mode), and the list of
+    regressions: time or peak memory up by more than ``fail_pct`` percent, or a case that ran
+    before and now runs out of memory or fails."""
+    old_by_key = {(r.impl, r.case, r.mode): r for r in old}
+    lines = [f"{'impl':<16} {'case':<34} {'mode':<7} {'time new/old':>13} {'peak new/old':>13}"]
+    regressions = []
+    for r in new:
+        o = old_by_key.get((r.impl, r.case, r.mode))
+        if o is None:
+            continue
+        label = f"{r.impl} {r.case} {r.mode}"
+        if o.status == "ok" and r.status in ("oom", "error"):
+            regressions.append(f"{label}: was ok, now {r.status} ({r.reason})")
+        if o.status != "ok" or r.status != "ok":
+            lines.append(f"{r.impl:<16} {r.case:<34} {r.mode:<7} {o.status + ' → ' + r.status:>27}")
+            continue
+        cells = []
+        for new_v, old_v, floor, what in (
+            (r.median_ms, o.median_ms, TIME_FLOOR_MS, "time"),
+            (r.peak_bytes, o.peak_bytes, MEMORY_FLOOR_BYTES, "peak memory"),
+        ):
+            if new_v is None or old_v is None or old_v <= 0:
+                cells.append("-")
+                continue
+            ratio = new_v / old_v
+            cells.append(f"{ratio:.2f}x")
+            if (fail_pct is not None and ratio > 1 + fail_pct / 100
+                    and new_v - old_v > floor):
+                regressions.append(f"{label}: {what} {ratio:.2f}x the old run "
+                                   f"(limit +{fail_pct:g}%)")
+        lines.append(f"{r.impl:<16} {r.case:<34} {r.mode:<7} {cells[0]:>13} {cells[1]:>13}")
+    if len(lines) == 1:
+        lines.append("(no (impl, case, mode) in common with the old run)")
+    return "\n".join(lines) + "\n", regressions

@@ -1,0 +1,26 @@
+"""The worker process behind ``subquad bench`` on CPU: one JSON job per line on stdin, one JSON
+result per line on stdout (see ``measure.Worker``). Its parent starts it with
+``MALLOC_MMAP_THRESHOLD_=131072`` so that RSS measures each call honestly."""
+
+import json
+import os
+import sys
+
+
+def main() -> int:
+    # Only results go to the real stdout; anything else printed (by torch, by a kernel) goes to
+    # stderr, which the parent keeps for the message if this process dies.
+    protocol = os.fdopen(os.dup(sys.stdout.fileno()), "w", buffering=1)
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
+
+    from .measure import run_job
+
+    for line in sys.stdin:
+        if line.strip():
+            protocol.write(json.dumps(run_job(json.loads(line))) + "\n")
+            protocol.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,22 @@
+"""subquad where its users already are.
+
+- ``subquad.integrations.diffusers``: ``SubquadAttnProcessor`` and ``enable(model_or_pipeline)``.
+- ``subquad.integrations.transformers``: ``register()`` for ``attn_implementation="subquad"``.
+- ``subquad.integrations.patch``: ``patch_sdpa()``, re-exported as ``subquad.patch_sdpa``.
+- ``subquad.integrations.compile``: the ``subquad::attention`` operator for ``torch.compile``.
+
+The host libraries are optional; nothing here imports them until a submodule is used.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__all__ = ["diffusers", "transformers", "patch", "compile"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in __all__:
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

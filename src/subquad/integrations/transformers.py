@@ -1,0 +1,294 @@
+"""transformers integration: an attention implementation named ``"subquad"``.
+
+::
+
+    import subquad.integrations.transformers as sqt
+
+    sqt.register(memory_budget="2GiB")
+    model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="subquad")
+    # or, on a loaded model:
+    model.set_attn_implementation("subquad")
+
+transformers is imported only by :func:`register` (``pip install subquad[transformers]``).
+
+Two functions are registered under the name. The attention function mirrors transformers' own
+``"sdpa"`` one (same arguments, same ``(B, Lq, H, Ev)`` output), with grouped-query attention
+left to subquad instead of repeating key/value heads. The mask function replaces the
+``(B, 1, Lq, Lk)`` boolean mask that ``"sdpa"`` builds (``Lq·Lk`` bytes per sequence, 4 GiB at
+65,536 tokens) by a :class:`LazyMask`: transformers' own mask function (causal, sliding window,
+chunked, padding, packed sequences), which subquad evaluates per tile as a ``mask_mod``.
+Where ``"sdpa"`` would pass no mask and rely on ``is_causal``, so does ``"subquad"``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from .patch import check_options
+
+__all__ = ["register", "LazyMask", "NAME"]
+
+NAME = "subquad"
+OPTIONS = ("memory_budget", "chunk_size", "backend")
+
+_options: Dict[str, Any] = {}
+
+
+class LazyMask:
+    """A transformers attention mask kept as a function of positions, never materialized.
+
+    ``mask_mod(b, h, q_idx, kv_idx) -> bool`` takes the positions *within* the attention call
+    (0-based rows and key columns); the cache offsets are already applied. ``shape`` is the
+    ``(B, 1, Lq, Lk)`` of the tensor it stands for, for code that inspects masks.
+    """
+
+    def __init__(self, mask_mod: Callable[..., Tensor], shape: Tuple[int, int, int, int], device: Any) -> None:
+        self.mask_mod = mask_mod
+        self.shape = torch.Size(shape)
+        self.device = torch.device(device)
+        self.dtype = torch.bool
+
+    @property
+    def ndim(self) -> int:
+        return 4
+
+    def dim(self) -> int:
+        return 4
+
+    def __repr__(self) -> str:
+        return f"LazyMask(shape={tuple(self.shape)})"
+
+    def materialize(self) -> Tensor:
+        """The equivalent boolean tensor ``(B, 1, Lq, Lk)``, True = attend (for tests and debugging)."""
+        B, _, Lq, Lk = self.shape
+        b = torch.arange(B, device=self.device).view(B, 1, 1, 1)
+        h = torch.zeros(1, 1, 1, 1, dtype=torch.long, device=self.device)
+        q = torch.arange(Lq, device=self.device).view(1, 1, Lq, 1)
+        k = torch.arange(Lk, device=self.device).view(1, 1, 1, Lk)
+        return torch.as_tensor(self.mask_mod(b, h, q, k), device=self.device).expand(B, 1, Lq, Lk)
+
+
+def _all_true(mask: Tensor) -> bool:
+    return bool(mask.all())
+
+
+def _pad_keys(padding_mask: Optional[Tensor], total: int) -> Optional[Tensor]:
+    # A static cache is longer than the 2-D mask the user passed; the extra slots are empty.
+    if padding_mask is not None and padding_mask.shape[-1] < total:
+        padding_mask = torch.nn.functional.pad(padding_mask, (0, total - padding_mask.shape[-1]), value=False)
+    return padding_mask
+
+
+def subquad_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: Any = 0,
+    kv_offset: Any = 0,
+    mask_function: Optional[Callable[..., Tensor]] = None,
+    attention_mask: Optional[Tensor] = None,
+    local_size: Optional[int] = None,
+    allow_is_causal_skip: bool = True,
+    allow_is_bidirectional_skip: bool = False,
+    use_vmap: bool = False,
+    device: Any = "cpu",
+    **kwargs: Any,
+) -> Any:
+    """transformers' mask interface for ``"subquad"``: ``None`` where ``"sdpa"`` skips the mask, else a LazyMask.
+
+    Same arguments as ``transformers.masking_utils.sdpa_mask``. ``None`` means: no padding and a
+    pattern that ``is_causal`` (or no mask) expresses; the attention function then reads the
+    module's ``is_causal``, as the ``"sdpa"`` one does.
+    """
+    from transformers import masking_utils as mu
+
+    if use_vmap:
+        # A custom pattern that need not be index-based (transformers vmaps it): build the
+        # tensor the way "sdpa" does.
+        return mu.sdpa_mask(
+            batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
+            kv_offset=kv_offset, mask_function=mask_function or mu.causal_mask_function,
+            attention_mask=attention_mask, local_size=local_size,
+            allow_is_causal_skip=allow_is_causal_skip, allow_is_bidirectional_skip=allow_is_bidirectional_skip,
+            use_vmap=True, device=device, **kwargs,
+        )
+    if mask_function is None:
+        mask_function = mu.causal_mask_function
+
+    padding_mask = _pad_keys(attention_mask, kv_length + int(kv_offset))
+    tracing = torch.compiler.is_compiling() or torch.jit.is_tracing()
+    window_applies = local_size is not None and kv_length >= local_size
+    if not tracing and not window_applies and not isinstance(q_offset, Tensor):
+        no_padding = padding_mask is None or _all_true(padding_mask[:, kv_offset : kv_offset + kv_length])
+        if allow_is_causal_skip:
+            # Same rules as transformers' "sdpa": a square causal block or one query row is what
+            # is_causal expresses; so is an empty static cache whose extra slots are padding.
+            if no_padding and (q_length == 1 or q_length == kv_length):
+                return None
+            if q_offset == 0 and kv_offset == 0 and (
+                padding_mask is None
+                or (_all_true(padding_mask[:, :q_length]) and not bool(padding_mask[:, q_length:kv_length].any()))
+            ):
+                return None
+        if allow_is_bidirectional_skip and no_padding:
+            return None
+
+    pattern = mask_function
+    if padding_mask is not None:
+        pad = padding_mask
+
+        def pattern(b: Tensor, h: Tensor, q: Tensor, k: Tensor) -> Tensor:
+            return mask_function(b, h, q, k) & pad[b, k]
+
+    def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return pattern(b, h, q_idx + q_offset, kv_idx + kv_offset)
+
+    return LazyMask(mask_mod, (batch_size, 1, q_length, kv_length), device)
+
+
+def _softcap_mod(softcap: float) -> Callable[..., Tensor]:
+    def score_mod(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return softcap * torch.tanh(score / softcap)
+
+    return score_mod
+
+
+def _causal_mod(offset: int) -> Callable[..., Tensor]:
+    # Bottom-right aligned when the keys outnumber the queries (a cache before the block).
+    def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return kv_idx <= q_idx + offset
+
+    return mask_mod
+
+
+def subquad_attention_forward(
+    module: torch.nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Any,
+    dropout: float = 0.0,
+    scaling: Optional[float] = None,
+    is_causal: Optional[bool] = None,
+    position_bias: Optional[Tensor] = None,
+    softcap: Optional[float] = None,
+    s_aux: Optional[Tensor] = None,
+    **kwargs: Any,
+) -> Tuple[Tensor, None]:
+    """transformers' attention interface for ``"subquad"``.
+
+    ``query (B, Hq, Lq, E)``, ``key (B, Hk, Lk, E)``, ``value (B, Hk, Lk, Ev)`` with ``Hq`` a
+    multiple of ``Hk``; ``attention_mask`` is ``None``, a :class:`LazyMask`, or a bool/float
+    tensor that broadcasts to ``(B, Hq, Lq, Lk)`` (a custom 4-D mask is passed through).
+    Returns ``(out (B, Lq, Hq, Ev), None)``: attention weights are never formed.
+
+    Beyond ``"sdpa"``: ``softcap`` (Gemma 2) runs as a ``score_mod``, and attention sinks
+    (``s_aux``, one logit per head) renormalise the output by the log-sum-exp.
+    """
+    import subquad
+
+    if kwargs.get("output_attentions", False):
+        raise NotImplementedError(
+            'attn_implementation="subquad" never forms the attention weights, so it cannot return them; '
+            'use attn_implementation="eager" for output_attentions=True.'
+        )
+    q_length, kv_length = query.shape[2], key.shape[2]
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+
+    attn_mask: Optional[Tensor] = None
+    mask_mod = None
+    if isinstance(attention_mask, LazyMask):
+        mask_mod = attention_mask.mask_mod
+        causal = False
+    elif attention_mask is not None:
+        attn_mask = attention_mask
+        causal = False
+    else:
+        causal = bool(causal) and q_length > 1
+        if causal and kv_length > q_length:
+            # Prefill into an empty static cache: the slots past the queries are empty.
+            key, value = key[:, :, :q_length], value[:, :, :q_length]
+            if position_bias is not None:
+                position_bias = position_bias[..., :q_length]
+
+    if position_bias is not None:
+        if attn_mask is None:
+            attn_mask = position_bias
+        elif attn_mask.dtype == torch.bool:
+            attn_mask = position_bias.masked_fill(~attn_mask, float("-inf"))
+        else:
+            attn_mask = position_bias + attn_mask
+        if causal:
+            mask_mod, causal = _causal_mod(0), False
+
+    score_mod = None
+    if softcap is not None:
+        if attn_mask is not None and attn_mask.dtype != torch.bool:
+            raise NotImplementedError(
+                'attn_implementation="subquad" does not combine softcap with a float mask or position bias; '
+                'use attn_implementation="eager".'
+            )
+        score_mod = _softcap_mod(float(softcap))
+
+    result = subquad.attention(
+        query,
+        key,
+        value,
+        attn_mask=attn_mask,
+        is_causal=causal,
+        mask_mod=mask_mod,
+        score_mod=score_mod,
+        scale=scaling,
+        enable_gqa=query.shape[1] != key.shape[1],
+        dropout_p=dropout,
+        return_lse=s_aux is not None,
+        **_options,
+    )
+    if s_aux is None:
+        out = result
+    else:
+        out, lse = result
+        # softmax over the keys plus one sink logit per head: the key part is scaled by
+        # exp(lse) / (exp(lse) + exp(sink)) = sigmoid(lse - sink); rows with no key give 0.
+        sink = s_aux.to(lse.dtype).view(1, -1, 1)
+        out = out * torch.sigmoid(lse - sink).unsqueeze(-1).to(out.dtype)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register(**attention_options: Any) -> None:
+    """Register ``"subquad"`` with transformers' ``AttentionInterface`` and ``AttentionMaskInterface``.
+
+    ::
+
+        subquad.integrations.transformers.register(memory_budget="1GiB")
+        model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="subquad")
+
+    Call it before loading (or ``set_attn_implementation("subquad")``). Calling it again replaces
+    the options for every model that uses ``"subquad"``. Works with the models that route their
+    attention through ``AttentionInterface`` (those that accept ``attn_implementation="sdpa"``
+    in the functional style), including grouped-query attention, left padding, sliding-window
+    and chunked layers and cached generation.
+
+    Args:
+        **attention_options: ``memory_budget``, ``chunk_size``, ``backend`` of ``subquad.attention``
+            for every call. (Masks and scores come from the model.)
+
+    Raises:
+        TypeError: an unknown option.
+        ImportError: transformers is not installed.
+    """
+    options = check_options(attention_options, OPTIONS, "register")
+    try:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface
+    except ImportError as e:  # pragma: no cover - exercised only without transformers
+        raise ImportError(
+            "subquad.integrations.transformers needs transformers: pip install 'subquad[transformers]'"
+        ) from e
+    _options.clear()
+    _options.update(options)
+    AttentionInterface.register(NAME, subquad_attention_forward)
+    AttentionMaskInterface.register(NAME, subquad_mask)

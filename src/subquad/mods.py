@@ -1,0 +1,1 @@
+"""Built-in ``score_mod`` / ``mask_mod`` callbacks (FlexAttention's conventions)."""

@@ -1,0 +1,102 @@
+"""Shared references and the tolerance policy (STYLE.md: golden float64, same-dtype naive, code under test)."""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import pytest
+import torch
+from torch import Tensor
+
+
+def naive_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    attn_mask: Optional[Tensor] = None,
+    is_causal: bool = False,
+    scale: Optional[float] = None,
+    enable_gqa: bool = False,
+    score_mod=None,
+    mask_mod=None,
+    return_lse: bool = False,
+):
+    """Materialized attention in the inputs' dtype, SDPA semantics (fully masked rows -> 0)."""
+    E = q.shape[-1]
+    scale = 1.0 / math.sqrt(E) if scale is None else scale
+    Hq, Hk = q.shape[-3], k.shape[-3]
+    if Hq != Hk:
+        k = k.repeat_interleave(Hq // Hk, dim=-3)
+        v = v.repeat_interleave(Hq // Hk, dim=-3)
+    s = (q @ k.transpose(-2, -1)) * scale
+    Lq, Lk = s.shape[-2], s.shape[-1]
+    if score_mod is not None or mask_mod is not None:
+        lead = s.shape[:-3]
+        B = 1
+        for d in lead:
+            B *= d
+        s4 = s.reshape(B, Hq, Lq, Lk)
+        b = torch.arange(B).view(-1, 1, 1, 1)
+        h = torch.arange(Hq).view(1, -1, 1, 1)
+        qi = torch.arange(Lq).view(1, 1, -1, 1)
+        ki = torch.arange(Lk).view(1, 1, 1, -1)
+        if score_mod is not None:
+            s4 = score_mod(s4, b, h, qi, ki).expand(B, Hq, Lq, Lk)
+        if mask_mod is not None:
+            s4 = s4.masked_fill(~mask_mod(b, h, qi, ki).expand(B, Hq, Lq, Lk), float("-inf"))
+        s = s4.reshape(*lead, Hq, Lq, Lk)
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            s = s.masked_fill(~attn_mask, float("-inf"))
+        else:
+            s = s + attn_mask.to(s.dtype)
+    if is_causal:
+        keep = torch.ones(Lq, Lk, dtype=torch.bool).tril()
+        s = s.masked_fill(~keep, float("-inf"))
+    lse = torch.logsumexp(s.float() if s.dtype != torch.float64 else s, dim=-1)
+    p = torch.softmax(s.float() if s.dtype in (torch.float16, torch.bfloat16) else s, dim=-1)
+    p = torch.nan_to_num(p, nan=0.0).to(v.dtype)
+    out = p @ v
+    return (out, lse) if return_lse else out
+
+
+def to64(*ts):
+    return [None if t is None else (t.detach().double() if t.is_floating_point() else t) for t in ts]
+
+
+def assert_close_to_golden(test: Tensor, golden: Tensor, reference: Optional[Tensor] = None, *,
+                           fudge: float = 3.0, floor: Optional[float] = None, name: str = "output") -> None:
+    """err(test) <= fudge * err(reference) + floor, errors measured against the float64 golden.
+
+    Without a reference (float64 runs) the test must match the golden to ``floor`` (default 1e-12
+    relative to the golden's scale).
+    """
+    assert test.shape == golden.shape, f"{name}: shape {tuple(test.shape)} != golden {tuple(golden.shape)}"
+    t = test.double()
+    g = golden.double()
+    both_inf = torch.isinf(t) & torch.isinf(g) & (torch.sign(t) == torch.sign(g))
+    t = torch.where(both_inf, torch.zeros_like(t), t)
+    g = torch.where(both_inf, torch.zeros_like(g), g)
+    assert not torch.isnan(t).any(), f"{name}: NaN at {torch.isnan(t).nonzero()[:5].tolist()}"
+    scale = max(g.abs().max().item(), 1.0) if g.numel() else 1.0
+    err = (t - g).abs()
+    if reference is None:
+        tol = (floor if floor is not None else 1e-12) * scale
+    else:
+        r = reference.double()
+        r = torch.where(both_inf, torch.zeros_like(r), r)
+        ref_err = (r - g).abs().max().item() if g.numel() else 0.0
+        default_floor = {torch.float16: 1e-3, torch.bfloat16: 8e-3, torch.float32: 1e-5}.get(test.dtype, 1e-12)
+        tol = fudge * ref_err + (floor if floor is not None else default_floor) * scale
+    if err.numel() and err.max().item() > tol:
+        idx = tuple(int(i) for i in (err == err.max()).nonzero()[0])
+        raise AssertionError(
+            f"{name}: max error {err.max().item():.3e} at {idx} exceeds {tol:.3e} "
+            f"(test {t[idx].item():.6g}, golden {g[idx].item():.6g})"
+        )
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
