@@ -382,9 +382,11 @@ def cpu_flash_unavailable_reason() -> Optional[str]:
 
 def _mask_arg(inp: Inputs, bias: Optional[Tensor]) -> Optional[Tensor]:
     """The kernel accepts 2-D or 4-D masks only; fold the caller's batch dims into one."""
-    if bias is None:
-        return None
+    if bias is None or bias.dim() == 2:
+        return bias
     nb = len(inp.batch_shape)
+    while bias.dim() < nb + 3:
+        bias = bias.unsqueeze(0)
     if nb == 1:
         return bias
     if nb == 0:
@@ -392,6 +394,11 @@ def _mask_arg(inp: Inputs, bias: Optional[Tensor]) -> Optional[Tensor]:
     if all(s == 1 for s in bias.shape[:nb]):
         return bias.reshape(1, *bias.shape[nb:])
     return bias.expand(*inp.batch_shape, *bias.shape[nb:]).reshape(inp.B, *bias.shape[nb:])
+
+
+def _unit_stride(t: Tensor) -> Tensor:
+    # The fused kernel reads the last dim as contiguous (SDPA checks this before calling it).
+    return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
 
 
 class FusedCPUKernel:
@@ -404,9 +411,9 @@ class FusedCPUKernel:
     ) -> Tuple[Tensor, Tensor]:
         fwd, _ = _cpu_flash_ops()
         assert fwd is not None
-        q_t = inp.query[:, :, qs:qe]
-        k_t = inp.key[:, :, seg.ks : seg.ke]
-        v_t = inp.value[:, :, seg.ks : seg.ke]
+        q_t = _unit_stride(inp.query[:, :, qs:qe])
+        k_t = _unit_stride(inp.key[:, :, seg.ks : seg.ke])
+        v_t = _unit_stride(inp.value[:, :, seg.ks : seg.ke])
         bias = _mask_arg(inp, self.bias(inp, qs, qe, seg))
         o_t, lse_t = fwd(q_t, k_t, v_t, 0.0, seg.causal == "diag", attn_mask=bias, scale=inp.scale)
         if bias is not None and need_empty_rows:
@@ -468,15 +475,15 @@ class FusedCPUKernel:
         """The fused CPU backward per segment, fed the *global* out and lse of these rows."""
         _, bwd = _cpu_flash_ops()
         assert bwd is not None
-        q_t = inp.query[:, :, qs:qe]
-        do_t = grad_out[:, :, qs:qe]
-        o_t = out[:, :, qs:qe]
+        q_t = _unit_stride(inp.query[:, :, qs:qe])
+        do_t = _unit_stride(grad_out[:, :, qs:qe])
+        o_t = _unit_stride(out[:, :, qs:qe])
         # The kernel's own convention for fully masked rows is lse = 0 (their P is 0 either way).
         lse_t = lse[:, :, qs:qe]
         lse_t = lse_t.masked_fill(lse_t == NEG_INF, 0.0).to(torch.float64 if inp.dtype == torch.float64 else torch.float32)
         for seg in segments:
-            k_t = inp.key[:, :, seg.ks : seg.ke]
-            v_t = inp.value[:, :, seg.ks : seg.ke]
+            k_t = _unit_stride(inp.key[:, :, seg.ks : seg.ke])
+            v_t = _unit_stride(inp.value[:, :, seg.ks : seg.ke])
             bias = _mask_arg(inp, self.bias(inp, qs, qe, seg))
             gq, gk, gv = bwd(
                 do_t, q_t, k_t, v_t, o_t, lse_t, 0.0, seg.causal == "diag", attn_mask=bias, scale=inp.scale

@@ -237,6 +237,12 @@ class FusedCPUBackend(Backend):
         n = _threads() * per_thread
         if inp.dtype in (torch.float16, torch.bfloat16):
             n += inp.B * inp.Hk * kc * (inp.E + inp.Ev) * inp.itemsize  # packed K/V on CPUs that pack
+        # Inputs whose last dim is strided are copied per tile (the kernel needs unit stride).
+        if inp.query.stride(-1) != 1 and inp.E > 1:
+            n += inp.B * inp.Hq * qc * inp.E * inp.itemsize
+        for t in (inp.key, inp.value):
+            if t.stride(-1) != 1 and t.shape[-1] > 1:
+                n += inp.B * inp.Hk * kc * t.shape[-1] * inp.itemsize
         return n
 
     def _bias_bytes(self, inp: Inputs, qc: int, kc: int) -> int:

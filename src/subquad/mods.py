@@ -1,1 +1,559 @@
-"""Built-in ``score_mod`` / ``mask_mod`` callbacks (FlexAttention's conventions)."""
+r"""Built-in ``score_mod`` / ``mask_mod`` callbacks, FlexAttention's conventions.
+
+Pass them to :func:`subquad.attention`::
+
+    out = subquad.attention(q, k, v, mask_mod=mods.causal(), score_mod=mods.alibi(mods.alibi_slopes(H)))
+
+Signatures (the engine calls them once per tile, never on the whole ``Lq x Lk`` grid)::
+
+    score_mod(score, b, h, q_idx, kv_idx) -> score      # score (B, Hq, qc, kc) float32/float64
+    mask_mod(b, h, q_idx, kv_idx) -> bool tensor          # True = attend
+
+with broadcastable int64 indices ``b (B,1,1,1)``, ``h (1,Hq,1,1)`` (the query head), ``q_idx (1,1,qc,1)``
+and ``kv_idx (1,1,1,kc)``; ``B`` is the product of the caller's batch dims. Any callable with these
+signatures works; the built-ins are small classes that add two optional hooks the engine looks for:
+
+* ``mask_mod.block_state(qs, qe, ks, ke) -> int``: what the mask is on query rows ``[qs, qe)`` x keys
+  ``[ks, ke)`` -- :data:`EMPTY` (the tile is skipped, never computed), :data:`FULL` (computed without
+  evaluating the mask) or :data:`PARTIAL` (the mask is evaluated on the tile); ``None`` means "unknown,
+  evaluate the mask on the tile to find out". EMPTY and FULL must be exact; PARTIAL is always safe.
+* ``score_mod.additive_bias(b, h, q_idx, kv_idx) -> Tensor``: declares ``score_mod(s, ...) == s +
+  additive_bias(...)``, which lets the planner run the mod on PyTorch's fused CPU kernel (a float
+  mask per tile) when none of its tensors needs a gradient.
+
+In the drawings below rows are queries, columns keys, ``x`` = attend, ``.`` = masked; ``Lq = Lk = 6``
+unless noted.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, List, Optional, Sequence, Union
+
+import torch
+from torch import Tensor
+
+from ._engine import EMPTY, FULL, PARTIAL
+
+__all__ = [
+    "EMPTY",
+    "FULL",
+    "PARTIAL",
+    "causal",
+    "causal_lower_right",
+    "sliding_window",
+    "alibi",
+    "alibi_slopes",
+    "document",
+    "key_padding",
+    "prefix_lm",
+    "and_masks",
+    "or_masks",
+]
+
+MaskModFn = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
+IntOrTensor = Union[int, Sequence[int], Tensor]
+
+
+class MaskMod:
+    """Base of the built-in masks: a callable ``(b, h, q_idx, kv_idx) -> bool`` plus its block structure."""
+
+    def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def block_state(self, qs: int, qe: int, ks: int, ke: int) -> Optional[int]:
+        """EMPTY, FULL or PARTIAL for rows ``[qs, qe)`` x keys ``[ks, ke)``; ``None`` if unknown."""
+        return PARTIAL
+
+
+def _diagonal_state(qs: int, qe: int, ks: int, ke: int, lo: float, hi: float) -> int:
+    """State of the band ``lo <= q - k <= hi`` on a tile.
+
+    Over the integer rectangle the difference ``q - k`` takes every value in
+    ``[qs - (ke - 1), (qe - 1) - ks]``, so comparing that interval with ``[lo, hi]`` is exact.
+    """
+    d_min, d_max = qs - (ke - 1), (qe - 1) - ks
+    if d_max < lo or d_min > hi:
+        return EMPTY
+    if lo <= d_min and d_max <= hi:
+        return FULL
+    return PARTIAL
+
+
+# ----------------------------------------------------------------------------- causal
+class _Causal(MaskMod):
+    def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return q_idx >= kv_idx
+
+    def block_state(self, qs: int, qe: int, ks: int, ke: int) -> int:
+        return _diagonal_state(qs, qe, ks, ke, 0, math.inf)
+
+    def __repr__(self) -> str:
+        return "causal()"
+
+
+def causal() -> MaskMod:
+    """Top-left causal mask: query ``i`` sees keys ``j <= i`` (SDPA's ``is_causal``).
+
+    ::
+
+        Lq=4, Lk=6        keep = q_idx >= kv_idx
+        x . . . . .
+        x x . . . .
+        x x x . . .
+        x x x x . .
+
+    Tiles above the diagonal are skipped, so it costs about half of full attention.
+    """
+    return _Causal()
+
+
+class _CausalLowerRight(MaskMod):
+    def __init__(self, q_len: int, kv_len: int) -> None:
+        self.q_len, self.kv_len = q_len, kv_len
+        self.offset = kv_len - q_len
+
+    def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return kv_idx <= q_idx + self.offset
+
+    def block_state(self, qs: int, qe: int, ks: int, ke: int) -> int:
+        return _diagonal_state(qs, qe, ks, ke, -self.offset, math.inf)
+
+    def __repr__(self) -> str:
+        return f"causal_lower_right({self.q_len}, {self.kv_len})"
+
+
+def causal_lower_right(q_len: int, kv_len: int) -> MaskMod:
+    """Bottom-right causal mask, the alignment of flash-attn and xformers' ``LowerTriangularFromBottomRight``.
+
+    The last query sees every key; query ``i`` sees keys ``j <= i + kv_len - q_len``. A mask_mod is
+    not told the lengths, so pass them: ``q_len = query.shape[-2]``, ``kv_len = key.shape[-2]``
+    (the usual case is decoding ``q_len`` new tokens against a cache of ``kv_len`` keys).
+
+    ::
+
+        q_len=3, kv_len=6       q_len=5, kv_len=3
+        x x x x . .             . . .        rows with no key (i < q_len - kv_len)
+        x x x x x .             . . .        give output 0
+        x x x x x x             x . .
+                                x x .
+                                x x x
+
+    Raises:
+        ValueError: a length is negative or not an int.
+    """
+    for name, n in (("q_len", q_len), ("kv_len", kv_len)):
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise ValueError(f"causal_lower_right: expected {name} to be an int >= 0, got {n!r}.")
+    return _CausalLowerRight(q_len, kv_len)
+
+
+# ----------------------------------------------------------------------------- sliding window
+class _SlidingWindow(MaskMod):
+    def __init__(self, window: int, causal: bool) -> None:
+        self.window, self.causal = window, causal
+        self.lo = 0 if causal else -window
+
+    def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        d = q_idx - kv_idx
+        if self.causal:
+            return (d >= 0) & (d <= self.window)
+        return d.abs() <= self.window
+
+    def block_state(self, qs: int, qe: int, ks: int, ke: int) -> int:
+        return _diagonal_state(qs, qe, ks, ke, self.lo, self.window)
+
+    def __repr__(self) -> str:
+        return f"sliding_window({self.window}, causal={self.causal})"
+
+
+def sliding_window(window: int, causal: bool = False) -> MaskMod:
+    """Local attention: query ``i`` sees keys with ``|i - j| <= window`` (``0 <= i - j <= window`` if causal).
+
+    Each query sees ``2·window + 1`` keys (``window + 1`` causal), so the cost is about that
+    fraction of full attention: tiles outside the band are skipped, tiles inside it run unmasked.
+
+    ::
+
+        sliding_window(1)        sliding_window(2, causal=True)
+        x x . . . .              x . . . . .
+        x x x . . .              x x . . . .
+        . x x x . .              x x x . . .
+        . . x x x .              . x x x . .
+        . . . x x x              . . x x x .
+        . . . . x x              . . . x x x
+
+    Raises:
+        ValueError: ``window`` is negative or not an int.
+    """
+    if not isinstance(window, int) or isinstance(window, bool) or window < 0:
+        raise ValueError(f"sliding_window: expected window to be an int >= 0, got {window!r}.")
+    return _SlidingWindow(window, bool(causal))
+
+
+# ----------------------------------------------------------------------------- documents
+def _as_ids(name: str, ids: object) -> Tensor:
+    t = ids if isinstance(ids, Tensor) else torch.as_tensor(ids)
+    if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool or t.dim() not in (1, 2):
+        raise ValueError(
+            f"document: expected {name} to be an integer tensor of shape (L,) or (B, L), "
+            f"got {tuple(t.shape)} {t.dtype}."
+        )
+    return t.long()
+
+
+class _Document(MaskMod):
+    def __init__(self, q_ids: Tensor, kv_ids: Tensor) -> None:
+        self.q_ids, self.kv_ids = q_ids, kv_ids
+
+    @staticmethod
+    def _lookup(ids: Tensor, b: Tensor, idx: Tensor) -> Tensor:
+        return ids[idx] if ids.dim() == 1 else ids[b, idx]
+
+    def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return self._lookup(self.q_ids, b, q_idx) == self._lookup(self.kv_ids, b, kv_idx)
+
+    def block_state(self, qs: int, qe: int, ks: int, ke: int) -> int:
+        # Per batch row: disjoint id ranges -> nothing attends; one single shared id -> everything
+        # does. Exact for those two answers whatever the ids' order; otherwise PARTIAL.
+        q = self.q_ids[..., qs:qe]
+        k = self.kv_ids[..., ks:ke]
+        if q.shape[-1] == 0 or k.shape[-1] == 0:
+            return EMPTY
+        q_lo, q_hi = q.amin(dim=-1), q.amax(dim=-1)
+        k_lo, k_hi = k.amin(dim=-1), k.amax(dim=-1)
+        if bool(((q_hi < k_lo) | (k_hi < q_lo)).all()):
+            return EMPTY
+        if bool(((q_lo == q_hi) & (k_lo == k_hi) & (q_lo == k_lo)).all()):
+            return FULL
+        return PARTIAL
+
+    def __repr__(self) -> str:
+        return f"document(q_ids {tuple(self.q_ids.shape)}, kv_ids {tuple(self.kv_ids.shape)})"
+
+
+def document(ids: object, kv_ids: object = None) -> MaskMod:
+    """Block-diagonal mask of packed sequences: a query sees the keys of its own document.
+
+    ``document(ids)`` for self-attention, ``document(q_ids, kv_ids)`` when queries and keys differ.
+    Ids are integers of shape ``(L,)`` (shared by the batch) or ``(B, L)`` (per batch row, ``B`` the
+    product of the batch dims); ``keep = q_ids[b, q_idx] == kv_ids[b, kv_idx]``.
+
+    ::
+
+        ids = [0, 0, 0, 1, 1, 2]
+        x x x . . .
+        x x x . . .
+        x x x . . .
+        . . . x x .
+        . . . x x .
+        . . . . . x
+
+    Tiles whose query and key id ranges do not meet are skipped, so with sorted ids the cost is
+    about ``sum(len_d**2) / L**2`` of full attention. Combine with :func:`causal` through
+    :func:`and_masks` for causal packing.
+
+    Raises:
+        ValueError: ids that are not integer tensors of shape ``(L,)`` or ``(B, L)``.
+    """
+    q = _as_ids("ids" if kv_ids is None else "q_ids", ids)
+    k = q if kv_ids is None else _as_ids("kv_ids", kv_ids)
+    if q.device != k.device:
+        raise ValueError(f"document: q_ids is on {q.device} and kv_ids on {k.device}; put them on one device.")
+    if q.dim() == 2 and k.dim() == 2 and q.shape[0] != k.shape[0]:
+        raise ValueError(
+            f"document: q_ids {tuple(q.shape)} and kv_ids {tuple(k.shape)} disagree on the batch size B."
+        )
+    if q.dim() != k.dim():
+        # One per-batch, one shared: give both the batch dim.
+        B = max(q.shape[0] if q.dim() == 2 else 1, k.shape[0] if k.dim() == 2 else 1)
+        q = q.expand(B, -1) if q.dim() == 1 else q
+        k = k.expand(B, -1) if k.dim() == 1 else k
+    return _Document(q.contiguous(), k.contiguous())
+
+
+# ----------------------------------------------------------------------------- padding and prefix-LM
+def _per_batch(name: str, value: IntOrTensor, fn: str) -> Union[int, Tensor]:
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value < 0:
+            raise ValueError(f"{fn}: expected {name} >= 0, got {value}.")
+        return value
+    t = value if isinstance(value, Tensor) else torch.as_tensor(value)
+    if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool or t.dim() != 1:
+        raise ValueError(f"{fn}: expected {name} to be an int or an integer tensor of shape (B,), got {value!r}.")
+    if t.numel() and int(t.min()) < 0:
+        raise ValueError(f"{fn}: expected {name} >= 0, got {t.tolist()}.")
+    return t.long()
+
+
+def _min_max(x: Union[int, Tensor]) -> tuple:
+    if isinstance(x, int):
+        return x, x
+    return (int(x.min()), int(x.max())) if x.numel() else (0, 0)
+
+
+class _KeyPadding(MaskMod):
+    def __init__(self, lengths: Union[int, Tensor]) -> None:
+        self.lengths = lengths
+        self.lo, self.hi = _min_max(lengths)
+
+    def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        if isinstance(self.lengths, int):
+            return kv_idx < self.lengths
+        return kv_idx < self.lengths[b]
+
+    def block_state(self, qs: int, qe: int, ks: int, ke: int) -> int:
+        if ks >= self.hi:
+            return EMPTY
+        if ke <= self.lo:
+            return FULL
+        return PARTIAL
+
+    def __repr__(self) -> str:
+        shown = self.lengths if isinstance(self.lengths, int) else self.lengths.tolist()
+        return f"key_padding({shown})"
+
+
+def key_padding(lengths: IntOrTensor) -> MaskMod:
+    """Right padding of the keys: batch row ``b`` sees only its first ``lengths[b]`` keys.
+
+    ``lengths`` is an int (every row) or integers of shape ``(B,)``; ``keep = kv_idx < lengths[b]``.
+
+    ::
+
+        lengths[b] = 4           (a row with length 0 sees nothing: its output is 0)
+        x x x x . .
+        x x x x . .
+        ...
+        x x x x . .
+
+    Key tiles past the longest length are skipped; those inside the shortest run unmasked.
+
+    Raises:
+        ValueError: negative lengths, or not an int / 1-D integer tensor.
+    """
+    return _KeyPadding(_per_batch("lengths", lengths, "key_padding"))
+
+
+class _PrefixLM(MaskMod):
+    def __init__(self, prefix_len: Union[int, Tensor]) -> None:
+        self.prefix_len = prefix_len
+        self.lo, self.hi = _min_max(prefix_len)
+
+    def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        p = self.prefix_len if isinstance(self.prefix_len, int) else self.prefix_len[b]
+        return (kv_idx < p) | (kv_idx <= q_idx)
+
+    def block_state(self, qs: int, qe: int, ks: int, ke: int) -> int:
+        causal = _diagonal_state(qs, qe, ks, ke, 0, math.inf)
+        if causal == FULL or ke <= self.lo:
+            return FULL
+        if causal == EMPTY and ks >= self.hi:
+            return EMPTY
+        return PARTIAL
+
+    def __repr__(self) -> str:
+        shown = self.prefix_len if isinstance(self.prefix_len, int) else self.prefix_len.tolist()
+        return f"prefix_lm({shown})"
+
+
+def prefix_lm(prefix_len: IntOrTensor) -> MaskMod:
+    """Prefix-LM (T5/UL2, PaliGemma): bidirectional over the prefix, causal after it.
+
+    Query ``i`` sees key ``j`` if ``j < prefix_len`` or ``j <= i``; ``prefix_len`` is an int or
+    integers of shape ``(B,)`` (per batch row).
+
+    ::
+
+        prefix_len = 3
+        x x x . . .
+        x x x . . .
+        x x x . . .
+        x x x x . .
+        x x x x x .
+        x x x x x x
+
+    Raises:
+        ValueError: a negative prefix length, or not an int / 1-D integer tensor.
+    """
+    return _PrefixLM(_per_batch("prefix_len", prefix_len, "prefix_lm"))
+
+
+# ----------------------------------------------------------------------------- combinators
+def _state_of(mask_mod: MaskModFn, qs: int, qe: int, ks: int, ke: int) -> Optional[int]:
+    declared = getattr(mask_mod, "block_state", None)
+    if declared is None:
+        return None
+    state = declared(qs, qe, ks, ke)
+    return int(state) if state in (EMPTY, FULL, PARTIAL) else None
+
+
+def _check_masks(fn: str, mask_mods: Sequence[MaskModFn]) -> List[MaskModFn]:
+    if not mask_mods:
+        raise ValueError(f"{fn}: expected at least one mask_mod.")
+    for i, m in enumerate(mask_mods):
+        if not callable(m):
+            raise TypeError(f"{fn}: argument {i} is a {type(m).__name__}, not a mask_mod callable.")
+    return list(mask_mods)
+
+
+class _AndMasks(MaskMod):
+    def __init__(self, mask_mods: List[MaskModFn]) -> None:
+        self.mask_mods = mask_mods
+
+    def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        keep = self.mask_mods[0](b, h, q_idx, kv_idx)
+        for m in self.mask_mods[1:]:
+            keep = keep & m(b, h, q_idx, kv_idx)
+        return keep
+
+    def block_state(self, qs: int, qe: int, ks: int, ke: int) -> Optional[int]:
+        states = [_state_of(m, qs, qe, ks, ke) for m in self.mask_mods]
+        if EMPTY in states:
+            return EMPTY
+        if None in states:
+            return None  # a hand-written part: let the engine evaluate the whole mask on the tile
+        return FULL if all(s == FULL for s in states) else PARTIAL
+
+    def __repr__(self) -> str:
+        return f"and_masks({', '.join(map(repr, self.mask_mods))})"
+
+
+class _OrMasks(MaskMod):
+    def __init__(self, mask_mods: List[MaskModFn]) -> None:
+        self.mask_mods = mask_mods
+
+    def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        keep = self.mask_mods[0](b, h, q_idx, kv_idx)
+        for m in self.mask_mods[1:]:
+            keep = keep | m(b, h, q_idx, kv_idx)
+        return keep
+
+    def block_state(self, qs: int, qe: int, ks: int, ke: int) -> Optional[int]:
+        states = [_state_of(m, qs, qe, ks, ke) for m in self.mask_mods]
+        if FULL in states:
+            return FULL
+        if None in states:
+            return None
+        return EMPTY if all(s == EMPTY for s in states) else PARTIAL
+
+    def __repr__(self) -> str:
+        return f"or_masks({', '.join(map(repr, self.mask_mods))})"
+
+
+def and_masks(*mask_mods: MaskModFn) -> MaskMod:
+    """A mask that attends where *every* mask attends (intersection).
+
+    ``and_masks(causal(), document(ids))`` is causal attention within each packed document::
+
+        ids = [0, 0, 0, 1, 1, 1]
+        x . . . . .
+        x x . . . .
+        x x x . . .
+        . . . x . .
+        . . . x x .
+        . . . x x x
+
+    Block states combine: EMPTY if any part is EMPTY, FULL if all are FULL. Hand-written parts
+    (without ``block_state``) are evaluated on the tile when the built-in parts do not decide it.
+
+    Raises:
+        ValueError / TypeError: no masks, or an argument that is not callable.
+    """
+    return _AndMasks(_check_masks("and_masks", mask_mods))
+
+
+def or_masks(*mask_mods: MaskModFn) -> MaskMod:
+    """A mask that attends where *any* mask attends (union).
+
+    ``or_masks(sliding_window(1), key_padding(2))``: a local window plus two global tokens::
+
+        x x . . . .
+        x x x . . .
+        x x x x . .
+        x x x x x .
+        x x . x x x
+        x x . . x x
+
+    Block states combine: FULL if any part is FULL, EMPTY if all are EMPTY.
+
+    Raises:
+        ValueError / TypeError: no masks, or an argument that is not callable.
+    """
+    return _OrMasks(_check_masks("or_masks", mask_mods))
+
+
+# ----------------------------------------------------------------------------- ALiBi
+def alibi_slopes(num_heads: int, dtype: torch.dtype = torch.float32, device: object = None) -> Tensor:
+    """The standard ALiBi slopes of ``num_heads`` heads (Press et al., 2022), shape ``(num_heads,)``.
+
+    For a power of two ``n`` they are the geometric sequence ``2**(-8 (i+1) / n)``, i = 0..n-1
+    (``n = 8``: 1/2, 1/4, ..., 1/256). Otherwise, with ``p`` the largest power of two below ``n``,
+    the ``p`` slopes of ``p`` heads are followed by every other slope of ``2p`` heads (the odd
+    exponents that interleave them), ``n - p`` of them.
+
+    Raises:
+        ValueError: ``num_heads`` is not a positive int.
+    """
+    if not isinstance(num_heads, int) or isinstance(num_heads, bool) or num_heads <= 0:
+        raise ValueError(f"alibi_slopes: expected num_heads to be a positive int, got {num_heads!r}.")
+
+    def geometric(n: int) -> List[float]:
+        return [2.0 ** (-8.0 * (i + 1) / n) for i in range(n)]
+
+    p = 1 << (num_heads.bit_length() - 1)
+    slopes = geometric(p)
+    if p != num_heads:
+        slopes += geometric(2 * p)[0::2][: num_heads - p]
+    return torch.tensor(slopes, dtype=torch.float64).to(dtype=dtype, device=device)
+
+
+class _Alibi:
+    """``score - slopes[h] * |q_idx - kv_idx|``; ``slopes`` may require grad."""
+
+    def __init__(self, slopes: Tensor) -> None:
+        self.slopes = slopes
+
+    def _bias(self, h: Tensor, q_idx: Tensor, kv_idx: Tensor, dtype: torch.dtype) -> Tensor:
+        # Distances in the float dtype directly: an int64 (qc, kc) temporary would double the traffic.
+        dist = torch.sub(q_idx.to(dtype), kv_idx.to(dtype)).abs_()
+        return dist * self.slopes.to(dtype)[h].neg()
+
+    def __call__(self, score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return score + self._bias(h, q_idx, kv_idx, score.dtype)
+
+    def additive_bias(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        dtype = self.slopes.dtype if self.slopes.is_floating_point() else torch.float32
+        return self._bias(h, q_idx, kv_idx, dtype)
+
+    def __repr__(self) -> str:
+        return f"alibi({self.slopes.detach().tolist()})"
+
+
+def alibi(slopes: Union[int, Sequence[float], Tensor]) -> Callable[..., Tensor]:
+    """ALiBi position bias (Press et al., 2022): ``score - slopes[h] * |q_idx - kv_idx|``.
+
+    ``slopes``: one per query head, shape ``(Hq,)``, or an int ``H`` for :func:`alibi_slopes` ``(H)``.
+    A tensor that requires grad (learnable slopes) receives its gradient through
+    :func:`subquad.attention`'s backward. Without grad the mod runs on the fused CPU kernel.
+
+    ::
+
+        bias of one head, slope m, Lq = Lk = 4 (with causal(): the upper triangle is masked)
+         0  -m -2m -3m
+        -m   0  -m -2m
+        -2m -m   0  -m
+        -3m -2m -m   0
+
+    Raises:
+        ValueError: slopes that are not a 1-D float tensor / sequence or a positive int.
+    """
+    if isinstance(slopes, int) and not isinstance(slopes, bool):
+        return _Alibi(alibi_slopes(slopes))
+    t = slopes if isinstance(slopes, Tensor) else torch.as_tensor(slopes, dtype=torch.float32)
+    if t.dim() != 1 or not t.is_floating_point():
+        raise ValueError(
+            f"alibi: expected slopes to be a 1-D float tensor of shape (Hq,) or a number of heads, "
+            f"got {tuple(t.shape)} {t.dtype}."
+        )
+    return _Alibi(t)

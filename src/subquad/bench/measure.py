@@ -166,6 +166,39 @@ class CudaPeak:
         return torch.cuda.max_memory_allocated(self.device) - self.base
 
 
+class _Malloc:
+    """glibc's malloc knobs, switched between the memory call and the timed calls.
+
+    For the memory call every block over 128 KiB is mmapped and unmapped on free, and free heap
+    pages are handed back first (malloc_trim), so RSS grows exactly with what the call touches.
+    For the timed calls the thresholds go back near glibc's steady state (mmap only past 32 MiB,
+    keep up to 64 MiB of free heap), so that no implementation pays for page faults it would not
+    pay in a normal process. Without glibc (macOS, musl) both are no-ops.
+    """
+
+    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # from <malloc.h>
+
+    def __init__(self):
+        try:
+            import ctypes
+
+            libc = ctypes.CDLL(None)
+            self.mallopt, self.malloc_trim = libc.mallopt, libc.malloc_trim
+        except (OSError, AttributeError):
+            self.mallopt = self.malloc_trim = None
+
+    def exact(self) -> None:
+        if self.mallopt is not None:
+            self.mallopt(self.M_MMAP_THRESHOLD, 128 << 10)
+            self.mallopt(self.M_TRIM_THRESHOLD, 128 << 10)
+            self.malloc_trim(0)
+
+    def fast(self) -> None:
+        if self.mallopt is not None:
+            self.mallopt(self.M_MMAP_THRESHOLD, 32 << 20)
+            self.mallopt(self.M_TRIM_THRESHOLD, 64 << 20)
+
+
 def _status_bytes(key: str) -> int:
     with open("/proc/self/status") as f:
         for line in f:
@@ -181,6 +214,7 @@ class RssPeak:
 
     def __init__(self):
         self.base = 0
+        self.malloc = _Malloc()
 
     @staticmethod
     def available() -> Optional[str]:
@@ -195,12 +229,15 @@ class RssPeak:
 
     def start(self) -> None:
         gc.collect()
+        self.malloc.exact()
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # 5 resets VmHWM to the current RSS
         self.base = _status_bytes("VmRSS")
 
     def stop(self) -> int:
-        return max(0, _status_bytes("VmHWM") - self.base)
+        peak = max(0, _status_bytes("VmHWM") - self.base)
+        self.malloc.fast()
+        return peak
 
 
 def memory_meter(device: torch.device):

@@ -224,6 +224,12 @@ def subquad_attention_forward(
         if causal:
             mask_mod, causal = _causal_mod(0), False
 
+    if s_aux is not None and torch.is_grad_enabled() and (query.requires_grad or key.requires_grad):
+        raise NotImplementedError(
+            'attn_implementation="subquad" runs attention sinks (s_aux) for inference only: their '
+            "gradient needs the gradient of the log-sum-exp, which subquad does not propagate yet; "
+            'use attn_implementation="eager" to train this model.'
+        )
     score_mod = None
     if softcap is not None:
         if attn_mask is not None and attn_mask.dtype != torch.bool:

@@ -1,0 +1,260 @@
+"""transformers integration on tiny models built from config (random weights, nothing downloaded).
+
+Golden: the same model with transformers' "sdpa" implementation (float64), or "eager" where a
+model has no "sdpa" (eager's softmax runs in float32, hence its looser tolerance). Under test:
+attn_implementation="subquad" with subquad forced into many tiles.
+
+A larger ``initializer_range`` than the default makes attention peaky enough that a wrong mask
+or a wrong head mapping changes the logits by O(1), not by rounding.
+"""
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import subquad  # noqa: E402
+from subquad.integrations import transformers as sqt  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM  # noqa: E402
+from transformers import masking_utils as mu  # noqa: E402
+
+MANY_TILES = (7, 5)
+VOCAB = 101
+
+
+def _close(test, golden, *, tol=1e-10, what="output"):
+    err = (test - golden).abs().max().item()
+    scale = golden.abs().max().item() or 1.0
+    assert err <= tol * scale, f"{what}: max abs error {err:.3e} > {tol:.1e} x {scale:.3e}"
+
+
+@pytest.fixture(autouse=True)
+def registered():
+    sqt.register(chunk_size=MANY_TILES)
+    yield
+
+
+def _llama(**overrides):
+    torch.manual_seed(0)
+    cfg = dict(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        initializer_range=0.3, pad_token_id=0,
+    )
+    cfg.update(overrides)
+    return LlamaForCausalLM(LlamaConfig(**cfg)).double().eval()
+
+
+def _mistral():
+    torch.manual_seed(0)
+    cfg = MistralConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, sliding_window=6, max_position_embeddings=256,
+        initializer_range=0.3, pad_token_id=0,
+    )
+    return MistralForCausalLM(cfg).double().eval()
+
+
+def _batch(length, pads=(5, 0), seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, VOCAB, (len(pads), length), generator=g)
+    mask = torch.ones_like(ids)
+    for row, p in enumerate(pads):  # left padding
+        ids[row, :p] = 0
+        mask[row, :p] = 0
+    return ids, mask
+
+
+def _logits(model, impl, ids, mask=None):
+    model.set_attn_implementation(impl)
+    with torch.no_grad():
+        return model(ids, attention_mask=mask).logits
+
+
+def _generate(model, impl, ids, mask, n=12):
+    model.set_attn_implementation(impl)
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=mask, max_new_tokens=n, do_sample=False, pad_token_id=0)
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    seen = []
+    real = subquad.attention
+
+    def spy(query, key, value, **kwargs):
+        seen.append(dict(kwargs, Lq=query.shape[-2], Lk=key.shape[-2], Hq=query.shape[1], Hk=key.shape[1]))
+        return real(query, key, value, **kwargs)
+
+    monkeypatch.setattr(subquad, "attention", spy)
+    return seen
+
+
+# ----------------------------------------------------------------------------- masks
+MASK_CASES = {
+    "causal-square": dict(q_length=9, kv_length=9),
+    "causal-left-padding": dict(q_length=9, kv_length=9, pads=(3, 0)),
+    "decode-one-query-long-cache": dict(q_length=1, kv_length=30, q_offset=29, pads=(4, 0)),
+    "chunked-prefill": dict(q_length=5, kv_length=12, q_offset=7, pads=(2, 1)),
+    "sliding-window": dict(q_length=17, kv_length=17, local_size=5, fn="sliding"),
+    "sliding-window-cache-offset": dict(q_length=3, kv_length=7, q_offset=9, kv_offset=5, local_size=5, fn="sliding"),
+    "static-cache-prefill": dict(q_length=6, kv_length=16, static=True),
+    "bidirectional-padding": dict(q_length=7, kv_length=7, pads=(2, 0), fn="bidirectional"),
+}
+
+
+@pytest.mark.parametrize("case", list(MASK_CASES), ids=list(MASK_CASES))
+def test_lazy_mask_equals_sdpa_mask(case):
+    c = dict(MASK_CASES[case])
+    pads, fn, static = c.pop("pads", None), c.pop("fn", "causal"), c.pop("static", False)
+    total = c["kv_length"] + c.get("kv_offset", 0)
+    kw = dict(batch_size=2, **c)
+    if fn == "sliding":
+        kw["mask_function"] = mu.sliding_window_causal_mask_function(c["local_size"])
+    elif fn == "bidirectional":
+        kw["mask_function"] = mu.bidirectional_mask_function
+        kw["allow_is_causal_skip"] = False
+        kw["allow_is_bidirectional_skip"] = True
+    if pads is not None:
+        attn = torch.ones(2, total, dtype=torch.bool)
+        for row, p in enumerate(pads):
+            attn[row, :p] = False
+        kw["attention_mask"] = attn
+    if static:
+        kw["attention_mask"] = torch.ones(2, c["q_length"], dtype=torch.bool)  # shorter than the cache
+    golden = mu.sdpa_mask(**kw)
+    got = sqt.subquad_mask(**kw)
+    if golden is None:
+        assert got is None
+    else:
+        assert isinstance(got, sqt.LazyMask) and got.shape == golden.shape
+        assert torch.equal(got.materialize(), golden)
+
+
+# ----------------------------------------------------------------------------- models
+def test_llama_gqa_left_padding_matches_sdpa(calls):
+    model = _llama()
+    ids, mask = _batch(23)
+    golden = _logits(model, "sdpa", ids, mask)
+    eager = _logits(model, "eager", ids, mask)
+    out = _logits(model, "subquad", ids, mask)
+    _close(out, golden, what="logits vs sdpa")
+    # eager turns fully masked float64 rows into NaN (its float32 softmax of finfo(float64).min),
+    # which then leaks through the padded positions; its unpadded row is still a fair check.
+    _close(out[1], eager[1], tol=1e-5, what="logits vs eager (unpadded row)")
+    assert len(calls) == 2
+    for c in calls:
+        assert c["enable_gqa"] and (c["Hq"], c["Hk"]) == (4, 2)
+        assert c["chunk_size"] == MANY_TILES
+        assert c["mask_mod"] is not None and c["attn_mask"] is None and not c["is_causal"]
+
+
+def test_llama_without_padding_uses_is_causal(calls):
+    model = _llama()
+    ids, _ = _batch(23, pads=(0, 0))
+    _close(_logits(model, "subquad", ids), _logits(model, "sdpa", ids), what="logits")
+    assert calls and all(c["is_causal"] and c["mask_mod"] is None for c in calls)
+
+
+def test_from_pretrained_with_attn_implementation(tmp_path):
+    _llama().save_pretrained(tmp_path)
+    model = LlamaForCausalLM.from_pretrained(tmp_path, attn_implementation="subquad", dtype=torch.float64).eval()
+    assert model.config._attn_implementation == "subquad"
+    ids, mask = _batch(17)
+    with torch.no_grad():
+        out = model(ids, attention_mask=mask).logits
+    _close(out, _logits(model, "sdpa", ids, mask), what="logits")
+
+
+def test_greedy_generation_is_identical(calls):
+    model = _llama()
+    ids, mask = _batch(24, pads=(6, 0))
+    golden = _generate(model, "sdpa", ids, mask)
+    calls.clear()
+    out = _generate(model, "subquad", ids, mask)
+    assert torch.equal(out, golden), f"\n{out[:, 24:]}\n{golden[:, 24:]}"
+    decode = [c for c in calls if c["Lq"] == 1]
+    assert decode and max(c["Lk"] for c in decode) == 24 + 12 - 1
+    assert all(c["mask_mod"] is not None for c in decode)  # the left padding rides along
+
+
+def test_sliding_window_model_matches_sdpa(calls):
+    model = _mistral()
+    ids, mask = _batch(19, pads=(3, 0))
+    golden = _logits(model, "sdpa", ids, mask)
+    out = _logits(model, "subquad", ids, mask)
+    _close(out, golden, what="logits")
+    assert all(c["mask_mod"] is not None for c in calls)
+    # The window matters here: without it the logits move by O(1).
+    model.config.sliding_window = None
+    assert (_logits(model, "sdpa", ids, mask) - golden).abs().max() > 1e-3
+    model.config.sliding_window = 6
+    assert torch.equal(_generate(model, "subquad", ids, mask), _generate(model, "sdpa", ids, mask))
+
+
+def test_training_gradients_match():
+    model = _llama()
+    model.train()
+    ids, mask = _batch(15)
+    grads = {}
+    for impl in ("sdpa", "subquad"):
+        model.set_attn_implementation(impl)
+        model.zero_grad()
+        model(ids, attention_mask=mask, labels=ids).loss.backward()
+        grads[impl] = {n: p.grad.clone() for n, p in model.named_parameters() if "self_attn" in n}
+    for n, g in grads["sdpa"].items():
+        _close(grads["subquad"][n], g, tol=1e-8, what=f"grad of {n}")
+
+
+def test_softcap_runs_as_score_mod():
+    # Gemma 2: logit soft-capping and alternating sliding/full layers; "sdpa" refuses it.
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Gemma2Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=6,
+        attn_logit_softcapping=2.0, initializer_range=0.3, pad_token_id=0,
+    )
+    model = Gemma2ForCausalLM(cfg).double().eval()
+    ids, mask = _batch(19, pads=(0, 0))
+    golden = _logits(model, "eager", ids, mask)
+    _close(_logits(model, "subquad", ids, mask), golden, tol=1e-5, what="logits vs eager")
+
+
+def test_attention_sinks_renormalise_by_the_lse():
+    # gpt-oss: one learned sink logit per head joins the softmax. Its experts need float32.
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    torch.manual_seed(0)
+    cfg = GptOssConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=6,
+        num_local_experts=4, num_experts_per_tok=2, initializer_range=0.3, pad_token_id=0,
+    )
+    model = GptOssForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for module in model.modules():
+            if hasattr(module, "sinks"):
+                module.sinks.normal_(0.0, 2.0)
+    ids, mask = _batch(19, pads=(3, 0))
+    golden = _logits(model, "eager", ids, mask)
+    out = _logits(model, "subquad", ids, mask)
+    _close(out[1], golden[1], tol=1e-5, what="logits vs eager (unpadded row)")
+    _close(out[0, 3:], golden[0, 3:], tol=1e-5, what="logits vs eager (padded row, real tokens)")
+    model.train()
+    with pytest.raises(NotImplementedError, match="sinks"):
+        model(ids, attention_mask=mask)
+
+
+def test_output_attentions_is_refused():
+    model = _llama()
+    model.set_attn_implementation("subquad")
+    ids, _ = _batch(7, pads=(0,))
+    with pytest.raises(NotImplementedError, match="output_attentions"):
+        model(ids, output_attentions=True)
+
+
+def test_register_rejects_unknown_options():
+    with pytest.raises(TypeError, match="unexpected option.*'mask_mod'"):
+        sqt.register(mask_mod=lambda b, h, q, k: q >= k)
