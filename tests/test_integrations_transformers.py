@@ -247,6 +247,19 @@ def test_attention_sinks_renormalise_by_the_lse():
         model(ids, attention_mask=mask)
 
 
+def test_compiled_model_has_no_graph_break():
+    # Under torch.compile the mask is built as a tensor and subquad runs as one operator.
+    model = _llama()
+    ids, mask = _batch(13, pads=(4, 0))
+    golden = _logits(model, "sdpa", ids, mask)
+    model.set_attn_implementation("subquad")
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    with torch.no_grad():
+        out = compiled(ids, attention_mask=mask).logits
+    _close(out, golden, what="compiled logits")
+
+
 def test_output_attentions_is_refused():
     model = _llama()
     model.set_attn_implementation("subquad")

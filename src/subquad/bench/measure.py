@@ -1,23 +1,26 @@
 """Measuring one (implementation, case): time, peak extra memory, accuracy, status.
 
-How, in order, for one case:
+How, for one case:
 
 1. ``not_supported_reasons`` → status ``unsupported`` without running anything.
 2. Inputs are made, the implementation prepares its call, and it runs for the warm-up; a refusal
    there is ``unsupported``, an allocation failure ``oom``, anything else ``error`` (never a crash).
-3. One call runs between a memory reset and a memory read: on CUDA the caching allocator's
-   ``max_memory_allocated`` after ``reset_peak_memory_stats``, minus what was allocated before;
-   on CPU the process's RSS high-water mark (``VmHWM`` after writing ``5`` to
+3. Memory: one call runs between a memory reset and a memory read: on CUDA the caching
+   allocator's ``max_memory_allocated`` after ``reset_peak_memory_stats``, minus what was
+   allocated before; on CPU the process's RSS high-water mark (``VmHWM`` after writing ``5`` to
    ``/proc/self/clear_refs``) minus its RSS before. The number includes the output (and, with
-   backward, the three input gradients). Its output is checked against a float64 reference
-   computed for a sample of query rows only (and, with backward, so are those rows of dQ).
-4. Further calls until the timing target is met; the median is reported. Every call is timed with
-   the device synchronized before and after.
+   backward, the three input gradients). That call's output is checked against a float64
+   reference computed for a sample of query rows only (with backward, so are those rows of dQ).
+4. Time: calls until the timing target is met, each with the device synchronized before and
+   after; the median is reported.
 
-On CPU each case runs in a worker process started with ``MALLOC_MMAP_THRESHOLD_=131072``: glibc
-then serves every block over 128 KiB with mmap and returns it on free, so RSS falls back after a
-call and the next call's high-water mark is its own. A worker that the kernel kills (the OOM
-killer sends SIGKILL) becomes an ``oom`` record and a fresh worker takes the next case.
+On CPU the memory phase runs in a worker process started with ``MALLOC_MMAP_THRESHOLD_=131072``:
+glibc then serves every block over 128 KiB with mmap and returns it on free, so RSS falls when a
+tensor is freed and the high-water mark is the call's real peak (with the default dynamic
+threshold, blocks up to 32 MiB stay in the heap once freed and RSS can read 1.5x the peak or
+hide a reuse). A worker that the kernel kills (the OOM killer sends SIGKILL) becomes an ``oom``
+record and a fresh worker takes the next case. The time phase then runs in the parent process,
+whose malloc is the normal one: the mmap threshold costs page faults that no real process pays.
 """
 
 from __future__ import annotations
@@ -166,37 +169,14 @@ class CudaPeak:
         return torch.cuda.max_memory_allocated(self.device) - self.base
 
 
-class _Malloc:
-    """glibc's malloc knobs, switched between the memory call and the timed calls.
+def _malloc_trim() -> None:
+    """Hand free heap pages back to the OS (glibc), so that a call reusing them shows in RSS."""
+    try:
+        import ctypes
 
-    For the memory call every block over 128 KiB is mmapped and unmapped on free, and free heap
-    pages are handed back first (malloc_trim), so RSS grows exactly with what the call touches.
-    For the timed calls the thresholds go back near glibc's steady state (mmap only past 32 MiB,
-    keep up to 64 MiB of free heap), so that no implementation pays for page faults it would not
-    pay in a normal process. Without glibc (macOS, musl) both are no-ops.
-    """
-
-    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # from <malloc.h>
-
-    def __init__(self):
-        try:
-            import ctypes
-
-            libc = ctypes.CDLL(None)
-            self.mallopt, self.malloc_trim = libc.mallopt, libc.malloc_trim
-        except (OSError, AttributeError):
-            self.mallopt = self.malloc_trim = None
-
-    def exact(self) -> None:
-        if self.mallopt is not None:
-            self.mallopt(self.M_MMAP_THRESHOLD, 128 << 10)
-            self.mallopt(self.M_TRIM_THRESHOLD, 128 << 10)
-            self.malloc_trim(0)
-
-    def fast(self) -> None:
-        if self.mallopt is not None:
-            self.mallopt(self.M_MMAP_THRESHOLD, 32 << 20)
-            self.mallopt(self.M_TRIM_THRESHOLD, 64 << 20)
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _status_bytes(key: str) -> int:
@@ -214,7 +194,6 @@ class RssPeak:
 
     def __init__(self):
         self.base = 0
-        self.malloc = _Malloc()
 
     @staticmethod
     def available() -> Optional[str]:
@@ -228,16 +207,14 @@ class RssPeak:
         return None
 
     def start(self) -> None:
-        gc.collect()
-        self.malloc.exact()
+        gc.collect(1)  # young cycles only: a full collection costs ~0.2 s with torch loaded
+        _malloc_trim()
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # 5 resets VmHWM to the current RSS
         self.base = _status_bytes("VmRSS")
 
     def stop(self) -> int:
-        peak = max(0, _status_bytes("VmHWM") - self.base)
-        self.malloc.fast()
-        return peak
+        return max(0, _status_bytes("VmHWM") - self.base)
 
 
 def memory_meter(device: torch.device):
@@ -343,21 +320,36 @@ def _finite(x: Optional[float]) -> Optional[float]:
     return x if x is not None and math.isfinite(x) else None
 
 
+PHASES = ("memory", "time")
+
+
 def run_case(impl: Impl, case: Case, timing: Timing = Timing(), *, seed: int = 0,
-             skip_slow: bool = True) -> Result:
-    """Measure ``impl`` on ``case`` in this process. Never raises for a failing implementation:
+             skip_slow: bool = True, phases: tuple[str, ...] = PHASES,
+             result: Optional[Result] = None) -> Result:
+    """Measure ``impl`` on ``case`` in this process: the ``memory`` phase (one call between a
+    memory reset and read, its output checked against the reference) and the ``time`` phase
+    (the timed calls), each after a warm-up. ``result`` continues a record that another process
+    began (the parent times what a worker measured). Never raises for a failing implementation:
     refusals, out-of-memory and other errors come back as a Result with that status."""
-    result = Result.for_case(impl.name, case)
+    result = result or Result.for_case(impl.name, case)
     reasons = impl.not_supported_reasons(case, skip_slow=skip_slow)
     if reasons:
         result.status, result.reason = "unsupported", "; ".join(reasons)
         return result
     device = torch.device(case.device)
     caught: list = []
+    failed = False
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            _measure(impl, case, timing, seed, device, result)
+            inputs = make_inputs(case, seed)
+            forward, result.plan = impl.prepare(inputs)
+            step = _step(forward, inputs)
+            _warm_up(step, device, timing)
+            if "memory" in phases:
+                _memory_phase(step, inputs, device, result, seed)
+            if "time" in phases:
+                _time_phase(step, case, timing, result)
     except Exception as exc:  # recorded, never raised: one bad case must not end the bench
         warnings_text = " | ".join(sorted({str(w.message).strip() for w in caught}))
         reason = refusal_reason(impl, exc, warnings_text)
@@ -369,11 +361,15 @@ def run_case(impl: Impl, case: Case, timing: Timing = Timing(), *, seed: int = 0
             result.status, result.reason = "error", f"{type(exc).__name__}: {_first_line(exc)}"
         result.median_ms = result.min_ms = result.tflops = result.peak_bytes = None
         result.reps = 0
+        failed = True
     finally:
-        gc.collect()
+        inputs = forward = step = None
+        if failed:
+            gc.collect()  # the traceback's frames held the inputs in a reference cycle
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    result.warnings = sorted({str(w.message).strip()[:300] for w in caught})[:5]
+    seen = set(result.warnings) | {str(w.message).strip()[:300] for w in caught}
+    result.warnings = sorted(seen)[:5]
     return result
 
 
@@ -382,47 +378,47 @@ def _first_line(exc: BaseException, limit: int = 400) -> str:
     return (text.splitlines()[0] if text else type(exc).__name__)[:limit]
 
 
-def _measure(impl: Impl, case: Case, timing: Timing, seed: int, device: torch.device,
-             result: Result) -> None:
-    inputs = make_inputs(case, seed)
-    forward, info = impl.prepare(inputs)
-    result.plan = info
-    step = _step(forward, inputs)
-
-    warm_total = 0.0
+def _warm_up(step, device: torch.device, timing: Timing) -> None:
+    total = 0.0
     for _ in range(1000):
         dt, out = _timed(step, device)
         del out
-        warm_total += dt
-        if warm_total >= timing.warmup_s or dt >= timing.target_s:
+        total += dt
+        if total >= timing.warmup_s or dt >= timing.target_s:
             break
 
+
+def _memory_phase(step, inputs: BenchInputs, device: torch.device, result: Result,
+                  seed: int) -> None:
     for t in (inputs.query, inputs.key, inputs.value):
         t.grad = None
     meter = memory_meter(device)
     if isinstance(meter, str):
         result.memory_method = f"unavailable: {meter}"
-        dt, out = _timed(step, device)
+        out = step()
     else:
         result.memory_method = meter.method
         meter.start()
-        dt, out = _timed(step, device)
+        out = step()
         result.peak_bytes = meter.stop()
-    times = [dt]
-    grad_query = inputs.query.grad if case.backward else None
+    grad_query = inputs.query.grad if inputs.case.backward else None
     rel_err, rel_err_grad = sampled_errors(inputs, out, grad_query, seed=seed)
     result.rel_err, result.rel_err_grad = _finite(rel_err), _finite(rel_err_grad)
     if result.rel_err is None:
         result.reason = "output is not finite on the sampled rows"
-    del out, grad_query
 
-    while len(times) < timing.max_reps and times[0] < timing.target_s and (
+
+def _time_phase(step, case: Case, timing: Timing, result: Result) -> None:
+    device = torch.device(case.device)
+    times: list[float] = []
+    while len(times) < timing.max_reps and (
         len(times) < timing.min_reps or sum(times) < timing.target_s
     ):
         dt, out = _timed(step, device)
         del out
         times.append(dt)
-
+        if times[0] >= timing.target_s:
+            break  # a slow call is timed once
     median_s = statistics.median(times)
     result.reps = len(times)
     result.median_ms = median_s * 1e3
@@ -435,7 +431,7 @@ def _measure(impl: Impl, case: Case, timing: Timing, seed: int, device: torch.de
 
 def _job(impl: Impl, case: Case, timing: Timing, seed: int, skip_slow: bool) -> dict:
     return {"impl": impl.name, "case": dataclasses.asdict(case), "timing": timing._asdict(),
-            "seed": seed, "skip_slow": skip_slow}
+            "seed": seed, "skip_slow": skip_slow, "phases": ["memory"]}
 
 
 def run_job(job: dict) -> dict:
@@ -447,7 +443,9 @@ def run_job(job: dict) -> dict:
         result.status, result.reason = "error", f"unknown implementation {job['impl']!r}"
         return result.to_dict()
     timing = Timing(**job["timing"])
-    return run_case(impl, case, timing, seed=job["seed"], skip_slow=job["skip_slow"]).to_dict()
+    phases = tuple(job.get("phases", PHASES))
+    return run_case(impl, case, timing, seed=job["seed"], skip_slow=job["skip_slow"],
+                    phases=phases).to_dict()
 
 
 class Worker:
@@ -525,8 +523,9 @@ def run_all(
     progress: Optional[ProgressFn] = None,
     worker: Optional[Worker] = None,
 ) -> list[Result]:
-    """Run every job. ``isolate`` (default: on for CPU cases) sends CPU cases to a worker
-    process; cases that an implementation declines are answered here without running anything.
+    """Run every job. ``isolate`` (default: on for CPU cases) measures the memory of CPU cases
+    in a worker process and then times them here; cases that an implementation declines are
+    answered here without running anything.
     ``progress(i, n, impl, case, result)`` is called before (result None) and after each job."""
     results = []
     worker = worker or Worker()
@@ -545,6 +544,11 @@ def run_all(
                 else:
                     result = Result.for_case(impl.name, case)
                     result.status, result.reason = answer["status"], answer["reason"]
+                if result.status == "ok":
+                    # Timed here, with the process's normal malloc: the worker's small mmap
+                    # threshold makes RSS exact but adds page faults no real process pays.
+                    result = run_case(impl, case, timing, seed=seed, skip_slow=skip_slow,
+                                      phases=("time",), result=result)
             results.append(result)
             if progress:
                 progress(index, len(jobs), impl, case, result)

@@ -129,19 +129,88 @@ def _attention_fake(
     chunk_size: Optional[List[int]],
     backend: str,
 ) -> Tuple[Tensor, Tensor]:
+    from subquad._inputs import make_inputs
+
+    # The same checks as the eager call, so that a bad call fails while tracing, not when run.
+    make_inputs(query, key, value, attn_mask=attn_mask, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
     out = query.new_empty((*query.shape[:-1], value.shape[-1]))
     lse = query.new_empty(query.shape[:-1], dtype=_stats_dtype(query.dtype))
     return out, lse
 
 
-@torch.library.custom_op("subquad::attention_backward", mutates_args=())
-def attention_backward_op(
+def _engine_grads(
     grad_out: Tensor,
-    grad_lse: Optional[Tensor],
     query: Tensor,
     key: Tensor,
     value: Tensor,
     attn_mask: Optional[Tensor],
+    out: Tensor,
+    lse: Tensor,
+    is_causal: bool,
+    scale: Optional[float],
+    enable_gqa: bool,
+    memory_budget: Optional[str],
+    chunk_size: Optional[List[int]],
+    backend: str,
+    mask_grad: bool,
+) -> Tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
+    # subquad's chunked backward (FlashAttention-2 from the saved lse), planned for this call.
+    # A custom op runs below autograd, so this drives the engine directly, as subquad's own
+    # autograd Function does.
+    import dataclasses
+
+    from subquad import _api, _engine
+    from subquad._kernels import Grads
+    from subquad._planner import make_plan
+
+    inp, opts, budget, _plan, _ = _api._prepare(
+        query, key, value, attn_mask, is_causal, None, None, scale, enable_gqa, 0.0,
+        _budget_value(memory_budget), tuple(chunk_size) if chunk_size is not None else None, backend, True,
+    )
+    # Inputs that require grad make the planner plan (and budget) a backward.
+    wants = dataclasses.replace(
+        inp,
+        query=inp.query.detach().requires_grad_(),
+        key=inp.key.detach().requires_grad_(),
+        value=inp.value.detach().requires_grad_(),
+        attn_mask=inp.attn_mask.detach().requires_grad_() if mask_grad and inp.attn_mask is not None else inp.attn_mask,
+    )
+    with torch.enable_grad():
+        plan = make_plan(wants, opts, budget, backend)
+    if plan.backward_backend is None:
+        raise NotImplementedError(f"subquad planned no backward for {plan.shape} with backend={backend!r}.")
+    chunk = plan.backward_chunk_size or plan.chunk_size or (max(inp.Lq, 1), max(inp.Lk, 1))
+    acc = torch.float32 if query.dtype in (torch.float16, torch.bfloat16) else query.dtype
+    grads = Grads(
+        dq=torch.zeros(inp.query.shape, dtype=acc, device=query.device),
+        dk=torch.zeros(inp.key.shape, dtype=acc, device=query.device),
+        dv=torch.zeros(inp.value.shape, dtype=acc, device=query.device),
+        dmask=torch.zeros(inp.attn_mask.shape, dtype=inp.stats_dtype, device=query.device)
+        if mask_grad and inp.attn_mask is not None
+        else None,
+    )
+    rows = (inp.B, inp.Hq, inp.Lq)
+    g4 = grad_out.reshape(*rows, inp.Ev)
+    if plan.backward_backend == "fused":
+        g4 = g4.contiguous()
+    with torch.no_grad():
+        _engine.backward(wants, plan.backward_backend, chunk, 0, g4, out.reshape(*rows, inp.Ev), lse.reshape(rows), grads)
+    dq, dk, dv = (g.to(t.dtype).reshape(t.shape) for g, t in zip(grads[:3], (query, key, value)))
+    dmask = None
+    if grads.dmask is not None and attn_mask is not None:
+        dmask = grads.dmask.to(attn_mask.dtype).reshape(attn_mask.shape)
+    return dq, dk, dv, dmask
+
+
+@torch.library.custom_op("subquad::attention_backward", mutates_args=())
+def attention_backward_op(
+    grad_out: Tensor,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Optional[Tensor],
+    out: Tensor,
+    lse: Tensor,
     is_causal: bool,
     scale: Optional[float],
     enable_gqa: bool,
@@ -150,42 +219,26 @@ def attention_backward_op(
     backend: str,
     mask_grad: bool,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``(dq, dk, dv, dmask)``; ``dmask`` is empty unless ``mask_grad`` (a float mask that needs it).
-
-    The gradient is subquad's own chunked backward, reached through autograd on a recomputed
-    forward: memory stays bounded by the same plan, at the price of one more forward pass.
-    """
-    with torch.enable_grad():
-        q = query.detach().requires_grad_()
-        k = key.detach().requires_grad_()
-        v = value.detach().requires_grad_()
-        m = attn_mask
-        if m is not None:
-            m = m.detach().requires_grad_(mask_grad)
-        out, lse = _eager(q, k, v, m, is_causal, scale, enable_gqa, memory_budget, chunk_size, backend)
-        outputs, grads = [out], [grad_out]
-        if grad_lse is not None and lse.requires_grad:
-            outputs.append(lse)
-            grads.append(grad_lse)
-        wrt = [q, k, v] + ([m] if mask_grad and m is not None else [])
-        got = torch.autograd.grad(outputs, wrt, grads, allow_unused=True)
-    dq, dk, dv = (torch.zeros_like(t) if g is None else g for t, g in zip((q, k, v), got[:3]))
-    if mask_grad and m is not None:
-        dmask = torch.zeros_like(m) if got[3] is None else got[3]
-    else:
+    """``(dq, dk, dv, dmask)`` from the saved ``out`` and ``lse``; ``dmask`` is empty unless ``mask_grad``."""
+    dq, dk, dv, dmask = _engine_grads(
+        grad_out, query, key, value, attn_mask, out, lse, is_causal, scale, enable_gqa,
+        memory_budget, chunk_size, backend, mask_grad,
+    )
+    if dmask is None:
         dmask = query.new_empty(0)
-    inputs = (grad_out, grad_lse, query, key, value, attn_mask)
+    inputs = (grad_out, query, key, value, attn_mask, out, lse)
     return tuple(_fresh(t, inputs) for t in (dq, dk, dv, dmask))  # type: ignore[return-value]
 
 
 @attention_backward_op.register_fake
 def _attention_backward_fake(
     grad_out: Tensor,
-    grad_lse: Optional[Tensor],
     query: Tensor,
     key: Tensor,
     value: Tensor,
     attn_mask: Optional[Tensor],
+    out: Tensor,
+    lse: Tensor,
     is_causal: bool,
     scale: Optional[float],
     enable_gqa: bool,
@@ -198,19 +251,20 @@ def _attention_backward_fake(
     return query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape), dmask
 
 
-def _setup_context(ctx: Any, inputs: Tuple[Any, ...], output: Any) -> None:
+def _setup_context(ctx: Any, inputs: Tuple[Any, ...], output: Tuple[Tensor, Tensor]) -> None:
     query, key, value, attn_mask, *options = inputs
-    ctx.save_for_backward(query, key, value, attn_mask)
+    out, lse = output
+    ctx.save_for_backward(query, key, value, attn_mask, out, lse)
     ctx.options = options
+    # As in subquad.attention: the lse is an output for merging, not differentiated.
+    ctx.mark_non_differentiable(lse)
 
 
-def _backward(ctx: Any, grad_out: Tensor, grad_lse: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:
-    query, key, value, attn_mask = ctx.saved_tensors
-    mask_grad = bool(
-        attn_mask is not None and attn_mask.is_floating_point() and ctx.needs_input_grad[3]
-    )
+def _backward(ctx: Any, grad_out: Tensor, _grad_lse: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:
+    query, key, value, attn_mask, out, lse = ctx.saved_tensors
+    mask_grad = bool(attn_mask is not None and attn_mask.is_floating_point() and ctx.needs_input_grad[3])
     dq, dk, dv, dmask = attention_backward_op(
-        grad_out, grad_lse, query, key, value, attn_mask, *ctx.options, mask_grad
+        grad_out, query, key, value, attn_mask, out, lse, *ctx.options, mask_grad
     )
     return dq, dk, dv, (dmask if mask_grad else None), None, None, None, None, None, None
 

@@ -105,8 +105,10 @@ def subquad_mask(
     """
     from transformers import masking_utils as mu
 
-    if use_vmap:
-        # A custom pattern that need not be index-based (transformers vmaps it): build the
+    tracing = torch.compiler.is_compiling() or torch.jit.is_tracing()
+    if use_vmap or tracing:
+        # A custom pattern that need not be index-based (transformers vmaps it), or a graph being
+        # compiled (the subquad::attention operator takes tensors, not callables): build the
         # tensor the way "sdpa" does.
         return mu.sdpa_mask(
             batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
@@ -119,9 +121,8 @@ def subquad_mask(
         mask_function = mu.causal_mask_function
 
     padding_mask = _pad_keys(attention_mask, kv_length + int(kv_offset))
-    tracing = torch.compiler.is_compiling() or torch.jit.is_tracing()
     window_applies = local_size is not None and kv_length >= local_size
-    if not tracing and not window_applies and not isinstance(q_offset, Tensor):
+    if not window_applies and not isinstance(q_offset, Tensor):
         no_padding = padding_mask is None or _all_true(padding_mask[:, kv_offset : kv_offset + kv_length])
         if allow_is_causal_skip:
             # Same rules as transformers' "sdpa": a square causal block or one query row is what
@@ -200,6 +201,9 @@ def subquad_attention_forward(
 
     attn_mask: Optional[Tensor] = None
     mask_mod = None
+    if isinstance(attention_mask, LazyMask) and torch.compiler.is_compiling():
+        # Built outside the compiled region (e.g. by generate()); the operator needs a tensor.
+        attention_mask = attention_mask.materialize()
     if isinstance(attention_mask, LazyMask):
         mask_mod = attention_mask.mask_mod
         causal = False

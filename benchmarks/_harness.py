@@ -1,0 +1,121 @@
+"""Time and peak memory of one attention call, each case in a fresh Python process.
+
+CPU peak memory is the process RSS high-water mark: the child is started with
+``MALLOC_MMAP_THRESHOLD_=131072`` (so freed large tensors go back to the OS), builds its inputs,
+warms up, resets the mark by writing ``5`` to ``/proc/self/clear_refs`` and reads ``VmHWM`` after
+one call. "extra" is that mark minus the RSS just before the call: the call's working set *and*
+its output. CUDA uses ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any, Callable, Dict
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def _child(spec: Dict[str, Any]) -> Dict[str, Any]:
+    import gc
+
+    import torch
+
+    torch.set_num_threads(spec.get("threads", torch.get_num_threads()))
+    module, name = spec["target"].split(":")
+    make: Callable[..., Callable[[], Any]] = getattr(importlib.import_module(module), name)
+    fn = make(**spec["kwargs"])
+    cuda = spec["kwargs"].get("device", "cpu").startswith("cuda")
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    result: Dict[str, Any] = {}
+    try:
+        out = fn()  # warm-up (thread pools, allocator caches, lazy imports)
+        sync()
+        result["output_bytes"] = _nbytes(out)
+        del out
+        times = []
+        deadline = time.perf_counter() + spec.get("max_seconds", 60)
+        for _ in range(spec.get("repeats", 3)):
+            t0 = time.perf_counter()
+            out = fn()
+            sync()
+            times.append((time.perf_counter() - t0) * 1e3)
+            del out
+            if time.perf_counter() > deadline:
+                break
+        result["median_ms"] = statistics.median(times)
+        result["times_ms"] = times
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            out = fn()
+            sync()
+            result["peak_extra_bytes"] = torch.cuda.max_memory_allocated() - base
+        else:
+            base = _status_kib("VmRSS")
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            out = fn()
+            result["peak_extra_bytes"] = (_status_kib("VmHWM") - base) * 1024
+        del out
+        result["status"] = "ok"
+    except Exception as e:  # noqa: BLE001 - an OOM or a refusal is a result, not a crash
+        msg = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+        result["status"] = "oom" if "memory" in msg.lower() else "error"
+        result["reason"] = msg
+    return result
+
+
+def _nbytes(out: Any) -> int:
+    import torch
+
+    if isinstance(out, torch.Tensor):
+        return out.numel() * out.element_size()
+    if isinstance(out, (tuple, list)):
+        return sum(_nbytes(o) for o in out)
+    return 0
+
+
+def measure(target: str, kwargs: Dict[str, Any], repeats: int = 3, timeout: float = 900, **extra: Any) -> Dict[str, Any]:
+    """Run ``target`` (``"module:factory"``; the factory builds inputs and returns a no-arg callable)
+    with ``kwargs`` in a fresh process and return its timing and peak memory."""
+    spec = {"target": target, "kwargs": kwargs, "repeats": repeats, **extra}
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072")
+    env["PYTHONPATH"] = os.pathsep.join([HERE, os.path.dirname(HERE), env.get("PYTHONPATH", "")])
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-c", "import sys, json, _harness as h; print('@@' + json.dumps(h._child(json.loads(sys.argv[1]))))",
+             json.dumps(spec)],
+            capture_output=True, text=True, env=env, timeout=timeout,
+        )
+    except subprocess.TimeoutExpired:
+        return {"status": "timeout", "reason": f"exceeded {timeout:.0f} s"}
+    for line in proc.stdout.splitlines():
+        if line.startswith("@@"):
+            return json.loads(line[2:])
+    tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+    status = "oom" if proc.returncode in (-9, 137) else "error"
+    return {"status": status, "reason": f"exit {proc.returncode}: {tail[0][:300]}"}
+
+
+def fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"

@@ -1,0 +1,386 @@
+"""Tests of the bench's measurement and reporting code (not of anyone's speed).
+
+Fake implementations with known behaviour (a sleep, a known allocation, a refusal, an OOM) check
+that time, memory and status are recorded as documented; tiny real cases check the reference and
+the mask adapters; the CLI tests check results.json/results.csv, --compare and usage errors.
+"""
+
+import csv
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from subquad.bench import cases, cli, impls, measure, report
+from subquad.bench.cases import Case, Timing
+from subquad.bench.impls import Impl, Unsupported
+from subquad.bench.measure import Result
+
+FAST = Timing(warmup_s=0.0, target_s=0.5, min_reps=3, max_reps=5)
+ONCE = Timing(warmup_s=0.0, target_s=0.0, min_reps=1, max_reps=1)
+TINY = Case(1, 2, 33, 47, 16, dtype="fp32")
+
+
+def fake(name, body, **kw):
+    """An Impl whose forward runs ``body()`` and then returns the exact attention output."""
+
+    def prepare(inputs):
+        def forward():
+            body()
+            return F.scaled_dot_product_attention(inputs.query, inputs.key, inputs.value,
+                                                  scale=inputs.scale, **impls._sdpa_mask_args(inputs))
+
+        return forward, {}
+
+    return Impl(name, "a fake for tests", prepare, **kw)
+
+
+def raising(exc):
+    def body():
+        raise exc
+
+    return body
+
+
+# ---------------------------------------------------------------------------- time
+
+
+def test_sleeping_fake_reports_the_sleep_as_median():
+    result = measure.run_case(fake("sleep", lambda: time.sleep(0.01)), TINY, FAST)
+    assert result.status == "ok", result.reason
+    # A sleep lasts at least its duration; the upper bound only guards against gross mistakes
+    # (e.g. summing the reps), not against a busy machine.
+    assert 10.0 <= result.median_ms < 1000.0
+    assert result.min_ms <= result.median_ms
+    assert FAST.min_reps <= result.reps <= FAST.max_reps
+    assert result.tflops == pytest.approx(TINY.flops / (result.median_ms / 1e3) / 1e12)
+
+
+def test_a_call_slower_than_the_target_is_timed_once():
+    timing = Timing(warmup_s=0.0, target_s=0.005, min_reps=5, max_reps=10)
+    result = measure.run_case(fake("slow", lambda: time.sleep(0.01)), TINY, timing)
+    assert result.status == "ok" and result.reps == 1
+
+
+# -------------------------------------------------------------------------- memory
+
+
+@pytest.mark.skipif(measure.RssPeak.available() is not None, reason="no /proc RSS counters")
+def test_cpu_peak_memory_counts_a_known_allocation():
+    size = 64 << 20
+
+    def allocate():
+        torch.ones(size // 4)  # touched, so resident, then freed before the call returns
+
+    result = measure.run_case(fake("alloc", allocate), TINY, ONCE)
+    assert result.status == "ok", result.reason
+    assert result.memory_method == "cpu VmHWM - VmRSS"
+    # A few pages may be freed during the call (below the starting RSS), hence 0.99.
+    assert 0.99 * size <= result.peak_bytes < size + (32 << 20)
+
+
+def test_memory_meter_kinds():
+    assert isinstance(measure.memory_meter(torch.device("cpu")), (measure.RssPeak, str))
+    assert "no peak-memory counter" in measure.memory_meter(torch.device("meta"))
+
+
+# -------------------------------------------------------------------- statuses
+
+
+@pytest.mark.parametrize("exc", [
+    torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.50 GiB"),
+    RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory"),
+    MemoryError(),
+], ids=["torch-oom", "cpu-allocator", "memory-error"])
+def test_out_of_memory_is_a_record_not_a_crash(exc):
+    result = measure.run_case(fake("oom", raising(exc)), TINY, FAST)
+    assert result.status == "oom"
+    assert result.median_ms is None and result.peak_bytes is None
+
+
+def test_declared_refusals_skip_the_run():
+    calls = []
+    impl = fake("cuda-only", lambda: calls.append(1), devices=("cuda",), dtypes=("fp16",),
+                masks=("none",), backward=False)
+    case = Case(1, 2, 8, 8, 16, dtype="fp32", mask="causal", backward=True)
+    result = measure.run_case(impl, case, FAST)
+    assert result.status == "unsupported" and not calls
+    for words in ("cuda only", "not fp32", "causal", "forward only"):
+        assert words in result.reason
+
+
+def test_missing_module_is_unsupported_with_install_hint():
+    impl = fake("missing", lambda: None, module="no_such_module_for_subquad_tests",
+                install="pip install it")
+    result = measure.run_case(impl, TINY, FAST)
+    assert result.status == "unsupported"
+    assert result.reason == "no_such_module_for_subquad_tests is not installed (pip install it)"
+
+
+@pytest.mark.parametrize("exc, expected", [
+    (Unsupported("head dim 300 > 256"), "head dim 300 > 256"),
+    (NotImplementedError("backend='fused' cannot run this call"), "NotImplementedError: backend="),
+], ids=["unsupported", "not-implemented"])
+def test_runtime_refusals_are_unsupported(exc, expected):
+    result = measure.run_case(fake("refuses", raising(exc)), TINY, FAST)
+    assert result.status == "unsupported"
+    assert result.reason.startswith(expected)
+
+
+def test_sdpa_refusal_reason_comes_from_its_warnings():
+    import warnings
+
+    def body():
+        warnings.warn("Flash attention requires the head dim to be a multiple of 8")
+        raise RuntimeError("No available kernel. Aborting execution.")
+
+    result = measure.run_case(fake("sdpa-like", body), TINY, FAST)
+    assert result.status == "unsupported"
+    assert "multiple of 8" in result.reason
+
+
+def test_other_exceptions_are_errors():
+    result = measure.run_case(fake("broken", raising(ValueError("bad stride"))), TINY, FAST)
+    assert result.status == "error" and result.reason == "ValueError: bad stride"
+
+
+def test_too_big_for_a_cpu_is_skipped_unless_asked():
+    case = Case(1, 1, 1 << 15, 1 << 14, 8, dtype="fp32")  # 2^29 scores
+    naive = impls.IMPLS["naive"]
+    assert "too slow" in naive.not_supported_reasons(case)[0]
+    assert naive.not_supported_reasons(case, skip_slow=False) == []
+    assert impls.IMPLS["sdpa-flash"].not_supported_reasons(case) == []
+
+
+# ---------------------------------------------------------------- accuracy / masks
+
+
+@pytest.mark.parametrize("mask", cases.MASKS)
+@pytest.mark.parametrize("name", ["naive", "sdpa-math", "sdpa-flash"])
+def test_real_implementations_match_the_sampled_reference(name, mask):
+    case = Case(2, 3, 37, 53, 16, dtype="fp32", mask=mask, backward=True)
+    result = measure.run_case(impls.IMPLS[name], case, ONCE)
+    assert result.status == "ok", result.reason
+    assert result.rel_err < 1e-5 and result.rel_err_grad < 1e-5
+
+
+@pytest.mark.parametrize("mask", cases.MASKS)
+def test_subquad_matches_the_sampled_reference_or_says_why_not(mask):
+    case = Case(1, 2, 37, 53, 16, dtype="fp32", mask=mask)
+    result = measure.run_case(impls.IMPLS["subquad"], case, ONCE)
+    if result.status == "unsupported":
+        assert result.reason
+    else:
+        assert result.status == "ok", result.reason
+        assert result.rel_err < 1e-5
+
+
+def test_sampled_errors_measures_a_known_error():
+    inputs = cases.make_inputs(Case(2, 2, 20, 30, 8, dtype="fp64", mask="key-padding"))
+    exact = F.scaled_dot_product_attention(inputs.query, inputs.key, inputs.value,
+                                           attn_mask=inputs.pad_mask)
+    rel, rel_grad = measure.sampled_errors(inputs, exact)
+    assert rel < 1e-12 and rel_grad is None
+    rel, _ = measure.sampled_errors(inputs, exact * 1.1)
+    assert rel == pytest.approx(0.1)
+
+
+def test_alibi_bias_is_causal_and_linear():
+    inputs = cases.make_inputs(Case(1, 2, 4, 4, 8, dtype="fp32", mask="alibi"))
+    bias = cases.alibi_bias(inputs)[0]
+    slopes = cases.alibi_slopes(2)
+    assert bias[1, 3, 1].item() == pytest.approx(-2 * slopes[1].item())
+    assert bias[0, 0, 1].item() == float("-inf")
+
+
+def test_alibi_slopes_follow_the_paper():
+    assert cases.alibi_slopes(8).tolist() == [2.0 ** -(i + 1) for i in range(8)]
+    assert len(cases.alibi_slopes(12)) == 12
+
+
+# ---------------------------------------------------------------------- worker
+
+
+def test_worker_measures_memory_and_parent_times():
+    case = Case(1, 2, 64, 64, 16, dtype="fp32")
+    results = measure.run_all([(impls.IMPLS["naive"], case)], ONCE, isolate=True)
+    (result,) = results
+    assert result.status == "ok", result.reason
+    assert result.reps == 1 and result.median_ms > 0
+    assert result.rel_err < 1e-5
+    assert result.memory_method is not None
+
+
+def test_worker_killed_by_the_kernel_is_oom():
+    kill = [sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"]
+    answer = measure.Worker(command=kill).run({"impl": "naive"})
+    assert answer["status"] == "oom" and "SIGKILL" in answer["reason"]
+
+
+def test_worker_that_exits_is_an_error():
+    worker = measure.Worker(command=[sys.executable, "-c", "import sys; sys.exit('boom')"])
+    answer = worker.run({"impl": "naive"})
+    assert answer["status"] == "error" and "boom" in answer["reason"]
+
+
+def test_run_all_reports_progress_before_and_after_each_job():
+    seen = []
+    jobs = [(impls.IMPLS["naive"], TINY), (impls.IMPLS["flash-attn"], TINY)]
+    measure.run_all(jobs, ONCE, isolate=False,
+                    progress=lambda i, n, impl, case, r: seen.append((i, r is None)))
+    assert seen == [(0, True), (0, False), (1, True), (1, False)]
+
+
+# ------------------------------------------------------------------- cases & CLI
+
+
+def test_flops_formula():
+    base = Case(2, 3, 5, 7, 11)
+    assert base.flops == 4 * 2 * 3 * 5 * 7 * 11
+    assert Case(2, 3, 5, 7, 11, mask="causal").flops == base.flops / 2
+    assert Case(2, 3, 5, 7, 11, backward=True).flops == base.flops * 3.5
+
+
+def test_parse_shape_and_dtype():
+    assert cases.parse_shape("2,8,4096,64") == (2, 8, 4096, 4096, 64)
+    assert cases.parse_shape("1x8x100x200x40") == (1, 8, 100, 200, 40)
+    with pytest.raises(ValueError, match="Expected a shape B,H,Lq,Lk,E"):
+        cases.parse_shape("2,8,64")
+    assert cases.parse_dtype("torch.bfloat16") == "bf16"
+    with pytest.raises(ValueError, match="Unknown dtype 'int8'"):
+        cases.parse_dtype("int8")
+
+
+def test_presets_named_after_their_sources():
+    shapes = {name: [c.shape for c in p.cases] for name, p in cases.PRESETS.items()}
+    assert shapes["sdpa-vs-xformers"] == [(32, 32, 1024, 1024, 32)]
+    assert shapes["sd21-512"] == [(2, 5, 4096, 4096, 64)]
+    assert shapes["sd15-1024"] == [(2, 8, 16384, 16384, 40)]
+    assert shapes["long-context"] == [(1, 8, 65536, 65536, 64)]
+    assert all(c.backward for c in cases.PRESETS["training"].cases)
+    quick = cases.preset_cases(cases.PRESETS["quick"], "cpu", masks=["causal"], backward=False)
+    assert all(c.mask == "causal" and c.dtype == "fp32" and not c.backward for c in quick)
+    assert len(quick) == len(set(quick))
+
+
+def run_cli(args, capsys):
+    code = cli.main(args)
+    return code, capsys.readouterr()
+
+
+def test_results_json_and_csv_schema(tmp_path, capsys):
+    out = tmp_path / "run"
+    code, captured = run_cli(
+        ["--shape", "1,2,64,80,16", "--mask", "none", "causal", "--impl", "naive", "sdpa-math",
+         "flash-attn", "--in-process", "--plain", "--seconds", "0.01", "--out", str(out)], capsys)
+    assert code == 0
+    assert "naive" in captured.out and "not run: flash-attn" in captured.out
+    records = json.loads((out / "results.json").read_text())
+    assert isinstance(records, list) and len(records) == 6
+    for rec in records:
+        assert set(report.REQUIRED_FIELDS) <= set(rec)
+        assert rec["status"] in measure.STATUSES
+        assert rec["mode"] == "fwd" and rec["dtype"] == "fp32" and rec["shape"] == [1, 2, 64, 80, 16]
+        assert rec["torch_version"] == torch.__version__ and rec["device_name"]
+        if rec["status"] == "ok":
+            assert rec["median_ms"] > 0 and rec["tflops"] > 0 and rec["rel_err"] < 1e-5
+            assert isinstance(rec["peak_bytes"], (int, type(None)))
+        else:
+            assert rec["median_ms"] is None and rec["reason"]
+    rows = list(csv.DictReader((out / "results.csv").open()))
+    assert len(rows) == 6 and rows[0]["shape"] == "1x2x64x80x16"
+    assert set(report.REQUIRED_FIELDS) <= set(rows[0])
+    if report.importlib.util.find_spec("matplotlib") is not None:
+        assert (out / "time.png").stat().st_size > 0 and (out / "memory.png").stat().st_size > 0
+    assert {r.impl for r in report.load_json(str(out / "results.json"))} == {"naive", "sdpa-math", "flash-attn"}
+
+
+def test_compare_flags_regressions(tmp_path, capsys):
+    out = tmp_path / "new"
+    args = ["--shape", "1,2,256,64", "--impl", "naive", "--in-process", "--plain", "--seconds",
+            "0.01", "--out", str(out)]
+    assert run_cli(args, capsys)[0] == 0
+    records = json.loads((out / "results.json").read_text())
+    old = tmp_path / "old.json"
+    for rec in records:
+        rec["median_ms"] /= 100  # the old run was "100x faster"
+    old.write_text(json.dumps(records))
+    code, captured = run_cli(args + ["--compare", str(old)], capsys)
+    assert code == 0 and "time new/old" in captured.out  # without a threshold: report only
+    code, captured = run_cli(args + ["--compare", str(old), "--fail-if-regression", "50"], capsys)
+    assert code == 1 and "regressions:" in captured.out
+
+
+def test_compare_rules():
+    def r(status="ok", ms=10.0, peak=100 << 20, impl="x"):
+        return Result(impl=impl, case="c", mode="fwd", status=status, median_ms=ms, peak_bytes=peak)
+
+    _, regs = report.compare([r(ms=10.4)], [r(ms=10.0)], 5)
+    assert regs == []
+    _, regs = report.compare([r(ms=12.0)], [r(ms=10.0)], 5)
+    assert len(regs) == 1 and "time 1.20x" in regs[0]
+    _, regs = report.compare([r(peak=200 << 20)], [r()], 5)
+    assert "peak memory 2.00x" in regs[0]
+    _, regs = report.compare([r(status="oom")], [r()], 5)
+    assert "was ok, now oom" in regs[0]
+    _, regs = report.compare([r(peak=1000)], [r(peak=10)], 5)  # tiny absolute change: noise
+    assert regs == []
+    text, _ = report.compare([r(impl="y")], [r()], 5)
+    assert "no (impl, case, mode) in common" in text
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--preset", "quick", "--shape", "1,1,8,8"], "either --preset or --shape"),
+    (["--impl", "nosuch"], "matches no implementation"),
+    (["--fail-if-regression", "5"], "needs --compare"),
+    (["--shape", "1,2,3"], "Expected a shape"),
+    (["--dtype", "int8"], "Unknown dtype"),
+], ids=["preset-and-shape", "unknown-impl", "regression-without-compare", "bad-shape", "bad-dtype"])
+def test_usage_errors(args, message, capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main(args)
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_list(capsys):
+    code, captured = run_cli(["--list", "--device", "cpu"], capsys)
+    assert code == 0
+    assert "sd15-1024" in captured.out and "subquad-matmul" in captured.out
+
+
+def test_plain_table_without_rich():
+    results = [
+        Result(impl="a", case="1x1x8x8x8 fp32 none", mode="fwd", median_ms=1.5, tflops=0.1,
+               peak_bytes=3 << 20, rel_err=1e-7),
+        Result(impl="b", case="1x1x8x8x8 fp32 none", mode="fwd", status="oom",
+               reason="CUDA out of memory"),
+        Result(impl="c", case="1x1x8x8x8 fp32 none", mode="fwd", status="unsupported",
+               reason="c is not installed"),
+    ]
+    text = report.render_plain(results)
+    assert "== 1x1x8x8x8 fp32 none fwd" in text
+    assert "3.0 MiB" in text and "oom: CUDA out of memory" in text
+    assert "not run: c: c is not installed" in text
+
+
+def test_bench_imports_rich_and_matplotlib_lazily():
+    code = ("import sys, subquad.bench.cli; "
+            "print(sorted(m for m in ('rich', 'matplotlib') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)), check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_format_helpers():
+    assert report.format_bytes(None) == "-"
+    assert report.format_bytes(1536) == "1.5 KiB"
+    assert report.format_bytes(3 << 30) == "3.0 GiB"
+    assert report.format_ms(0.1234) == "0.123" and report.format_ms(1234.0) == "1234"
+    assert math.isclose(cases.Case(1, 1, 4, 4, 8).output_bytes, 4 * 8 * 4)

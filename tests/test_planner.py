@@ -1,0 +1,184 @@
+"""The memory budget, the planner's choices, explain(), and the out-of-memory retry."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import subquad
+from conftest import assert_close_to_golden, naive_attention
+from subquad._inputs import Inputs, make_inputs
+from subquad._planner import (
+    DEFAULT_BUDGET_FRACTION,
+    MPS_MAX_MATMUL_ELEMENTS,
+    MatmulBackend,
+    _tile_options,
+    free_memory_bytes,
+    parse_budget,
+)
+
+MiB = 1 << 20
+
+
+@pytest.mark.parametrize(
+    "text,expected",
+    [(1024, 1024), ("512MiB", 512 * MiB), ("2GB", 2 * 10**9), ("1.5GiB", int(1.5 * 2**30)), ("64 mib", 64 * MiB),
+     ("100", 100), ("3KiB", 3072), (0, 0)],
+)
+def test_parse_budget(text, expected):
+    assert parse_budget(text) == expected
+
+
+@pytest.mark.parametrize("bad", [-1, "-5MiB", "lots", "12 parsecs", True, [1], "MiB"])
+def test_bad_budget_names_the_argument(bad):
+    q = torch.randn(1, 1, 4, 4)
+    with pytest.raises(ValueError, match="memory_budget"):
+        subquad.attention(q, q, q, memory_budget=bad)
+
+
+def test_default_budget_is_a_fraction_of_free_memory():
+    q = torch.randn(1, 2, 64, 16)
+    plan = subquad.explain(q, q, q)
+    expected = DEFAULT_BUDGET_FRACTION * free_memory_bytes(q.device)
+    assert 0.5 * expected < plan.budget_bytes < 1.5 * expected
+
+
+def test_explain_reports_choice_and_reasons():
+    q, k, v = torch.randn(1, 4, 512, 32), torch.randn(1, 4, 512, 32), torch.randn(1, 4, 512, 16)
+    plan = subquad.explain(q, k, v, memory_budget="4MiB")
+    assert plan.backend == "matmul"  # Ev != E rules out the fused kernels on CPU
+    assert plan.chunk_size is not None and plan.chunk_size[0] < 512
+    assert plan.budget_bytes == 4 * MiB
+    assert 0 < plan.predicted_peak_bytes <= plan.budget_bytes
+    assert any("Ev == E" in r for r in plan.rejected["fused"])
+    text = str(plan)
+    assert "backend:   matmul" in text and "not fused:" in text and "4.0 MiB budget" in text
+
+
+def test_tiles_shrink_with_the_budget_and_are_deterministic():
+    q = torch.randn(1, 4, 2048, 64)
+    chunks = []
+    for budget in ["64MiB", "16MiB", "4MiB", "1MiB"]:
+        a = subquad.explain(q, q, q, memory_budget=budget, backend="matmul")
+        b = subquad.explain(q, q, q, memory_budget=budget, backend="matmul")
+        assert a.chunk_size == b.chunk_size
+        assert a.predicted_peak_bytes <= a.budget_bytes
+        chunks.append(a.chunk_size[0] * a.chunk_size[1])
+    assert chunks == sorted(chunks, reverse=True) and chunks[0] > chunks[-1]
+
+
+def test_whole_key_rows_preferred():
+    q = torch.randn(1, 4, 4096, 64)
+    plan = subquad.explain(q, q, q, memory_budget="32MiB", backend="matmul")
+    assert plan.chunk_size[1] == 4096 and plan.chunk_size[0] < 4096
+    assert "whole key rows" in str(plan)
+
+
+def test_budget_too_small_says_what_would_work():
+    q = torch.randn(1, 2, 256, 32)
+    with pytest.raises(subquad.MemoryBudgetError, match=r"pass memory_budget of at least (\d+) bytes") as info:
+        subquad.attention(q, q, q, memory_budget=1000)
+    assert isinstance(info.value, MemoryError)
+    need = int(re.search(r"at least (\d+) bytes", str(info.value)).group(1))
+    out = subquad.attention(q, q, q, memory_budget=need)
+    assert_close_to_golden(out, F.scaled_dot_product_attention(q, q, q), floor=1e-5)
+
+
+def test_out_of_memory_retry_halves_tiles_and_stays_exact(monkeypatch):
+    from subquad import _kernels
+
+    q, k, v = (torch.randn(1, 2, 100, 16, dtype=torch.float64) for _ in range(3))
+    calls = {"n": 0}
+    original = _kernels.MatmulKernel.forward_rows
+
+    def flaky(self, inp, qs, qe, segments, out, seed):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory")
+        return original(self, inp, qs, qe, segments, out, seed)
+
+    monkeypatch.setattr(_kernels.MatmulKernel, "forward_rows", flaky)
+    with pytest.warns(RuntimeWarning, match=r"out of memory with tiles .* retrying with \(50, 100\)"):
+        out = subquad.attention(q, k, v, backend="matmul")
+    assert calls["n"] == 1 + 2  # one failure, then two blocks of 50 rows
+    assert_close_to_golden(out, naive_attention(q, k, v))
+
+
+def test_other_errors_are_not_retried(monkeypatch):
+    from subquad import _kernels
+
+    def broken(*a, **kw):
+        raise RuntimeError("something else")
+
+    monkeypatch.setattr(_kernels.MatmulKernel, "forward_rows", broken)
+    q = torch.randn(1, 1, 8, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(RuntimeError, match="something else"):
+            subquad.attention(q, q, q, backend="matmul")
+
+
+def test_mps_guard_keeps_every_matmul_below_2_31():
+    meta = [torch.empty(2, 32, 65536, 64, device="meta") for _ in range(3)]
+    inp = make_inputs(*meta)
+
+    class OnMPS(Inputs):
+        @property
+        def device(self):
+            return torch.device("mps")
+
+    mps_inp = OnMPS(**{f.name: getattr(inp, f.name) for f in dataclasses.fields(inp)})
+    options = _tile_options(mps_inp, MatmulBackend())
+    assert options and all(2 * 32 * qc * kc < MPS_MAX_MATMUL_ELEMENTS for qc, kc in options)
+    assert len(_tile_options(inp, MatmulBackend())) > len(options)
+
+
+def test_large_input_under_64mib_equals_sdpa():
+    q, k, v = (torch.randn(1, 4, 16384, 64) for _ in range(3))
+    plan = subquad.explain(q, k, v, memory_budget="64MiB")
+    assert plan.predicted_peak_bytes <= 64 * MiB
+    out = subquad.attention(q, k, v, memory_budget="64MiB")
+    ref = F.scaled_dot_product_attention(q, k, v)
+    assert (out - ref).abs().max().item() < 1e-5
+
+
+GRID = [
+    dict(shape=[1, 4, 4096, 4096, 64], budget=b, mask=m, backend=be)
+    for b in ["8MiB", "32MiB", "128MiB"]
+    for m in [None, "bool", "float", "causal"]
+    for be in ["auto", "matmul"]
+] + [
+    dict(shape=[2, 2, 1000, 3000, 64], budget="16MiB", dtype="bfloat16"),
+    dict(shape=[2, 2, 1000, 3000, 64], budget="16MiB", dtype="bfloat16", backend="matmul"),
+    dict(shape=[1, 4, 2048, 2048, 64], budget="32MiB", grad=True),
+    dict(shape=[1, 4, 2048, 2048, 64], budget="32MiB", grad=True, backend="matmul"),
+    dict(shape=[1, 4, 2048, 2048, 64], budget="32MiB", grad=True, mask="causal"),
+]
+
+
+def test_measured_peak_within_budget_and_prediction_honest():
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072")
+    here = os.path.dirname(os.path.abspath(__file__))
+    proc = subprocess.run(
+        [sys.executable, os.path.join(here, "_memory_probe.py"), json.dumps(GRID)],
+        capture_output=True, text=True, env=env, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    failures = []
+    for r in json.loads(proc.stdout.strip().splitlines()[-1]):
+        extra = r["measured"] - r["output"]
+        label = f"{r['case']} -> {r['backend']} {r['chunk']}"
+        if r["measured"] > r["budget"] + r["output"]:
+            failures.append(f"{label}: measured {r['measured']} > budget {r['budget']} + output {r['output']}")
+        if r["predicted"] < 0.8 * extra:
+            failures.append(f"{label}: predicted {r['predicted']} < 0.8 x measured extra {extra}")
+    assert not failures, "\n".join(failures)
