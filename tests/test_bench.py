@@ -94,7 +94,7 @@ def test_memory_meter_kinds():
 
 
 @pytest.mark.parametrize("exc", [
-    torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.50 GiB"),
+    torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.50 GiB"),
     RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory"),
     MemoryError(),
 ], ids=["torch-oom", "cpu-allocator", "memory-error"])
@@ -298,7 +298,8 @@ def test_results_json_and_csv_schema(tmp_path, capsys):
     assert set(report.REQUIRED_FIELDS) <= set(rows[0])
     if report.importlib.util.find_spec("matplotlib") is not None:
         assert (out / "time.png").stat().st_size > 0 and (out / "memory.png").stat().st_size > 0
-    assert {r.impl for r in report.load_json(str(out / "results.json"))} == {"naive", "sdpa-math", "flash-attn"}
+    loaded = report.load_json(str(out / "results.json"))
+    assert {r.impl for r in loaded} == {"naive", "sdpa-math", "flash-attn"}
 
 
 def test_compare_flags_regressions(tmp_path, capsys):
@@ -341,7 +342,9 @@ def test_compare_rules():
     (["--fail-if-regression", "5"], "needs --compare"),
     (["--shape", "1,2,3"], "Expected a shape"),
     (["--dtype", "int8"], "Unknown dtype"),
-], ids=["preset-and-shape", "unknown-impl", "regression-without-compare", "bad-shape", "bad-dtype"])
+    (["--budget", "12 apples"], "--budget '12 apples'"),
+], ids=["preset-and-shape", "unknown-impl", "regression-without-compare", "bad-shape", "bad-dtype",
+        "bad-budget"])
 def test_usage_errors(args, message, capsys):
     with pytest.raises(SystemExit) as info:
         cli.main(args)
@@ -368,6 +371,21 @@ def test_plain_table_without_rich():
     assert "== 1x1x8x8x8 fp32 none fwd" in text
     assert "3.0 MiB" in text and "oom: CUDA out of memory" in text
     assert "not run: c: c is not installed" in text
+
+
+def test_without_rich_table_and_progress_are_plain_text(monkeypatch):
+    import io
+
+    monkeypatch.setattr(report, "have_rich", lambda: False)
+    result = Result(impl="a", case="1x1x8x8x8 fp32 none", mode="fwd", median_ms=2.0)
+    table, log = io.StringIO(), io.StringIO()
+    report.print_table([result], file=table)
+    assert table.getvalue().startswith("== 1x1x8x8x8 fp32 none fwd")
+    with report.Progress(1, file=log) as progress:
+        progress.update(0, 1, impls.IMPLS["naive"], TINY, None)
+        progress.update(0, 1, impls.IMPLS["naive"], TINY, result)
+    assert log.getvalue() == "[1/1] naive 1x2x33x47x16 fp32 none fwd: 2.00 ms, 0.00 TFLOP/s, " \
+                             "peak -, err -\n"
 
 
 def test_bench_imports_rich_and_matplotlib_lazily():

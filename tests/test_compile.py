@@ -80,11 +80,15 @@ def test_compiled_forward_and_backward_match_sdpa(case):
 
 
 def test_dynamic_shapes_do_not_recompile_per_length():
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    counter = CompileCounterWithBackend("aot_eager")
     torch._dynamo.reset()
-    fn = torch.compile(lambda q: compiled_attention(q, q, q, is_causal=True), backend="aot_eager", fullgraph=True, dynamic=True)
+    fn = torch.compile(lambda q: compiled_attention(q, q, q, is_causal=True), backend=counter, fullgraph=True, dynamic=True)
     for n in (13, 17, 29):
         q = _t(1, 2, n, 8, seed=n, grad=False)
         _close(fn(q), F.scaled_dot_product_attention(q, q, q, is_causal=True), what=f"length {n}")
+    assert counter.frame_count == 1
 
 
 def test_inductor_forward_and_backward():

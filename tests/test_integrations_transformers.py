@@ -91,37 +91,47 @@ def calls(monkeypatch):
 
 
 # ----------------------------------------------------------------------------- masks
+def _padding(total, pads):
+    keep = torch.ones(len(pads), total, dtype=torch.bool)
+    for row, p in enumerate(pads):  # left padding
+        keep[row, :p] = False
+    return keep
+
+
+def _packed():
+    pos = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3], list(range(9))])
+    fn = mu.and_masks(
+        mu.remap_positions_for_packed_sequence(mu.causal_mask_function, pos),
+        mu.packed_sequence_mask_function(mu.find_packed_sequence_indices(pos)),
+    )
+    return dict(q_length=9, kv_length=9, mask_function=fn, allow_is_causal_skip=False)
+
+
 MASK_CASES = {
-    "causal-square": dict(q_length=9, kv_length=9),
-    "causal-left-padding": dict(q_length=9, kv_length=9, pads=(3, 0)),
-    "decode-one-query-long-cache": dict(q_length=1, kv_length=30, q_offset=29, pads=(4, 0)),
-    "chunked-prefill": dict(q_length=5, kv_length=12, q_offset=7, pads=(2, 1)),
-    "sliding-window": dict(q_length=17, kv_length=17, local_size=5, fn="sliding"),
-    "sliding-window-cache-offset": dict(q_length=3, kv_length=7, q_offset=9, kv_offset=5, local_size=5, fn="sliding"),
-    "static-cache-prefill": dict(q_length=6, kv_length=16, static=True),
-    "bidirectional-padding": dict(q_length=7, kv_length=7, pads=(2, 0), fn="bidirectional"),
+    "causal-square": lambda: dict(q_length=9, kv_length=9),
+    "causal-left-padding": lambda: dict(q_length=9, kv_length=9, attention_mask=_padding(9, (3, 0))),
+    "decode-one-query-long-cache": lambda: dict(q_length=1, kv_length=30, q_offset=29, attention_mask=_padding(30, (4, 0))),
+    "chunked-prefill": lambda: dict(q_length=5, kv_length=12, q_offset=7, attention_mask=_padding(12, (2, 1))),
+    "sliding-window": lambda: dict(q_length=17, kv_length=17, local_size=5, mask_function=mu.sliding_window_causal_mask_function(5)),
+    "sliding-window-cache-offset": lambda: dict(
+        q_length=3, kv_length=7, q_offset=9, kv_offset=5, local_size=5,
+        mask_function=mu.sliding_window_causal_mask_function(5), attention_mask=_padding(12, (2, 0)),
+    ),
+    "static-cache-prefill": lambda: dict(q_length=6, kv_length=16, attention_mask=_padding(6, (0, 0))),
+    "bidirectional-padding": lambda: dict(
+        q_length=7, kv_length=7, mask_function=mu.bidirectional_mask_function, attention_mask=_padding(7, (2, 0)),
+        allow_is_causal_skip=False, allow_is_bidirectional_skip=True,
+    ),
+    "chunked-attention": lambda: dict(
+        q_length=11, kv_length=11, local_size=4, mask_function=mu.chunked_causal_mask_function(4, torch.tensor([2, 0])),
+    ),
+    "packed-sequences": _packed,
 }
 
 
 @pytest.mark.parametrize("case", list(MASK_CASES), ids=list(MASK_CASES))
 def test_lazy_mask_equals_sdpa_mask(case):
-    c = dict(MASK_CASES[case])
-    pads, fn, static = c.pop("pads", None), c.pop("fn", "causal"), c.pop("static", False)
-    total = c["kv_length"] + c.get("kv_offset", 0)
-    kw = dict(batch_size=2, **c)
-    if fn == "sliding":
-        kw["mask_function"] = mu.sliding_window_causal_mask_function(c["local_size"])
-    elif fn == "bidirectional":
-        kw["mask_function"] = mu.bidirectional_mask_function
-        kw["allow_is_causal_skip"] = False
-        kw["allow_is_bidirectional_skip"] = True
-    if pads is not None:
-        attn = torch.ones(2, total, dtype=torch.bool)
-        for row, p in enumerate(pads):
-            attn[row, :p] = False
-        kw["attention_mask"] = attn
-    if static:
-        kw["attention_mask"] = torch.ones(2, c["q_length"], dtype=torch.bool)  # shorter than the cache
+    kw = dict(batch_size=2, **MASK_CASES[case]())
     golden = mu.sdpa_mask(**kw)
     got = sqt.subquad_mask(**kw)
     if golden is None:

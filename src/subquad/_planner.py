@@ -390,26 +390,30 @@ class Plan:
         return "\n".join(lines)
 
 
-def _candidates(n: int) -> List[int]:
-    """The whole length, then powers of two below it, descending."""
-    if n <= 1:
-        return [1]
+def _candidates(n: int, smallest: int = 1) -> List[int]:
+    """The whole length, then powers of two below it down to ``smallest``, descending."""
+    if n <= max(1, smallest):
+        return [max(n, 1)]
     out = [n]
     p = 1 << (n - 1).bit_length() - 1
     if p == n:
         p //= 2
-    while p >= 1:
+    while p >= smallest:
         out.append(p)
         p //= 2
     return out
 
 
+# Key segments shorter than this cost more in per-call overhead than they save in memory.
+MIN_KV_CHUNK = 32
+
+
 def _tile_options(inp: Inputs, backend: Backend) -> List[Tuple[int, int]]:
     """Tile sizes to try, best first: large tiles, whole key rows preferred."""
-    qcs, kcs = _candidates(inp.Lq), _candidates(inp.Lk)
+    qcs, kcs = _candidates(inp.Lq), _candidates(inp.Lk, MIN_KV_CHUNK)
     if inp.is_causal or (backend.name == "fused" and inp.mask_mod is not None):
         # Square, aligned tiles let whole tiles above the diagonal be skipped.
-        pairs = [(qc, qc) for qc in _candidates(min(max(inp.Lq, 1), max(inp.Lk, 1)))]
+        pairs = [(qc, qc) for qc in _candidates(min(max(inp.Lq, 1), max(inp.Lk, 1)), 8)]
         pairs.insert(0, (max(inp.Lq, 1), max(inp.Lk, 1)))
     else:
         pairs = [(qc, kc) for qc in qcs for kc in kcs]

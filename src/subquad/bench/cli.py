@@ -121,6 +121,33 @@ def _check_device(device: str) -> Optional[str]:
     return None
 
 
+def _busy_warning() -> Optional[str]:
+    """A warning when other processes already keep the CPUs busy (CPU timings will be noisy)."""
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
+    cpus = os.cpu_count() or 1
+    if load > 0.5 * cpus:
+        return (f"warning: load average {load:.1f} on {cpus} CPUs before starting; "
+                "other processes will make CPU timings noisy")
+    return None
+
+
+def _check_budget(budget: str) -> Optional[str]:
+    """Ask subquad itself whether it understands ``budget``, once, instead of failing each run."""
+    try:
+        import subquad
+
+        q = torch.zeros(1, 1, 8, 8)
+        subquad.explain(q, q, q, memory_budget=budget)
+    except (TypeError, ValueError) as exc:
+        return f"--budget {budget!r}: {exc}"
+    except Exception:  # noqa: BLE001 - anything else is for the runs to report
+        pass
+    return None
+
+
 def print_list(device: str) -> None:
     print("presets:")
     for preset in cases_mod.PRESETS.values():
@@ -135,7 +162,8 @@ def print_list(device: str) -> None:
 
 def main(argv: Optional[list[str]] = None) -> int:
     """Entry point of ``subquad bench``; ``argv`` are the arguments after ``bench``. Returns the
-    exit status: 0, 1 for a regression under --fail-if-regression, 2 for a usage error."""
+    exit status: 0, 1 for a regression under --fail-if-regression, 2 for a usage error, 130
+    after Ctrl-C (the runs done so far are still shown and saved)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     device = args.device or default_device()
@@ -151,6 +179,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         parser.error("--fail-if-regression needs --compare OLD.json")
     if args.compare and not os.path.isfile(args.compare):
         parser.error(f"--compare {args.compare}: no such file")
+
+    if args.budget is not None:
+        problem = _check_budget(args.budget)
+        if problem:
+            parser.error(problem)
 
     preset = None if args.shape else cases_mod.PRESETS[args.preset or "quick"]
     overrides = dict(dtype=args.dtype, masks=args.mask, budget=args.budget)
@@ -175,12 +208,18 @@ def main(argv: Optional[list[str]] = None) -> int:
     title = f"subquad bench: {preset.name if preset else 'custom shapes'} on " \
             f"{measure.device_name(device)}, torch {torch.__version__}, {len(jobs)} runs"
     print(title, file=sys.stderr, flush=True)
+    busy = _busy_warning()
+    if busy:
+        print(busy, file=sys.stderr, flush=True)
     with report.Progress(len(jobs), plain=plain) as progress:
         results = measure.run_all(
             jobs, timing, seed=args.seed, skip_slow=not args.no_skip,
             isolate=False if args.in_process else None, progress=progress.update,
         )
 
+    interrupted = len(results) < len(jobs)
+    if interrupted:
+        print(f"interrupted: {len(results)} of {len(jobs)} runs done", file=sys.stderr)
     report.print_table(results, plain=plain)
     if args.out:
         paths = report.save(results, args.out)
@@ -196,4 +235,4 @@ def main(argv: Optional[list[str]] = None) -> int:
             print("regressions:\n  " + "\n  ".join(regressions))
             if args.fail_if_regression is not None:
                 return 1
-    return 0
+    return 130 if interrupted else 0

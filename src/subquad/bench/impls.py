@@ -4,15 +4,16 @@ Each :class:`Impl` states what it supports (devices, dtypes, masks, backward, an
 and answers ``not_supported_reasons(case) -> list[str]``; a refusal found only when it runs (a
 kernel that turns the input down, a forced subquad backend the planner rejects) raises
 :class:`Unsupported` or is recognised by :func:`refusal_reason`. ``prepare(inputs)`` returns the
-zero-argument forward call that is timed; everything an implementation must build per call (a
-materialized ALiBi bias, a causal mask) is built inside it, so it counts in time and memory.
+zero-argument forward call that is timed, and a dict of facts worth recording (subquad's plan);
+everything an implementation must build per call (a materialized ALiBi bias, a causal mask) is
+built inside that call, so it counts in its time and memory.
 """
 
 from __future__ import annotations
 
 import fnmatch
 import importlib.util
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Optional, Tuple
 
 import torch
@@ -22,6 +23,9 @@ from .cases import MASKS, BenchInputs, Case, alibi_bias
 
 Forward = Callable[[], torch.Tensor]
 Prepared = Tuple[Forward, dict]  # the timed call, and facts worth recording (a subquad plan)
+
+# torch.OutOfMemoryError is the public name since torch 2.5; the CUDA one is the same class.
+OutOfMemoryError = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError
 
 # On a CPU, implementations that materialize B·H·Lq·Lk scores are skipped past this many score
 # elements unless --no-skip: 2^28 fp32 scores took ~2 s per call on a 2-core CPU (naive, math).
@@ -46,7 +50,7 @@ class Impl:
     materializes_scores: bool = False  # builds B·H·Lq·Lk: skipped on CPU past a size
     extra_reasons: Optional[Callable[[Case], list[str]]] = None
     # Exceptions that this implementation raises to refuse an input (rather than to fail).
-    refusals: tuple[type, ...] = field(default=(NotImplementedError,))
+    refusals: tuple[type, ...] = (NotImplementedError,)
 
     def not_supported_reasons(self, case: Case, *, skip_slow: bool = True) -> list[str]:
         """Why this implementation cannot (or should not) run ``case``; empty when it can."""
@@ -344,13 +348,22 @@ def refusal_reason(impl: Impl, exc: BaseException, warnings_text: str = "") -> O
     ):
         # SDPA explains the refusal in warnings, one per backend; those are the useful part.
         return (warnings_text or message.splitlines()[0]).strip()
-    if isinstance(exc, impl.refusals) and not isinstance(exc, torch.OutOfMemoryError):
-        return f"{type(exc).__name__}: {message}".strip()
+    if isinstance(exc, impl.refusals) and not isinstance(exc, OutOfMemoryError):
+        return f"{type(exc).__name__}: {_one_line(message)}".strip()
     return None
 
 
+def _one_line(message: str) -> str:
+    """A multi-line refusal is usually a heading ending in ':' and one reason per line; the
+    reasons are what a reader needs, so the heading goes."""
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    if len(lines) > 1 and lines[0].endswith(":"):
+        lines = lines[1:]
+    return "; ".join(lines)
+
+
 def is_out_of_memory(exc: BaseException) -> bool:
-    if isinstance(exc, torch.OutOfMemoryError):
+    if isinstance(exc, OutOfMemoryError):
         return True
     message = str(exc).lower()
     return isinstance(exc, (RuntimeError, MemoryError)) and (

@@ -56,6 +56,7 @@ def one_line(result: Result) -> str:
 # -------------------------------------------------------------------------------- table
 
 COLUMNS = ("impl", "median ms", "TFLOP/s", "peak mem", "rel err", "status")
+STATUS_WIDTH = 90
 
 
 def _common_unsupported(results: list[Result]) -> dict[str, str]:
@@ -83,6 +84,8 @@ def table_sections(results: list[Result]) -> tuple[list[tuple[str, list[list[str
         status = r.status if r.status != "ok" else ("ok" if not r.reason else f"ok: {r.reason}")
         if r.status != "ok" and r.reason:
             status = f"{r.status}: {r.reason}"
+        if len(status) > STATUS_WIDTH:
+            status = status[: STATUS_WIDTH - 1] + "…"  # results.json has it in full
         err = _format_err(r.rel_err)
         if r.rel_err_grad is not None:
             err += f" / {_format_err(r.rel_err_grad)}"
@@ -93,7 +96,7 @@ def table_sections(results: list[Result]) -> tuple[list[tuple[str, list[list[str
     return list(sections.items()), footer
 
 
-def render_plain(results: list[Result], width: int = 120) -> str:
+def render_plain(results: list[Result]) -> str:
     """The results table as plain text."""
     sections, footer = table_sections(results)
     lines = []
@@ -103,8 +106,7 @@ def render_plain(results: list[Result], width: int = 120) -> str:
     def fmt(cells):
         head = "  ".join(c.ljust(w) if i == 0 else c.rjust(w)
                          for i, (c, w) in enumerate(zip(cells, widths)))
-        text = f"{head}  {cells[-1]}"
-        return text if len(text) <= width else text[: width - 1] + "…"
+        return f"{head}  {cells[-1]}".rstrip()
 
     for title, rows in sections:
         lines.append(f"== {title}")
@@ -131,7 +133,7 @@ def print_table(results: list[Result], *, plain: bool = False, file: TextIO = No
         table = Table(title=title, title_justify="left", show_edge=False, pad_edge=False)
         for i, name in enumerate(COLUMNS):
             table.add_column(name, justify="left" if i in (0, len(COLUMNS) - 1) else "right",
-                             overflow="fold")
+                             no_wrap=True)
         for row in rows:
             style = None if row[-1].startswith("ok") else "dim"
             table.add_row(*row, style=style)
@@ -236,8 +238,9 @@ def _groups(results: Iterable[Result]) -> dict[str, dict[str, list[tuple[int, Re
 
 def plot(results: list[Result], out_dir: str) -> list[str]:
     """time.png and memory.png in ``out_dir``: median time and peak extra memory against the
-    query length, log-log, one line per implementation, one panel per other setting. Returns
-    the paths written (none when matplotlib is missing or nothing ran)."""
+    query length, log-log, one line per implementation, one panel per other setting (a setting
+    measured at a single length gets bars instead). Returns the paths written (none when
+    matplotlib is missing or nothing ran)."""
     if importlib.util.find_spec("matplotlib") is None:
         return []
     import matplotlib
@@ -249,8 +252,12 @@ def plot(results: list[Result], out_dir: str) -> list[str]:
     if not panels:
         return []
     device = next(r.device_name for r in results if r.status == "ok")
-    impl_order = list(dict.fromkeys(r.impl for r in results))
-    colors = {name: plt.get_cmap("tab10")(i % 10) for i, name in enumerate(impl_order)}
+    impl_order = list(dict.fromkeys(r.impl for r in results if r.status == "ok"))
+    cmap = plt.get_cmap("tab10" if len(impl_order) <= 10 else "tab20")
+    style = {name: (cmap(i), "osD^v<>ph*"[i % 10]) for i, name in enumerate(impl_order)}
+    # Sweeps first: the panels with the most lengths carry the most information.
+    order = sorted(panels.items(), key=lambda kv: (-len({lq for pts in kv[1].values()
+                                                         for lq, _ in pts}), kv[0]))
     written = []
     for filename, metric, label in (
         ("time.png", lambda r: r.median_ms, "median time (ms)"),
@@ -259,30 +266,40 @@ def plot(results: list[Result], out_dir: str) -> list[str]:
     ):
         ncols = min(3, len(panels))
         nrows = math.ceil(len(panels) / ncols)
-        fig, axes = plt.subplots(nrows, ncols, figsize=(5.2 * ncols, 3.8 * nrows), squeeze=False)
-        for ax, (title, by_impl) in zip(axes.flat, sorted(panels.items())):
-            lengths = set()
+        fig, axes = plt.subplots(nrows, ncols, figsize=(5.4 * ncols, 4.0 * nrows), squeeze=False)
+        for ax, (title, by_impl) in zip(axes.flat, order):
+            series = {}
             for impl in impl_order:
                 points = sorted((lq, metric(r)) for lq, r in by_impl.get(impl, []))
                 points = [(x, y) for x, y in points if y is not None and y > 0]
-                if not points:
-                    continue
-                lengths.update(x for x, _ in points)
-                ax.plot(*zip(*points), marker="o", label=impl, color=colors[impl])
-            ax.set_xscale("log", base=2)
+                if points:
+                    series[impl] = points
+            lengths = sorted({x for pts in series.values() for x, _ in pts})
+            if len(lengths) == 1:
+                names = list(series)
+                values = [series[n][0][1] for n in names]
+                bars = ax.bar(range(len(names)), values, color=[style[n][0] for n in names])
+                ax.bar_label(bars, labels=[f"{v:.3g}" for v in values], fontsize=7)
+                ax.set_xticks(range(len(names)), names, rotation=35, ha="right", fontsize=8)
+                ax.set_xlabel(f"Lq = {lengths[0]}")
+            else:
+                for impl, points in series.items():
+                    color, marker = style[impl]
+                    ax.plot(*zip(*points), marker=marker, label=impl, color=color)
+                ax.set_xscale("log", base=2)
+                ax.set_xticks(lengths, [str(n) for n in lengths])
+                ax.set_xlabel("sequence length Lq")
+                ax.legend(fontsize=7)
             ax.set_yscale("log")
-            ax.set_xticks(sorted(lengths), [str(n) for n in sorted(lengths)])
-            ax.set_xlabel("sequence length Lq")
             ax.set_ylabel(label)
             ax.set_title(title, fontsize=9)
             ax.grid(True, which="both", alpha=0.3)
-            ax.legend(fontsize=7)
         for ax in list(axes.flat)[len(panels):]:
             ax.set_visible(False)
         fig.suptitle(f"subquad bench: {label} on {device}", fontsize=10)
         fig.tight_layout()
         path = os.path.join(out_dir, filename)
-        fig.savefig(path, dpi=110)
+        fig.savefig(path, dpi=100)
         plt.close(fig)
         written.append(path)
     return written

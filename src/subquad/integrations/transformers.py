@@ -115,7 +115,7 @@ def subquad_mask(
             kv_offset=kv_offset, mask_function=mask_function or mu.causal_mask_function,
             attention_mask=attention_mask, local_size=local_size,
             allow_is_causal_skip=allow_is_causal_skip, allow_is_bidirectional_skip=allow_is_bidirectional_skip,
-            use_vmap=True, device=device, **kwargs,
+            use_vmap=use_vmap, device=device, **kwargs,
         )
     if mask_function is None:
         mask_function = mu.causal_mask_function
