@@ -105,6 +105,10 @@ def subquad_mask(
     """
     from transformers import masking_utils as mu
 
+    if isinstance(attention_mask, LazyMask):
+        # Built ahead by generate() for this very step (compileable caches) and handed back
+        # to the model, which asks again: it is already the final mask.
+        return attention_mask
     tracing = torch.compiler.is_compiling() or torch.jit.is_tracing()
     if use_vmap or tracing:
         # A custom pattern that need not be index-based (transformers vmaps it), or a graph being
