@@ -9,11 +9,11 @@ taking the largest such tiles (whole key rows first).
 
 from __future__ import annotations
 
-import math
 import os
 import re
+import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from typing import Dict, List, Optional, Tuple, Union
 
 import torch
 
@@ -66,8 +66,17 @@ def parse_budget(memory_budget: Union[int, str]) -> int:
     return value
 
 
+_CPU_FREE_CACHE: List[float] = []  # [timestamp, bytes]: /proc/meminfo read at most every 0.2 s
+
+
 def free_memory_bytes(device: torch.device) -> int:
     """Memory the device could still give to one call."""
+    if device.type == "cpu":
+        now = time.monotonic()
+        if _CPU_FREE_CACHE and now - _CPU_FREE_CACHE[0] < 0.2:
+            return int(_CPU_FREE_CACHE[1])
+        _CPU_FREE_CACHE[:] = [now, _cpu_available_bytes()]
+        return int(_CPU_FREE_CACHE[1])
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
         reusable = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
@@ -76,6 +85,10 @@ def free_memory_bytes(device: torch.device) -> int:
         mps = torch.mps
         if hasattr(mps, "recommended_max_memory") and hasattr(mps, "current_allocated_memory"):
             return max(0, int(mps.recommended_max_memory() - mps.current_allocated_memory()))
+    return _cpu_available_bytes()
+
+
+def _cpu_available_bytes() -> int:
     try:
         with open("/proc/meminfo") as f:
             for line in f:
@@ -442,25 +455,26 @@ def _fit(
         pred = backend.forward_bytes(inp, inp.Lq, inp.Lk, need_lse) + (
             backend.backward_bytes(inp, inp.Lq, inp.Lk, opts) if need_grad else 0
         )
-        return (None, None, pred, pred) if pred <= budget else (None, None, pred, pred)
+        return None, None, pred, pred
     if opts.chunk_size is not None:
         f = opts.chunk_size
         pred = backend.forward_bytes(inp, *f, need_lse) + bwd(f)
         return f, f, pred, pred
     options = _tile_options(inp, backend)
     fwd = next((p for p in options if backend.forward_bytes(inp, *p, need_lse) <= budget), None)
-    smallest = backend.forward_bytes(inp, *options[-1], need_lse) + bwd(options[-1])
     if fwd is None:
+        smallest = backend.forward_bytes(inp, *options[-1], need_lse) + bwd(options[-1])
         return None, None, smallest, smallest
     fwd_pred = backend.forward_bytes(inp, *fwd, need_lse)
     if not need_grad:
-        return fwd, None, fwd_pred, smallest
+        return fwd, None, fwd_pred, 0
     # Forward-saved state (the lse) stays alive during the backward: both share the budget.
     saved = inp.lse_bytes()
     bwd_tiles = next((p for p in options if saved + bwd(p) <= budget), None)
     if bwd_tiles is None:
+        smallest = max(backend.forward_bytes(inp, *options[-1], need_lse), saved + bwd(options[-1]))
         return None, None, smallest, smallest
-    return fwd, bwd_tiles, max(fwd_pred, saved + bwd(bwd_tiles)), smallest
+    return fwd, bwd_tiles, max(fwd_pred, saved + bwd(bwd_tiles)), 0
 
 
 def make_plan(
@@ -547,6 +561,3 @@ def halve(chunk: Optional[Tuple[int, int]], inp: Inputs) -> Tuple[int, int]:
         return side, side
     return (max(1, qc // 2), kc) if qc >= kc or kc <= 16 else (qc, max(1, kc // 2))
 
-
-def _unused(_: Sequence[object]) -> None:  # pragma: no cover
-    return None
