@@ -9,7 +9,8 @@ of blocks.
 
 from __future__ import annotations
 
-from typing import Callable, List, Optional, Tuple, Union
+import itertools
+from typing import Callable, Iterator, List, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -40,29 +41,31 @@ TILES = TileCounter()
 EMPTY, FULL, PARTIAL = 0, 1, 2
 
 
-def _mask_mod_state(inp: Inputs, qs: int, qe: int, ks: int, ke: int) -> int:
+def _mask_mod_state(inp: Inputs, qs: int, qe: int, ks: int, ke: int) -> Tuple[int, Optional[Tensor]]:
+    """The tile's state under ``mask_mod``, and the evaluated mask when it had to be evaluated."""
     mm = inp.mask_mod
     if mm is None:
-        return FULL
+        return FULL, None
     declared: Optional[Callable[[int, int, int, int], int]] = getattr(mm, "block_state", None)
     if declared is not None:
         state = declared(qs, qe, ks, ke)
         if state in (EMPTY, FULL, PARTIAL):
-            return int(state)
-    # Exact for any callback: evaluate it on the tile's indices (elementwise, no matmul).
+            return int(state), None
+    # Exact for any callback: evaluate it on the tile's indices (elementwise, no matmul); the
+    # result is handed on with the segment so that it is not evaluated twice.
     keep = eval_mask_mod(inp, qs, qe, ks, ke)
     if not bool(keep.any()):
-        return EMPTY
-    return FULL if bool(keep.all()) else PARTIAL
+        return EMPTY, None
+    return (FULL, None) if bool(keep.all()) else (PARTIAL, keep)
 
 
-def kv_segments(inp: Inputs, qs: int, qe: int, kv_chunk: int, coalesce: bool) -> List[Segment]:
-    """Key segments that query rows ``[qs, qe)`` must visit, in order.
+def kv_segments(inp: Inputs, qs: int, qe: int, kv_chunk: int, coalesce: bool) -> Iterator[Segment]:
+    """Key segments that query rows ``[qs, qe)`` must visit, in order, produced lazily.
 
     With ``coalesce``, neighbouring segments that need no generated mask are joined (the fused
     kernel's memory does not grow with the segment length).
     """
-    segs: List[Segment] = []
+    pending: Optional[Segment] = None
     for ks in range(0, inp.Lk, kv_chunk):
         ke = min(ks + kv_chunk, inp.Lk)
         causal = "none"
@@ -72,15 +75,28 @@ def kv_segments(inp: Inputs, qs: int, qe: int, kv_chunk: int, coalesce: bool) ->
                 break
             if ke - 1 > qs:
                 causal = "diag" if ks == qs else "partial"
-        state = _mask_mod_state(inp, qs, qe, ks, ke)
+        state, keep = _mask_mod_state(inp, qs, qe, ks, ke)
         if state == EMPTY:
             TILES.skipped += 1
             continue
-        segs.append(Segment(ks, ke, causal, state == PARTIAL))
-    if coalesce:
-        segs = _coalesce(inp, segs)
-    TILES.computed += len(segs)
-    return segs
+        seg = Segment(ks, ke, causal, state == PARTIAL, keep)
+        TILES.computed += 1
+        if not coalesce:
+            yield seg
+            continue
+        if (
+            pending is not None
+            and pending.ke == seg.ks
+            and not _needs_generated_mask(inp, pending)
+            and not _needs_generated_mask(inp, seg)
+        ):
+            pending = Segment(pending.ks, seg.ke)
+            continue
+        if pending is not None:
+            yield pending
+        pending = seg
+    if pending is not None:
+        yield pending
 
 
 def _needs_generated_mask(inp: Inputs, seg: Segment) -> bool:
@@ -89,19 +105,9 @@ def _needs_generated_mask(inp: Inputs, seg: Segment) -> bool:
     return seg.causal != "none" or seg.mask_mod or bool_or_cast or additive
 
 
-def _coalesce(inp: Inputs, segs: List[Segment]) -> List[Segment]:
-    merged: List[Segment] = []
-    for seg in segs:
-        if (
-            merged
-            and merged[-1].ke == seg.ks
-            and not _needs_generated_mask(inp, merged[-1])
-            and not _needs_generated_mask(inp, seg)
-        ):
-            merged[-1] = Segment(merged[-1].ks, seg.ke)
-        else:
-            merged.append(seg)
-    return merged
+def _nonempty(segments: Iterator[Segment]) -> Optional[Iterator[Segment]]:
+    first = next(segments, None)
+    return None if first is None else itertools.chain([first], segments)
 
 
 def _row_blocks(Lq: int, q_chunk: int) -> List[Tuple[int, int]]:
@@ -120,26 +126,24 @@ def forward(
     blocks = _row_blocks(Lq, q_chunk)
     if isinstance(kernel, FusedCPUKernel) and len(blocks) == 1:
         # One block of rows: the kernel's own output is the result, no copy.
-        segs = kv_segments(inp, 0, Lq, kv_chunk, coalesce)
-        if segs:
+        segs = _nonempty(kv_segments(inp, 0, Lq, kv_chunk, coalesce))
+        if segs is not None:
             out, rows_lse = kernel.forward_rows(inp, 0, Lq, segs, None, seed)
-            out = out.to(inp.dtype)
             if lse is not None:
                 lse.copy_(rows_lse)
-            return out, lse
+            return out.to(inp.dtype), lse
     out = torch.empty((B, Hq, Lq, inp.Ev), dtype=inp.dtype, device=inp.device)
     for qs, qe in blocks:
-        segs = kv_segments(inp, qs, qe, kv_chunk, coalesce)
-        if not segs:
+        segs = _nonempty(kv_segments(inp, qs, qe, kv_chunk, coalesce))
+        if segs is None:
             out[:, :, qs:qe].zero_()
             if lse is not None:
                 lse[:, :, qs:qe].fill_(float("-inf"))
             continue
         result = kernel.forward_rows(inp, qs, qe, segs, out, seed)
-        rows_lse = result[1] if isinstance(result, tuple) else result
         if lse is not None:
-            lse[:, :, qs:qe].copy_(rows_lse)
-        del result, rows_lse
+            lse[:, :, qs:qe].copy_(result[1] if isinstance(result, tuple) else result)
+        del result
     return out, lse
 
 
@@ -157,6 +161,6 @@ def backward(
     kernel = KERNELS[kernel_name]
     q_chunk, kv_chunk = chunk
     for qs, qe in _row_blocks(inp.Lq, q_chunk):
-        segs = kv_segments(inp, qs, qe, kv_chunk, coalesce=kernel_name == "fused")
-        if segs:
+        segs = _nonempty(kv_segments(inp, qs, qe, kv_chunk, coalesce=kernel_name == "fused"))
+        if segs is not None:
             kernel.backward_rows(inp, qs, qe, segs, grad_out, out, lse, seed, grads)

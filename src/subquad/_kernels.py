@@ -13,7 +13,7 @@ A kernel's ``forward_rows`` writes ``out[:, :, qs:qe]`` and returns the rows' ls
 
 from __future__ import annotations
 
-from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Callable, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -36,6 +36,7 @@ class Segment(NamedTuple):
     ke: int
     causal: str = "none"
     mask_mod: bool = False
+    keep: Optional[Tensor] = None  # mask_mod already evaluated on this tile, if it was
 
 
 class RowState(NamedTuple):
@@ -153,7 +154,8 @@ def tile_bias(
     if seg.causal == "partial" or (seg.causal == "diag" and not causal_in_kernel):
         keep = causal_keep(qs, qe, ks, ke, inp.device)
     if seg.mask_mod:
-        mm = to_caller_batch(inp, eval_mask_mod(inp, qs, qe, ks, ke))
+        mm = seg.keep if seg.keep is not None else eval_mask_mod(inp, qs, qe, ks, ke)
+        mm = to_caller_batch(inp, mm)
         keep = mm if keep is None else keep & mm
     if keep is not None:
         if bias is None:
@@ -205,7 +207,7 @@ class MatmulKernel:
         return self._add_bias(inp, s, qs, qe, seg)
 
     def forward_rows(
-        self, inp: Inputs, qs: int, qe: int, segments: Sequence[Segment], out: Tensor, seed: int
+        self, inp: Inputs, qs: int, qe: int, segments: Iterable[Segment], out: Tensor, seed: int
     ) -> Tensor:
         """Online softmax over ``segments`` for rows ``[qs, qe)``; writes ``out`` and returns the lse."""
         B, Hq, Hk, G = inp.B, inp.Hq, inp.Hk, inp.G
@@ -244,7 +246,7 @@ class MatmulKernel:
         inp: Inputs,
         qs: int,
         qe: int,
-        segments: Sequence[Segment],
+        segments: Iterable[Segment],
         grad_out: Tensor,
         out: Tensor,
         lse: Tensor,
@@ -432,40 +434,39 @@ class FusedCPUKernel:
         return bias
 
     def forward_rows(
-        self, inp: Inputs, qs: int, qe: int, segments: Sequence[Segment], out: Optional[Tensor], seed: int
+        self, inp: Inputs, qs: int, qe: int, segments: Iterable[Segment], out: Optional[Tensor], seed: int
     ) -> Tuple[Tensor, Tensor]:
-        """Returns ``(rows_out, lse)``; ``rows_out`` is written into ``out`` when one is given."""
-        if len(segments) == 1:
-            o_t, lse = self._segment(inp, qs, qe, segments[0], need_empty_rows=True)
-            if out is not None:
-                out[:, :, qs:qe].copy_(o_t)
-            return o_t, lse
+        """Returns ``(rows_out, lse)``; ``rows_out`` is also written into ``out`` when one is given."""
         sdt = inp.stats_dtype
+        first: Optional[Tuple[Tensor, Tensor]] = None
         acc: Optional[Tensor] = None
         lse = torch.empty(0)
         for seg in segments:
             o_t, lse_t = self._segment(inp, qs, qe, seg, need_empty_rows=True)
-            lse_t = lse_t.to(sdt)
-            if acc is None:
-                acc, lse = o_t.to(sdt), lse_t
+            if first is None:
+                first = (o_t, lse_t)
                 continue
+            if acc is None:
+                acc, lse = first[0].to(sdt), first[1].to(sdt)
             # Exact merge of two partial softmaxes over disjoint keys.
+            lse_t = lse_t.to(sdt)
             lse_new = torch.logaddexp(lse, lse_t)
             lse_ref = lse_new.masked_fill(lse_new == NEG_INF, 0.0)
             acc.mul_(torch.exp(lse - lse_ref).unsqueeze(-1))
             acc.add_(o_t.to(sdt).mul_(torch.exp(lse_t - lse_ref).unsqueeze(-1)))
             lse = lse_new
-        assert acc is not None
+        assert first is not None, "forward_rows needs at least one segment"
+        rows, lse = (first[0], first[1]) if acc is None else (acc, lse)
         if out is not None:
-            out[:, :, qs:qe].copy_(acc)
-        return acc, lse
+            out[:, :, qs:qe].copy_(rows)
+        return rows, lse
 
     def backward_rows(
         self,
         inp: Inputs,
         qs: int,
         qe: int,
-        segments: Sequence[Segment],
+        segments: Iterable[Segment],
         grad_out: Tensor,
         out: Tensor,
         lse: Tensor,
