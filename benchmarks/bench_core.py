@@ -34,14 +34,14 @@ def _inputs(B: int, H: int, L: int, E: int, dtype: str, device: str):
 def make(impl: str, B: int, H: int, L: int, E: int, dtype: str = "float32", device: str = "cpu", budget: Any = None) -> Callable[[], Any]:
     """Factory run in the child process: inputs plus a no-argument call."""
     q, k, v = _inputs(B, H, L, E, dtype, device)
-    if impl == "subquad":
+    if impl.startswith("subquad"):
+        # "subquad", "subquad-matmul" (the pure-PyTorch tiles) and "subquad@16MiB" (under a budget).
         import subquad
 
-        return lambda: subquad.attention(q, k, v, memory_budget=budget)
-    if impl == "subquad-matmul":
-        import subquad
-
-        return lambda: subquad.attention(q, k, v, backend="matmul", memory_budget=budget)
+        name, _, budget_text = impl.partition("@")
+        backend = "matmul" if name.endswith("-matmul") else "auto"
+        budget = budget_text or budget
+        return lambda: subquad.attention(q, k, v, backend=backend, memory_budget=budget)
     if impl == "sdpa":
         return lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v)
     if impl == "naive":
@@ -72,7 +72,7 @@ def _load_mea():
     return efficient_dot_product_attention
 
 
-IMPLS = ["subquad", "sdpa", "naive", "mea-0.1.3", "mea-pytorch-0.1.6"]
+IMPLS = ["subquad", "subquad-matmul@64MiB", "sdpa", "naive", "mea-0.1.3", "mea-pytorch-0.1.6"]
 
 
 def main(argv: List[str] | None = None) -> int:
