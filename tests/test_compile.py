@@ -143,6 +143,17 @@ def test_callbacks_under_compile_run_eagerly():
     _close(fn(q, k, v), F.scaled_dot_product_attention(q, k, v, is_causal=True), what="mask_mod under compile")
 
 
+def test_torch_export_keeps_the_operator():
+    class Block(torch.nn.Module):
+        def forward(self, q, k, v):
+            return compiled_attention(q, k, v, is_causal=True, memory_budget="1MiB")
+
+    q, k, v = (_t(1, 2, 13, 8, seed=s, grad=False) for s in range(3))
+    program = torch.export.export(Block(), (q, k, v))
+    assert "torch.ops.subquad.attention.default" in program.graph_module.code
+    _close(program.module()(q, k, v), F.scaled_dot_product_attention(q, k, v, is_causal=True), what="exported")
+
+
 def test_errors_surface_while_tracing():
     q, k = _t(1, 2, 9, 16, seed=0, grad=False), _t(1, 2, 9, 8, seed=1, grad=False)
     torch._dynamo.reset()
@@ -150,3 +161,7 @@ def test_errors_surface_while_tracing():
         torch.compile(lambda q, k: compiled_attention(q, k, k), backend="aot_eager", fullgraph=True)(q, k)
     with pytest.raises(TypeError, match="memory_budget"):
         compiled_attention(q, q, q, memory_budget=1.5)
+    with pytest.raises(ValueError, match="chunk_size"):
+        compiled_attention(q, q, q, chunk_size=(0, 5))
+    with pytest.raises(ValueError, match="backend='flash'"):
+        compiled_attention(q, q, q, backend="flash")

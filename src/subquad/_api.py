@@ -13,6 +13,8 @@ from . import _engine
 from ._autograd import attention_with_grad, captured_tensors
 from ._inputs import Inputs, MaskMod, ScoreMod, make_inputs, parse_chunk_size
 from ._planner import BACKEND_NAMES, MemoryBudgetError, Options, Plan, halve, make_plan, resolve_budget
+from .integrations.compile import compiled_attention
+from .integrations.compile import supports as _compile_supports
 
 # The original SDPA, saved before anything (such as subquad.patch_sdpa) can replace it.
 _TORCH_SDPA = F.scaled_dot_product_attention
@@ -157,6 +159,13 @@ def attention(
         MemoryBudgetError: the budget cannot hold even the smallest tiles (says what would).
         NotImplementedError: a forced ``backend`` cannot run the call (with its reasons).
     """
+    if torch.compiler.is_compiling() and _compile_supports(score_mod=score_mod, mask_mod=mask_mod, dropout_p=dropout_p):
+        # Under torch.compile subquad is one opaque operator (fake + autograd registrations); the
+        # planner and tile loop run eagerly inside it when the compiled graph executes.
+        return compiled_attention(
+            query, key, value, attn_mask=attn_mask, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
+            memory_budget=memory_budget, chunk_size=chunk_size, backend=backend, return_lse=return_lse,
+        )
     inp, opts, budget, plan, captured = _prepare(
         query, key, value, attn_mask, is_causal, score_mod, mask_mod, scale, enable_gqa,
         dropout_p, memory_budget, chunk_size, backend, return_lse,

@@ -45,11 +45,18 @@ def _budget_value(memory_budget: Optional[str]) -> Union[int, str, None]:
 
 
 def _chunk_arg(chunk_size: Union[int, Sequence[int], None]) -> Optional[List[int]]:
-    if chunk_size is None:
-        return None
-    if isinstance(chunk_size, int) and not isinstance(chunk_size, bool):
-        return [chunk_size, chunk_size]
-    return [int(c) for c in chunk_size]
+    from subquad._inputs import parse_chunk_size
+
+    pair = parse_chunk_size(chunk_size)
+    return None if pair is None else list(pair)
+
+
+def _backend_arg(backend: str) -> str:
+    from subquad._planner import BACKEND_NAMES
+
+    if not isinstance(backend, str) or (backend != "auto" and backend not in BACKEND_NAMES):
+        raise ValueError(f"Unknown backend={backend!r}; expected 'auto' or one of {', '.join(map(repr, BACKEND_NAMES))}.")
+    return backend
 
 
 def _eager(
@@ -293,9 +300,15 @@ def compiled_attention(
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """``subquad.attention`` through the ``subquad::attention`` operator (same arguments and results).
 
+    Shapes: ``query (..., Hq, Lq, E)``, ``key (..., Hk, Lk, E)``, ``value (..., Hk, Lk, Ev)`` ->
+    ``out (..., Hq, Lq, Ev)`` (and ``lse (..., Hq, Lq)``, float32; float64 for float64 inputs).
+
     Use it where a graph must not break (``torch.compile(fullgraph=True)``, ``torch.export``);
     ``subquad.attention`` calls it by itself while compiling. It does not take ``score_mod``,
     ``mask_mod`` or ``dropout_p``: see :func:`supports`.
+
+    Raises:
+        TypeError / ValueError: as ``subquad.attention``; under ``torch.compile`` while tracing.
     """
     out, lse = attention_op(
         query,
@@ -307,6 +320,6 @@ def compiled_attention(
         bool(enable_gqa),
         _budget_arg(memory_budget),
         _chunk_arg(chunk_size),
-        backend,
+        _backend_arg(backend),
     )
     return (out, lse) if return_lse else out

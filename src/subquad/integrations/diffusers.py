@@ -13,7 +13,7 @@ diffusers is imported only when a model is enabled (``pip install subquad[diffus
 
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor

@@ -141,15 +141,13 @@ def subquad_mask(
         if allow_is_bidirectional_skip and no_padding:
             return None
 
-    pattern = mask_function
-    if padding_mask is not None:
-        pad = padding_mask
+    pad = padding_mask
 
-        def pattern(b: Tensor, h: Tensor, q: Tensor, k: Tensor) -> Tensor:
-            return mask_function(b, h, q, k) & pad[b, k]
-
+    # Positions inside the call -> absolute positions, which transformers' functions expect.
     def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        return pattern(b, h, q_idx + q_offset, kv_idx + kv_offset)
+        q, k = q_idx + q_offset, kv_idx + kv_offset
+        keep = mask_function(b, h, q, k)
+        return keep if pad is None else keep & pad[b, k]
 
     return LazyMask(mask_mod, (batch_size, 1, q_length, kv_length), device)
 
