@@ -193,3 +193,31 @@ def test_sdpa_drop_in_gradients_match_torch():
     assert_close_to_golden(ours, golden, theirs)
     for a, b in zip((gq, gk, gv), (tq, tk, tv)):
         assert (a - b).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("backend,chunk", PATHS)
+def test_lse_is_differentiable_for_merging(backend, chunk):
+    """Partial attentions merged by their lse (ring attention) get exact gradients through the lse."""
+    q, k, v = _leaf(1, 2, 10, 8), _leaf(1, 2, 24, 8), _leaf(1, 2, 24, 8)
+    keep = torch.rand(10, 24) > 0.3
+    keep[4, :11] = False  # row 4 sees nothing in the first half: lse1 = -inf there
+
+    def merged(q, k, v):
+        o1, l1 = subquad.attention(q, k[:, :, :11], v[:, :, :11], attn_mask=keep[:, :11], return_lse=True,
+                                   backend=backend, chunk_size=chunk)
+        o2, l2 = subquad.attention(q, k[:, :, 11:], v[:, :, 11:], attn_mask=keep[:, 11:], return_lse=True,
+                                   backend=backend, chunk_size=chunk)
+        lse = torch.logaddexp(l1, l2)
+        return o1 * (l1 - lse).exp().unsqueeze(-1) + o2 * (l2 - lse).exp().unsqueeze(-1)
+
+    out, grads = _grads(merged, [q, k, v])
+    ref_out, ref_grads = _grads(lambda q, k, v: naive_attention(q, k, v, attn_mask=keep), [q, k, v])
+    assert_close_to_golden(out, ref_out)
+    for name, g, r in zip("qkv", grads, ref_grads):
+        assert_close_to_golden(g, r, name=f"d{name}", floor=1e-11)
+
+
+def test_gradient_of_lse_alone():
+    q, k, v = _leaf(1, 2, 7, 4), _leaf(1, 2, 9, 4), _leaf(1, 2, 9, 4)
+    fn = lambda q, k, v: subquad.attention(q, k, v, return_lse=True, chunk_size=(3, 4))[1]  # noqa: E731
+    assert torch.autograd.gradcheck(fn, (q, k, v), eps=1e-6, atol=1e-8)

@@ -53,7 +53,7 @@ def test_opcheck_backward_operator():
     q, k, v = _t(2, 4, 13, 16, seed=0), _t(2, 4, 11, 16, seed=1), _t(2, 4, 11, 8, seed=2)
     out, lse = attention_op(q, k, v, None, False, None, False, None, list(MANY_TILES), "auto")
     grad = _t(*out.shape, seed=3, grad=False)
-    args = (grad, q.detach(), k.detach(), v.detach(), None, out.detach(), lse, False, None, False, None,
+    args = (grad, q.detach(), k.detach(), v.detach(), None, out.detach(), lse.detach(), False, None, False, None,
             list(MANY_TILES), "auto", False)
     torch.library.opcheck(attention_backward_op, args)
 
@@ -131,7 +131,7 @@ def test_subquad_attention_routes_to_the_operator_while_compiling():
     eager_out, eager_lse = fn(q, k, v)
     _close(out, eager_out, what="output")
     _close(lse, eager_lse, what="lse")
-    assert lse.dtype == torch.float64 and not lse.requires_grad
+    assert lse.dtype == torch.float64 and lse.requires_grad == eager_lse.requires_grad  # differentiable, as in eager
 
 
 def test_callbacks_under_compile_run_eagerly():
@@ -165,3 +165,22 @@ def test_errors_surface_while_tracing():
         compiled_attention(q, q, q, chunk_size=(0, 5))
     with pytest.raises(ValueError, match="backend='flash'"):
         compiled_attention(q, q, q, backend="flash")
+
+
+def test_compiled_lse_is_differentiable():
+    q, k, v = _t(1, 2, 10, 8, seed=0), _t(1, 2, 24, 8, seed=1), _t(1, 2, 24, 8, seed=2)
+
+    def merged(q, k, v):
+        o1, l1 = compiled_attention(q, k[:, :, :11], v[:, :, :11], chunk_size=(3, 4), return_lse=True)
+        o2, l2 = compiled_attention(q, k[:, :, 11:], v[:, :, 11:], chunk_size=(3, 4), return_lse=True)
+        lse = torch.logaddexp(l1, l2)
+        return o1 * (l1 - lse).exp().unsqueeze(-1) + o2 * (l2 - lse).exp().unsqueeze(-1)
+
+    torch._dynamo.reset()
+    out = torch.compile(merged, backend="aot_eager", fullgraph=True)(q, k, v)
+    grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+    golden = F.scaled_dot_product_attention(q, k, v)
+    golden_grads = torch.autograd.grad(golden.square().sum(), (q, k, v))
+    _close(out, golden, what="output")
+    for g, r in zip(grads, golden_grads):
+        _close(g, r, what="grad")

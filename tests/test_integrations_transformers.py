@@ -256,9 +256,16 @@ def test_attention_sinks_renormalise_by_the_lse():
     out = _logits(model, "subquad", ids, mask)
     _close(out[1], golden[1], tol=1e-5, what="logits vs eager (unpadded row)")
     _close(out[0, 3:], golden[0, 3:], tol=1e-5, what="logits vs eager (padded row, real tokens)")
-    model.train()
-    with pytest.raises(NotImplementedError, match="sinks"):
-        model(ids, attention_mask=mask)
+    # Training: gradients (sinks included) flow through the differentiable lse, as in eager.
+    grads = {}
+    for impl in ("eager", "subquad"):
+        model.zero_grad()
+        model.set_attn_implementation(impl)
+        logits = model(ids, attention_mask=mask).logits
+        (logits[1].square().mean() + logits[0, 3:].square().mean()).backward()
+        grads[impl] = {n: p.grad.detach().clone() for n, p in model.named_parameters() if "sinks" in n or "q_proj" in n}
+    for name, g in grads["eager"].items():
+        _close(grads["subquad"][name], g, tol=1e-4, what=f"grad of {name}")
 
 
 def test_compiled_model_has_no_graph_break():

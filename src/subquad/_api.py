@@ -92,7 +92,8 @@ def _run(
     if inp.requires_grad or captured:
         assert plan.backward_backend is not None
         return attention_with_grad(
-            inp, plan.backend, fwd_chunk, plan.backward_backend, bwd_chunk or fwd_chunk, seed, captured
+            inp, plan.backend, fwd_chunk, plan.backward_backend, bwd_chunk or fwd_chunk, seed, captured,
+            plan.budget_bytes,
         )
     return _engine.forward(inp, plan.backend, fwd_chunk, seed, need_lse=opts.return_lse)
 

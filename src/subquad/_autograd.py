@@ -17,6 +17,7 @@ from torch import Tensor
 from . import _engine
 from ._inputs import Inputs
 from ._kernels import Grads
+from ._planner import matmul_backward_tiles
 
 
 def captured_tensors(fn: Any) -> List[Tensor]:
@@ -70,32 +71,40 @@ class _Attention(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
         ctx: Any,
-        meta: Tuple[Inputs, str, Tuple[int, int], str, Tuple[int, int], int],
+        meta: Tuple[Inputs, str, Tuple[int, int], str, Tuple[int, int], int, int],
         query: Tensor,
         key: Tensor,
         value: Tensor,
         attn_mask: Optional[Tensor],
         *captured: Tensor,
     ) -> Tuple[Tensor, Tensor]:
-        inp, kernel, chunk, bwd_kernel, bwd_chunk, seed = meta
+        inp, kernel, chunk, bwd_kernel, bwd_chunk, seed, budget = meta
         inp = dataclasses.replace(inp, query=query, key=key, value=value, attn_mask=attn_mask)
         out, lse = _engine.forward(inp, kernel, chunk, seed, need_lse=True)
         assert lse is not None
         ctx.save_for_backward(query, key, value, attn_mask, out, lse, *captured)
-        ctx.meta = (dataclasses.replace(inp, query=None, key=None, value=None, attn_mask=None), bwd_kernel, bwd_chunk, seed)
-        ctx.mark_non_differentiable(lse)
+        ctx.meta = (dataclasses.replace(inp, query=None, key=None, value=None, attn_mask=None), bwd_kernel, bwd_chunk, seed, budget)
+        ctx.set_materialize_grads(False)  # an unused lse (or output) gets no zero-filled gradient
         return out, lse
 
     @staticmethod
-    def backward(ctx: Any, grad_out: Tensor, _grad_lse: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:
+    def backward(ctx: Any, grad_out: Optional[Tensor], grad_lse: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:
         if torch.is_grad_enabled():  # only true under create_graph=True
             raise NotImplementedError(
                 "subquad's attention does not support double backward (create_graph=True); "
                 "use torch.nn.functional.scaled_dot_product_attention for higher-order gradients."
             )
         query, key, value, attn_mask, out, lse, *captured = ctx.saved_tensors
-        inp0, kernel, chunk, seed = ctx.meta
+        inp0, kernel, chunk, seed, budget = ctx.meta
         inp = dataclasses.replace(inp0, query=query, key=key, value=value, attn_mask=attn_mask)
+        if grad_out is None:
+            grad_out = torch.zeros_like(out)
+        if grad_lse is not None:
+            # Fully masked rows have lse = -inf and no keys to pass a gradient to.
+            grad_lse = grad_lse.masked_fill(torch.isneginf(lse), 0.0)
+            if kernel == "fused":
+                # The fused backward computes D itself; the matmul tiles take dlse (same budget).
+                kernel, chunk = "matmul", matmul_backward_tiles(inp, budget)
         need = ctx.needs_input_grad
         half = query.dtype in (torch.float16, torch.bfloat16)
         acc_dtype = torch.float32 if half else query.dtype
@@ -114,7 +123,7 @@ class _Attention(torch.autograd.Function):
         )
         grad_out = grad_out.contiguous() if kernel == "fused" else grad_out
         with torch.no_grad():
-            _engine.backward(inp, kernel, chunk, seed, grad_out, out, lse, grads)
+            _engine.backward(inp, kernel, chunk, seed, grad_out, out, lse, grads, grad_lse)
 
         def cast(g: Optional[Tensor], like: Tensor) -> Optional[Tensor]:
             return None if g is None else g.to(like.dtype)
@@ -137,8 +146,9 @@ def attention_with_grad(
     bwd_chunk: Tuple[int, int],
     seed: int,
     captured: Sequence[Tensor],
+    budget: int,
 ) -> Tuple[Tensor, Tensor]:
     mask = inp.attn_mask
-    meta = (dataclasses.replace(inp, query=None, key=None, value=None, attn_mask=None), kernel, chunk, bwd_kernel, bwd_chunk, seed)
+    meta = (dataclasses.replace(inp, query=None, key=None, value=None, attn_mask=None), kernel, chunk, bwd_kernel, bwd_chunk, seed, budget)
     # mask_mod / score_mod are plain Python objects and ride along in ``meta``.
     return _Attention.apply(meta, inp.query, inp.key, inp.value, mask, *captured)

@@ -156,6 +156,7 @@ def backward(
     out: Tensor,
     lse: Tensor,
     grads: Grads,
+    grad_lse: Optional[Tensor] = None,
 ) -> None:
     """Accumulate the gradients of the whole call into ``grads``, block by block."""
     kernel = KERNELS[kernel_name]
@@ -163,4 +164,4 @@ def backward(
     for qs, qe in _row_blocks(inp.Lq, q_chunk):
         segs = _nonempty(kv_segments(inp, qs, qe, kv_chunk, coalesce=kernel_name == "fused"))
         if segs is not None:
-            kernel.backward_rows(inp, qs, qe, segs, grad_out, out, lse, seed, grads)
+            kernel.backward_rows(inp, qs, qe, segs, grad_out, out, lse, seed, grads, grad_lse)

@@ -252,12 +252,14 @@ class MatmulKernel:
         lse: Tensor,
         seed: int,
         grads: "Grads",
+        grad_lse: Optional[Tensor] = None,
     ) -> None:
         """FlashAttention-2 backward for rows ``[qs, qe)``, accumulated into ``grads``.
 
         ``P = exp(S - lse)``; ``dV += Pᵀ dO``; ``dP = dO Vᵀ``; ``dS = P ∘ (dP - D)`` with
-        ``D = rowsum(dO ∘ O)``; ``dQ += scale·dS K``; ``dK += scale·dSᵀ Q``. ``dS`` is also the
-        gradient of a float mask tile and, pulled back through ``score_mod``, of what it captured.
+        ``D = rowsum(dO ∘ O) - dlse`` (``∂lse/∂S = P``, so a gradient on the returned lse only
+        shifts D); ``dQ += scale·dS K``; ``dK += scale·dSᵀ Q``. ``dS`` is also the gradient of a
+        float mask tile and, pulled back through ``score_mod``, of what it captured.
         """
         B, Hq, Hk, G = inp.B, inp.Hq, inp.Hk, inp.G
         qn = qe - qs
@@ -265,6 +267,8 @@ class MatmulKernel:
         q_t = self._scaled_q(inp, qs, qe, sdt)
         do_t = grad_out[:, :, qs:qe].to(sdt).reshape(B * Hk, G * qn, inp.Ev)
         D = (do_t * out[:, :, qs:qe].reshape(B * Hk, G * qn, inp.Ev).to(sdt)).sum(dim=-1, keepdim=True)
+        if grad_lse is not None:
+            D -= grad_lse[:, :, qs:qe].reshape(B * Hk, G * qn, 1).to(sdt)
         lse_t = lse[:, :, qs:qe].reshape(B * Hk, G * qn, 1).to(sdt)
         lse_t = lse_t.masked_fill(lse_t == NEG_INF, 0.0)  # fully masked rows: S = -inf, so P = 0
         dq_acc = torch.zeros_like(q_t) if grads.dq is not None else None
@@ -472,8 +476,11 @@ class FusedCPUKernel:
         lse: Tensor,
         seed: int,
         grads: Grads,
+        grad_lse: Optional[Tensor] = None,
     ) -> None:
         """The fused CPU backward per segment, fed the *global* out and lse of these rows."""
+        if grad_lse is not None:
+            raise NotImplementedError("the fused CPU backward cannot take a gradient of the lse; use the matmul kernel")
         _, bwd = _cpu_flash_ops()
         assert bwd is not None
         q_t = _unit_stride(inp.query[:, :, qs:qe])

@@ -532,6 +532,14 @@ def make_plan(
     )
 
 
+def matmul_backward_tiles(inp: Inputs, budget: int) -> Tuple[int, int]:
+    """Tiles for the matmul backward alone (used when a fused backward cannot run after all)."""
+    backend = BACKENDS["matmul"]
+    saved = inp.lse_bytes()
+    options = _tile_options(inp, backend)
+    return next((p for p in options if saved + backend.backward_bytes(inp, *p, Options()) <= budget), options[-1])
+
+
 def describe(inp: Inputs) -> str:
     heads = f"{inp.Hq}" if inp.G == 1 else f"{inp.Hq}q/{inp.Hk}kv"
     ev = f", Ev={inp.Ev}" if inp.Ev != inp.E else ""

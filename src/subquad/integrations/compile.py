@@ -160,6 +160,7 @@ def _engine_grads(
     chunk_size: Optional[List[int]],
     backend: str,
     mask_grad: bool,
+    grad_lse: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
     # subquad's chunked backward (FlashAttention-2 from the saved lse), planned for this call.
     # A custom op runs below autograd, so this drives the engine directly, as subquad's own
@@ -187,6 +188,15 @@ def _engine_grads(
     if plan.backward_backend is None:
         raise NotImplementedError(f"subquad planned no backward for {plan.shape} with backend={backend!r}.")
     chunk = plan.backward_chunk_size or plan.chunk_size or (max(inp.Lq, 1), max(inp.Lk, 1))
+    kernel = plan.backward_backend
+    rows = (inp.B, inp.Hq, inp.Lq)
+    dlse = None
+    if grad_lse is not None and bool(grad_lse.any()):
+        dlse = grad_lse.reshape(rows).masked_fill(torch.isneginf(lse.reshape(rows)), 0.0)
+        if kernel == "fused":  # the fused backward cannot take a gradient of the lse
+            from subquad._planner import matmul_backward_tiles
+
+            kernel, chunk = "matmul", matmul_backward_tiles(inp, budget)
     acc = torch.float32 if query.dtype in (torch.float16, torch.bfloat16) else query.dtype
     grads = Grads(
         dq=torch.zeros(inp.query.shape, dtype=acc, device=query.device),
@@ -196,12 +206,11 @@ def _engine_grads(
         if mask_grad and inp.attn_mask is not None
         else None,
     )
-    rows = (inp.B, inp.Hq, inp.Lq)
     g4 = grad_out.reshape(*rows, inp.Ev)
-    if plan.backward_backend == "fused":
+    if kernel == "fused":
         g4 = g4.contiguous()
     with torch.no_grad():
-        _engine.backward(wants, plan.backward_backend, chunk, 0, g4, out.reshape(*rows, inp.Ev), lse.reshape(rows), grads)
+        _engine.backward(wants, kernel, chunk, 0, g4, out.reshape(*rows, inp.Ev), lse.reshape(rows), grads, dlse)
     dq, dk, dv = (g.to(t.dtype).reshape(t.shape) for g, t in zip(grads[:3], (query, key, value)))
     dmask = None
     if grads.dmask is not None and attn_mask is not None:
@@ -225,11 +234,13 @@ def attention_backward_op(
     chunk_size: Optional[List[int]],
     backend: str,
     mask_grad: bool,
+    grad_lse: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``(dq, dk, dv, dmask)`` from the saved ``out`` and ``lse``; ``dmask`` is empty unless ``mask_grad``."""
+    """``(dq, dk, dv, dmask)`` from the saved ``out`` and ``lse`` (and the lse's own gradient, if
+    any); ``dmask`` is empty unless ``mask_grad``."""
     dq, dk, dv, dmask = _engine_grads(
         grad_out, query, key, value, attn_mask, out, lse, is_causal, scale, enable_gqa,
-        memory_budget, chunk_size, backend, mask_grad,
+        memory_budget, chunk_size, backend, mask_grad, grad_lse,
     )
     if dmask is None:
         dmask = query.new_empty(0)
@@ -253,6 +264,7 @@ def _attention_backward_fake(
     chunk_size: Optional[List[int]],
     backend: str,
     mask_grad: bool,
+    grad_lse: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     dmask = attn_mask.new_empty(attn_mask.shape) if mask_grad and attn_mask is not None else query.new_empty(0)
     return query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape), dmask
@@ -263,15 +275,14 @@ def _setup_context(ctx: Any, inputs: Tuple[Any, ...], output: Tuple[Tensor, Tens
     out, lse = output
     ctx.save_for_backward(query, key, value, attn_mask, out, lse)
     ctx.options = options
-    # As in subquad.attention: the lse is an output for merging, not differentiated.
-    ctx.mark_non_differentiable(lse)
 
 
-def _backward(ctx: Any, grad_out: Tensor, _grad_lse: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:
+def _backward(ctx: Any, grad_out: Tensor, grad_lse: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:
+    # As in subquad.attention, the lse is differentiable (merging partial attentions needs it).
     query, key, value, attn_mask, out, lse = ctx.saved_tensors
     mask_grad = bool(attn_mask is not None and attn_mask.is_floating_point() and ctx.needs_input_grad[3])
     dq, dk, dv, dmask = attention_backward_op(
-        grad_out, query, key, value, attn_mask, out, lse, *ctx.options, mask_grad
+        grad_out, query, key, value, attn_mask, out, lse, *ctx.options, mask_grad, grad_lse
     )
     return dq, dk, dv, (dmask if mask_grad else None), None, None, None, None, None, None
 

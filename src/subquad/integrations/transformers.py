@@ -230,12 +230,6 @@ def subquad_attention_forward(
         if causal:
             mask_mod, causal = _causal_mod(0), False
 
-    if s_aux is not None and torch.is_grad_enabled() and (query.requires_grad or key.requires_grad):
-        raise NotImplementedError(
-            'attn_implementation="subquad" runs attention sinks (s_aux) for inference only: their '
-            "gradient needs the gradient of the log-sum-exp, which subquad does not propagate yet; "
-            'use attn_implementation="eager" to train this model.'
-        )
     score_mod = None
     if softcap is not None:
         if attn_mask is not None and attn_mask.dtype != torch.bool:
@@ -264,7 +258,8 @@ def subquad_attention_forward(
     else:
         out, lse = result
         # softmax over the keys plus one sink logit per head: the key part is scaled by
-        # exp(lse) / (exp(lse) + exp(sink)) = sigmoid(lse - sink); rows with no key give 0.
+        # exp(lse) / (exp(lse) + exp(sink)) = sigmoid(lse - sink); rows with no key give 0. The
+        # lse is differentiable, so the sinks and q/k train through this.
         sink = s_aux.to(lse.dtype).view(1, -1, 1)
         out = out * torch.sigmoid(lse - sink).unsqueeze(-1).to(out.dtype)
     return out.transpose(1, 2).contiguous(), None
