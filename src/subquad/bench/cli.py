@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from typing import Optional
 
 import torch
@@ -121,16 +122,27 @@ def _check_device(device: str) -> Optional[str]:
     return None
 
 
-def _busy_warning() -> Optional[str]:
-    """A warning when other processes already keep the CPUs busy (CPU timings will be noisy)."""
+def _busy_warning(sample_s: float = 0.5) -> Optional[str]:
+    """A warning when other processes keep the CPUs busy right now (timings will be noisy).
+    Linux only: the busy share of all CPUs over ``sample_s``, from /proc/stat (the load average
+    lags by a minute and would warn about a machine that has just gone quiet)."""
+
+    def times():
+        with open("/proc/stat") as f:
+            values = [int(x) for x in f.readline().split()[1:]]
+        idle = values[3] + (values[4] if len(values) > 4 else 0)  # idle + iowait
+        return sum(values), idle
+
     try:
-        load = os.getloadavg()[0]
-    except (AttributeError, OSError):
+        total0, idle0 = times()
+        time.sleep(sample_s)
+        total1, idle1 = times()
+    except (OSError, ValueError, IndexError):
         return None
-    cpus = os.cpu_count() or 1
-    if load > 0.5 * cpus:
-        return (f"warning: load average {load:.1f} on {cpus} CPUs before starting; "
-                "other processes will make CPU timings noisy")
+    busy = 1.0 - (idle1 - idle0) / max(1, total1 - total0)
+    if busy > 0.25:
+        return (f"warning: the CPUs are {busy:.0%} busy before starting; other processes will "
+                "make the timings noisy")
     return None
 
 

@@ -73,6 +73,18 @@ def _common_unsupported(results: list[Result]) -> dict[str, str]:
     return out
 
 
+def plan_summary(plan: dict) -> str:
+    """subquad's plan in a few words: ``fused 1024x4096, predicted 3.1 MiB + out``. subquad
+    predicts the peak beyond the inputs, the output (and the gradients), which peak_bytes
+    includes: hence "+ out"."""
+    text = str(plan.get("backend", "?"))
+    tiles = plan.get("chunk_size")
+    text += f" {tiles[0]}x{tiles[1]}" if isinstance(tiles, list) and len(tiles) == 2 else " whole"
+    if plan.get("predicted_peak_bytes") is not None:
+        text += f", predicted {format_bytes(plan['predicted_peak_bytes'])} + out"
+    return text
+
+
 def table_sections(results: list[Result]) -> tuple[list[tuple[str, list[list[str]]]], dict]:
     """Rows of the table grouped by (case, mode), and the footer of implementations not run."""
     footer = _common_unsupported(results)
@@ -81,9 +93,9 @@ def table_sections(results: list[Result]) -> tuple[list[tuple[str, list[list[str
         if r.impl in footer:
             continue
         title = f"{r.case} {r.mode}"
-        status = r.status if r.status != "ok" else ("ok" if not r.reason else f"ok: {r.reason}")
-        if r.status != "ok" and r.reason:
-            status = f"{r.status}: {r.reason}"
+        status = f"{r.status}: {r.reason}" if r.reason else r.status
+        if r.status == "ok" and r.plan:
+            status += f" ({plan_summary(r.plan)})"
         if len(status) > STATUS_WIDTH:
             status = status[: STATUS_WIDTH - 1] + "…"  # results.json has it in full
         err = _format_err(r.rel_err)
@@ -100,18 +112,14 @@ def render_plain(results: list[Result]) -> str:
     """The results table as plain text."""
     sections, footer = table_sections(results)
     lines = []
-    widths = [max(len(COLUMNS[i]), *(len(row[i]) for _, rows in sections for row in rows))
-              for i in range(len(COLUMNS) - 1)] if sections else [len(c) for c in COLUMNS[:-1]]
-
-    def fmt(cells):
-        head = "  ".join(c.ljust(w) if i == 0 else c.rjust(w)
-                         for i, (c, w) in enumerate(zip(cells, widths)))
-        return f"{head}  {cells[-1]}".rstrip()
-
     for title, rows in sections:
+        widths = [max(len(COLUMNS[i]), *(len(row[i]) for row in rows))
+                  for i in range(len(COLUMNS) - 1)]
         lines.append(f"== {title}")
-        lines.append(fmt(list(COLUMNS)))
-        lines.extend(fmt(row) for row in rows)
+        for cells in [list(COLUMNS), *rows]:
+            head = "  ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                             for i, (c, w) in enumerate(zip(cells, widths)))
+            lines.append(f"{head}  {cells[-1]}".rstrip())
         lines.append("")
     for impl, reason in footer.items():
         lines.append(f"not run: {impl}: {reason}")
@@ -127,13 +135,18 @@ def print_table(results: list[Result], *, plain: bool = False, file: TextIO = No
     from rich.console import Console
     from rich.table import Table
 
-    console = Console(file=file)
+    # Piped output has no terminal width; 80 columns would squeeze the table for nothing.
+    console = Console(file=file, width=None if file.isatty() else 160)
     sections, footer = table_sections(results)
     for title, rows in sections:
         table = Table(title=title, title_justify="left", show_edge=False, pad_edge=False)
         for i, name in enumerate(COLUMNS):
-            table.add_column(name, justify="left" if i in (0, len(COLUMNS) - 1) else "right",
-                             no_wrap=True)
+            if i == len(COLUMNS) - 1:  # the status takes what is left, cut with an ellipsis
+                table.add_column(name, no_wrap=True, overflow="ellipsis")
+            else:
+                width = max(len(name), *(len(row[i]) for row in rows))
+                table.add_column(name, justify="left" if i == 0 else "right", no_wrap=True,
+                                 min_width=width)
         for row in rows:
             style = None if row[-1].startswith("ok") else "dim"
             table.add_row(*row, style=style)
@@ -280,6 +293,9 @@ def plot(results: list[Result], out_dir: str) -> list[str]:
                 values = [series[n][0][1] for n in names]
                 bars = ax.bar(range(len(names)), values, color=[style[n][0] for n in names])
                 ax.bar_label(bars, labels=[f"{v:.3g}" for v in values], fontsize=7)
+                # Bars on a log axis start at the decade below the smallest, not at an
+                # arbitrary bottom that would exaggerate the differences.
+                ax.set_ylim(bottom=10 ** math.floor(math.log10(min(values))), top=max(values) * 2)
                 ax.set_xticks(range(len(names)), names, rotation=35, ha="right", fontsize=8)
                 ax.set_xlabel(f"Lq = {lengths[0]}")
             else:
