@@ -21,7 +21,9 @@ from subquad._planner import (
     DEFAULT_BUDGET_FRACTION,
     MPS_MAX_MATMUL_ELEMENTS,
     MatmulBackend,
+    Options,
     _tile_options,
+    make_plan,
     free_memory_bytes,
     parse_budget,
 )
@@ -139,7 +141,10 @@ def test_mps_guard_keeps_every_matmul_below_2_31():
     mps_inp = OnMPS(**{f.name: getattr(inp, f.name) for f in dataclasses.fields(inp)})
     options = _tile_options(mps_inp, MatmulBackend())
     assert options and all(2 * 32 * qc * kc < MPS_MAX_MATMUL_ELEMENTS for qc, kc in options)
-    assert len(_tile_options(inp, MatmulBackend())) > len(options)
+    plan = make_plan(mps_inp, Options(), 1 << 40, "matmul")  # a huge budget still gets small tiles
+    assert 2 * 32 * plan.chunk_size[0] * plan.chunk_size[1] < MPS_MAX_MATMUL_ELEMENTS
+    with pytest.raises(ValueError, match=r"chunk_size=\(65536, 65536\) .* on MPS every matmul must stay below"):
+        make_plan(mps_inp, Options(chunk_size=(65536, 65536)), 1 << 40, "matmul")
 
 
 def test_large_input_under_64mib_equals_sdpa():
