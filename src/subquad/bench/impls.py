@@ -91,14 +91,9 @@ def _cpu_materialize_reasons(case: Case) -> list[str]:
 
 
 def _available_ram() -> Optional[int]:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
+    from subquad._planner import free_memory_bytes
+
+    return free_memory_bytes(torch.device("cpu"))
 
 
 # ------------------------------------------------------------------------------ SDPA
