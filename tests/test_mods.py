@@ -8,6 +8,7 @@ the engine's tile counter.
 from __future__ import annotations
 
 import itertools
+import warnings
 
 import pytest
 import torch
@@ -173,6 +174,55 @@ def test_combinators_defer_to_exact_evaluation_for_hand_written_parts():
     for backend in ("matmul", "fused"):
         out = subquad.attention(q, k, v, mask_mod=mm, backend=backend, chunk_size=(4, 6))
         assert_close_to_golden(out, naive_attention(q, k, v, mask_mod=mm), name=backend)
+
+
+class _Dilated:
+    """The docs' example of a hand-written mask that declares its block structure."""
+
+    def __init__(self, step):
+        self.step = step
+
+    def __call__(self, b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & ((q_idx - kv_idx) % self.step == 0)
+
+    def block_state(self, qs, qe, ks, ke):
+        return mods.EMPTY if ks > qe - 1 else mods.PARTIAL
+
+
+@pytest.mark.parametrize("backend", ["matmul", "fused"])
+def test_hand_written_block_state(backend):
+    L, c = 40, 8
+    q, k, v = _qkv(1, 2, L, L)
+    mm = _Dilated(3)
+    TILES.reset()
+    out = subquad.attention(q, k, v, mask_mod=mm, backend=backend, chunk_size=c)
+    assert_close_to_golden(out, naive_attention(q, k, v, mask_mod=mm))
+    n = L // c
+    assert TILES.skipped == n * (n - 1) // 2
+
+
+def test_builtins_match_flex_attention():
+    """Same signatures as FlexAttention: the built-ins run there unchanged and agree."""
+    flex = pytest.importorskip("torch.nn.attention.flex_attention")
+    B, H, L = 2, 2, 128
+    q, k, v = _qkv(B, H, L, L, E=16, dtype=torch.float32)
+    ids = torch.cat([torch.zeros(B, 50, dtype=torch.long), torch.ones(B, L - 50, dtype=torch.long)], 1)
+    masks = [
+        mods.causal(),
+        mods.sliding_window(20, causal=True),
+        mods.and_masks(mods.causal(), mods.document(ids)),
+        mods.or_masks(mods.prefix_lm(torch.tensor([10, 30])), mods.key_padding(torch.tensor([3, 1]))),
+    ]
+    for mm in masks:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                bm = flex.create_block_mask(mm, B, H, L, L, device="cpu")
+                ref = flex.flex_attention(q, k, v, score_mod=mods.alibi(H), block_mask=bm)
+        except (NotImplementedError, RuntimeError) as e:  # a build whose flex cannot run on CPU eagerly
+            pytest.skip(f"flex_attention unavailable on CPU here: {e}")
+        out = subquad.attention(q, k, v, score_mod=mods.alibi(H), mask_mod=mm, chunk_size=32)
+        torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5, msg=lambda m: f"{mm!r}: {m}")
 
 
 # ----------------------------------------------------------------------------- block skipping
@@ -431,11 +481,6 @@ def test_module_parameter_gradient():
     assert_close_to_golden(got[1], want[1], name="dlog_t", floor=1e-11)
 
 
-@pytest.mark.xfail(
-    strict=True, raises=AssertionError,
-    reason="engine bug: make_plan plans no backward when only a captured tensor requires grad "
-    "(need_grad = inp.requires_grad ignores opts.captured_requires_grad) -> assert in _api._run",
-)
 def test_gradient_when_only_captured_tensors_require_grad():
     H = 2
     q, k, v = _qkv(1, H, 19, 19)
@@ -550,8 +595,46 @@ def test_alibi_slopes_standard_values():
     assert mods.alibi(6).slopes.shape == (6,)
 
 
+def test_alibi_additive_bias_is_its_score_mod():
+    """The fused path uses additive_bias; the matmul path calls the mod: they must agree."""
+    H = 5
+    sm = mods.alibi(torch.rand(H, dtype=f64))
+    b = torch.arange(2).view(-1, 1, 1, 1)
+    h = torch.arange(H).view(1, -1, 1, 1)
+    qi = torch.arange(40, 47).view(1, 1, -1, 1)
+    ki = torch.arange(3, 14).view(1, 1, 1, -1)
+    score = torch.randn(2, H, 7, 11, dtype=f64)
+    bias = sm.additive_bias(b, h, qi, ki)
+    torch.testing.assert_close(sm(score, b, h, qi, ki), score + bias, rtol=1e-14, atol=1e-14)
+    buf = torch.empty(1, H, 7, 11, dtype=f64)
+    assert sm.additive_bias(b, h, qi, ki, out=buf) is buf and torch.equal(buf, bias.expand_as(buf))
+
+
 def test_public_names():
     for name in mods.__all__:
         obj = getattr(mods, name)
         if callable(obj):
             assert obj.__doc__, f"mods.{name} has no docstring"
+
+
+GLOBAL_TABLE = torch.zeros(2, 41, dtype=torch.float64)
+
+
+def _global_rel_bias(score, b, h, q_idx, kv_idx):
+    return score + GLOBAL_TABLE[h, q_idx - kv_idx + 20]
+
+
+def test_gradient_reaches_a_module_level_tensor():
+    global GLOBAL_TABLE
+    GLOBAL_TABLE = torch.randn(2, 41, dtype=f64).requires_grad_()
+    q, k, v = _qkv(1, 2, 17, 21)
+    got = torch.autograd.grad(subquad.attention(q, k, v, score_mod=_global_rel_bias, chunk_size=(5, 6)).sum(), GLOBAL_TABLE)[0]
+    want = torch.autograd.grad(naive_attention(q, k, v, score_mod=_global_rel_bias).sum(), GLOBAL_TABLE)[0]
+    assert_close_to_golden(got, want, name="dtable", floor=1e-11)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float64])
+def test_score_mod_of_the_wrong_float_dtype_raises(dtype):
+    q, k, v = _qkv(1, 2, 9, 9, dtype=torch.float32)
+    with pytest.raises(TypeError, match=rf"score_mod must return scores of the dtype it was given \(torch.float32\), got {dtype}"):
+        subquad.attention(q, k, v, score_mod=lambda s, b, h, qi, ki: s.to(dtype), backend="matmul")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from typing import Optional, Sequence, Tuple, Union
 
@@ -48,6 +49,9 @@ def _prepare(
         attn_mask=attn_mask, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
         dropout_p=dropout_p, score_mod=score_mod, mask_mod=mask_mod,
     )
+    if getattr(mask_mod, "same_as_is_causal", False):
+        # mods.causal(): run it as the causal flag (the engine combines it with attn_mask).
+        inp = dataclasses.replace(inp, is_causal=True, mask_mod=None)
     captured = captured_tensors(score_mod) if torch.is_grad_enabled() else []
     opts = Options(return_lse=return_lse, chunk_size=chunk, captured_requires_grad=bool(captured))
     budget = resolve_budget(memory_budget, inp.device)

@@ -57,6 +57,11 @@ def captured_tensors(fn: Any) -> List[Tensor]:
                     pass
             for d in obj.__defaults__ or ():
                 add(d, depth + 1)
+            # Module-level names the function reads (a global bias table, a global nn.Module).
+            names = obj.__globals__
+            for name in obj.__code__.co_names:
+                if name in names and not inspect.ismodule(names[name]):
+                    add(names[name], depth + 1)
         elif hasattr(obj, "__dict__") and not isinstance(obj, type):
             for x in vars(obj).values():
                 add(x, depth + 1)

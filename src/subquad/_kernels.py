@@ -97,9 +97,12 @@ def apply_score_mod(inp: Inputs, s4: Tensor, qs: int, qe: int, ks: int, ke: int)
             raise ValueError(
                 f"score_mod returned shape {tuple(new.shape)}, expected the score tile's shape {tuple(s4.shape)}."
             ) from None
-    if not new.is_floating_point():
-        raise TypeError(f"score_mod must return a floating-point tensor, got {new.dtype}.")
-    return new.to(s4.dtype)
+    if new.dtype != s4.dtype:
+        raise TypeError(
+            f"score_mod must return scores of the dtype it was given ({s4.dtype}), got {new.dtype}; "
+            f"cast captured tensors, e.g. table.to(score.dtype)."
+        )
+    return new
 
 
 def _hash32(x: Tensor) -> Tensor:
@@ -422,10 +425,11 @@ class FusedCPUKernel:
         v_t = _unit_stride(inp.value[:, :, seg.ks : seg.ke])
         bias = _mask_arg(inp, self.bias(inp, qs, qe, seg))
         o_t, lse_t = fwd(q_t, k_t, v_t, 0.0, seg.causal == "diag", attn_mask=bias, scale=inp.scale)
-        if bias is not None and need_empty_rows:
+        masked = inp.attn_mask is not None or seg.causal == "partial" or seg.mask_mod
+        if bias is not None and masked and need_empty_rows:
             # The kernel reports lse = 0 for rows whose keys are all masked; they must weigh nothing.
-            empty = (bias != NEG_INF).any(dim=-1).logical_not_()
-            lse_t = lse_t.masked_fill(empty, NEG_INF)
+            # (An additive score_mod alone never masks a whole row: no check then.)
+            lse_t = lse_t.masked_fill(bias.amax(dim=-1) == NEG_INF, NEG_INF)
         return o_t, lse_t
 
     def bias(self, inp: Inputs, qs: int, qe: int, seg: Segment) -> Optional[Tensor]:

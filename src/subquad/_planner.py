@@ -506,7 +506,7 @@ def make_plan(
     backend: str = "auto",
 ) -> Plan:
     """Choose the path and tiles for a call. Raises :class:`MemoryBudgetError` if nothing fits."""
-    need_grad = inp.requires_grad
+    need_grad = inp.requires_grad or opts.captured_requires_grad
     need_lse = opts.return_lse or need_grad
     names = priority(inp.device) if backend == "auto" else [backend]
     rejected: Dict[str, List[str]] = {}

@@ -19,7 +19,8 @@ signatures works; the built-ins are small classes that add two optional hooks th
   evaluate the mask on the tile to find out". EMPTY and FULL must be exact; PARTIAL is always safe.
 * ``score_mod.additive_bias(b, h, q_idx, kv_idx) -> Tensor``: declares ``score_mod(s, ...) == s +
   additive_bias(...)``, which lets the planner run the mod on PyTorch's fused CPU kernel (a float
-  mask per tile) when none of its tensors needs a gradient.
+  mask per tile) when none of its tensors needs a gradient. ``mods.alibi``'s also accepts ``out=``
+  (a buffer to write the tile into), for an engine that reuses one across tiles.
 
 In the drawings below rows are queries, columns keys, ``x`` = attend, ``.`` = masked; ``Lq = Lk = 6``
 unless noted.
@@ -55,7 +56,7 @@ MaskModFn = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
 IntOrTensor = Union[int, Sequence[int], Tensor]
 
 
-class MaskMod:
+class _Mask:
     """Base of the built-in masks: a callable ``(b, h, q_idx, kv_idx) -> bool`` plus its block structure."""
 
     def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
@@ -64,6 +65,16 @@ class MaskMod:
     def block_state(self, qs: int, qe: int, ks: int, ke: int) -> Optional[int]:
         """EMPTY, FULL or PARTIAL for rows ``[qs, qe)`` x keys ``[ks, ke)``; ``None`` if unknown."""
         return PARTIAL
+
+    def _on(self, t: Tensor, device: torch.device) -> Tensor:
+        """``t`` on the device of the call (ids or lengths built on CPU for a CUDA call), copied once."""
+        if t.device == device:
+            return t
+        cache = self.__dict__.setdefault("_device_copies", {})
+        key = (id(t), device)
+        if key not in cache:
+            cache[key] = t.to(device)
+        return cache[key]
 
 
 def _diagonal_state(qs: int, qe: int, ks: int, ke: int, lo: float, hi: float) -> int:
@@ -81,7 +92,11 @@ def _diagonal_state(qs: int, qe: int, ks: int, ke: int, lo: float, hi: float) ->
 
 
 # ----------------------------------------------------------------------------- causal
-class _Causal(MaskMod):
+class _Causal(_Mask):
+    # The engine runs this exactly as is_causal=True (the fused kernel's own causal flag on the
+    # diagonal tiles instead of a generated mask).
+    same_as_is_causal = True
+
     def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         return q_idx >= kv_idx
 
@@ -92,7 +107,7 @@ class _Causal(MaskMod):
         return "causal()"
 
 
-def causal() -> MaskMod:
+def causal() -> _Mask:
     """Top-left causal mask: query ``i`` sees keys ``j <= i`` (SDPA's ``is_causal``).
 
     ::
@@ -108,7 +123,7 @@ def causal() -> MaskMod:
     return _Causal()
 
 
-class _CausalLowerRight(MaskMod):
+class _CausalLowerRight(_Mask):
     def __init__(self, q_len: int, kv_len: int) -> None:
         self.q_len, self.kv_len = q_len, kv_len
         self.offset = kv_len - q_len
@@ -123,7 +138,7 @@ class _CausalLowerRight(MaskMod):
         return f"causal_lower_right({self.q_len}, {self.kv_len})"
 
 
-def causal_lower_right(q_len: int, kv_len: int) -> MaskMod:
+def causal_lower_right(q_len: int, kv_len: int) -> _Mask:
     """Bottom-right causal mask, the alignment of flash-attn and xformers' ``LowerTriangularFromBottomRight``.
 
     The last query sees every key; query ``i`` sees keys ``j <= i + kv_len - q_len``. A mask_mod is
@@ -149,16 +164,14 @@ def causal_lower_right(q_len: int, kv_len: int) -> MaskMod:
 
 
 # ----------------------------------------------------------------------------- sliding window
-class _SlidingWindow(MaskMod):
+class _SlidingWindow(_Mask):
     def __init__(self, window: int, causal: bool) -> None:
         self.window, self.causal = window, causal
         self.lo = 0 if causal else -window
 
     def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        d = q_idx - kv_idx
-        if self.causal:
-            return (d >= 0) & (d <= self.window)
-        return d.abs() <= self.window
+        # Bounds per query row, then two comparisons: no (qc, kc) int64 difference is formed.
+        return (kv_idx >= q_idx - self.window) & (kv_idx <= q_idx - self.lo)
 
     def block_state(self, qs: int, qe: int, ks: int, ke: int) -> int:
         return _diagonal_state(qs, qe, ks, ke, self.lo, self.window)
@@ -167,7 +180,7 @@ class _SlidingWindow(MaskMod):
         return f"sliding_window({self.window}, causal={self.causal})"
 
 
-def sliding_window(window: int, causal: bool = False) -> MaskMod:
+def sliding_window(window: int, causal: bool = False) -> _Mask:
     """Local attention: query ``i`` sees keys with ``|i - j| <= window`` (``0 <= i - j <= window`` if causal).
 
     Each query sees ``2·window + 1`` keys (``window + 1`` causal), so the cost is about that
@@ -202,12 +215,12 @@ def _as_ids(name: str, ids: object) -> Tensor:
     return t.long()
 
 
-class _Document(MaskMod):
+class _Document(_Mask):
     def __init__(self, q_ids: Tensor, kv_ids: Tensor) -> None:
         self.q_ids, self.kv_ids = q_ids, kv_ids
 
-    @staticmethod
-    def _lookup(ids: Tensor, b: Tensor, idx: Tensor) -> Tensor:
+    def _lookup(self, ids: Tensor, b: Tensor, idx: Tensor) -> Tensor:
+        ids = self._on(ids, idx.device)
         return ids[idx] if ids.dim() == 1 else ids[b, idx]
 
     def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
@@ -232,7 +245,7 @@ class _Document(MaskMod):
         return f"document(q_ids {tuple(self.q_ids.shape)}, kv_ids {tuple(self.kv_ids.shape)})"
 
 
-def document(ids: object, kv_ids: object = None) -> MaskMod:
+def document(ids: object, kv_ids: object = None) -> _Mask:
     """Block-diagonal mask of packed sequences: a query sees the keys of its own document.
 
     ``document(ids)`` for self-attention, ``document(q_ids, kv_ids)`` when queries and keys differ.
@@ -292,7 +305,7 @@ def _min_max(x: Union[int, Tensor]) -> tuple:
     return (int(x.min()), int(x.max())) if x.numel() else (0, 0)
 
 
-class _KeyPadding(MaskMod):
+class _KeyPadding(_Mask):
     def __init__(self, lengths: Union[int, Tensor]) -> None:
         self.lengths = lengths
         self.lo, self.hi = _min_max(lengths)
@@ -300,7 +313,7 @@ class _KeyPadding(MaskMod):
     def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         if isinstance(self.lengths, int):
             return kv_idx < self.lengths
-        return kv_idx < self.lengths[b]
+        return kv_idx < self._on(self.lengths, b.device)[b]
 
     def block_state(self, qs: int, qe: int, ks: int, ke: int) -> int:
         if ks >= self.hi:
@@ -314,7 +327,7 @@ class _KeyPadding(MaskMod):
         return f"key_padding({shown})"
 
 
-def key_padding(lengths: IntOrTensor) -> MaskMod:
+def key_padding(lengths: IntOrTensor) -> _Mask:
     """Right padding of the keys: batch row ``b`` sees only its first ``lengths[b]`` keys.
 
     ``lengths`` is an int (every row) or integers of shape ``(B,)``; ``keep = kv_idx < lengths[b]``.
@@ -335,13 +348,13 @@ def key_padding(lengths: IntOrTensor) -> MaskMod:
     return _KeyPadding(_per_batch("lengths", lengths, "key_padding"))
 
 
-class _PrefixLM(MaskMod):
+class _PrefixLM(_Mask):
     def __init__(self, prefix_len: Union[int, Tensor]) -> None:
         self.prefix_len = prefix_len
         self.lo, self.hi = _min_max(prefix_len)
 
     def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        p = self.prefix_len if isinstance(self.prefix_len, int) else self.prefix_len[b]
+        p = self.prefix_len if isinstance(self.prefix_len, int) else self._on(self.prefix_len, b.device)[b]
         return (kv_idx < p) | (kv_idx <= q_idx)
 
     def block_state(self, qs: int, qe: int, ks: int, ke: int) -> int:
@@ -357,7 +370,7 @@ class _PrefixLM(MaskMod):
         return f"prefix_lm({shown})"
 
 
-def prefix_lm(prefix_len: IntOrTensor) -> MaskMod:
+def prefix_lm(prefix_len: IntOrTensor) -> _Mask:
     """Prefix-LM (T5/UL2, PaliGemma): bidirectional over the prefix, causal after it.
 
     Query ``i`` sees key ``j`` if ``j < prefix_len`` or ``j <= i``; ``prefix_len`` is an int or
@@ -397,7 +410,7 @@ def _check_masks(fn: str, mask_mods: Sequence[MaskModFn]) -> List[MaskModFn]:
     return list(mask_mods)
 
 
-class _AndMasks(MaskMod):
+class _AndMasks(_Mask):
     def __init__(self, mask_mods: List[MaskModFn]) -> None:
         self.mask_mods = mask_mods
 
@@ -419,7 +432,7 @@ class _AndMasks(MaskMod):
         return f"and_masks({', '.join(map(repr, self.mask_mods))})"
 
 
-class _OrMasks(MaskMod):
+class _OrMasks(_Mask):
     def __init__(self, mask_mods: List[MaskModFn]) -> None:
         self.mask_mods = mask_mods
 
@@ -441,7 +454,7 @@ class _OrMasks(MaskMod):
         return f"or_masks({', '.join(map(repr, self.mask_mods))})"
 
 
-def and_masks(*mask_mods: MaskModFn) -> MaskMod:
+def and_masks(*mask_mods: MaskModFn) -> _Mask:
     """A mask that attends where *every* mask attends (intersection).
 
     ``and_masks(causal(), document(ids))`` is causal attention within each packed document::
@@ -463,7 +476,7 @@ def and_masks(*mask_mods: MaskModFn) -> MaskMod:
     return _AndMasks(_check_masks("and_masks", mask_mods))
 
 
-def or_masks(*mask_mods: MaskModFn) -> MaskMod:
+def or_masks(*mask_mods: MaskModFn) -> _Mask:
     """A mask that attends where *any* mask attends (union).
 
     ``or_masks(sliding_window(1), key_padding(2))``: a local window plus two global tokens::
@@ -521,16 +534,28 @@ class _Alibi:
 
     def __call__(self, score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         # Differentiable in the slopes (the matmul path pulls dS back through this expression).
-        return score - self.slopes.to(score.dtype)[h] * self._distance(q_idx, kv_idx, score.dtype)
+        slopes = self.slopes.to(device=score.device, dtype=score.dtype)
+        # One fused pass over the tile (score - slope * distance), differentiable in both.
+        return torch.addcmul(score, slopes[h], self._distance(q_idx, kv_idx, score.dtype), value=-1.0)
 
-    def additive_bias(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        dtype = self.slopes.dtype if self.slopes.is_floating_point() else torch.float32
+    def additive_bias(
+        self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor, out: Optional[Tensor] = None
+    ) -> Tensor:
+        """The bias ``-slopes[h] * |q_idx - kv_idx|`` of a tile, ``(1, Hq, qc, kc)``.
+
+        ``out``: an optional buffer of that shape to write into. A caller that reuses one across
+        tiles saves the page faults of a fresh tile (1.6 ms vs 0.1 ms for 4 x 512 x 512 here).
+        """
+        if out is not None:
+            dtype = out.dtype
+        else:
+            dtype = self.slopes.dtype if self.slopes.is_floating_point() else torch.float32
         with torch.no_grad():
             dist = self._distance(q_idx, kv_idx, dtype)
-            neg = self.slopes.to(dtype)[h].neg()
+            neg = self.slopes.to(device=q_idx.device, dtype=dtype)[h].neg()
             # Expanding the distances first matters: ``(1,1,qc,kc) * (1,H,1,1)`` into a fresh tensor
             # iterates badly on CPU (3.5 ms vs 0.7 ms for H=4, 1024 x 1024, one thread, torch 2.13).
-            return torch.mul(dist.expand(*dist.shape[:1], neg.shape[1], *dist.shape[2:]), neg)
+            return torch.mul(dist.expand(*dist.shape[:1], neg.shape[1], *dist.shape[2:]), neg, out=out)
 
     def __repr__(self) -> str:
         return f"alibi({self.slopes.detach().tolist()})"
