@@ -4,7 +4,8 @@
 
 "bias" cases add a float mask ``(1, H, L, L)`` that requires grad (a learnable attention bias):
 SDPA then takes its math path, which materializes the scores; subquad keeps tiles. Memory is the
-RSS high-water mark of the call beyond its inputs (outputs and gradients included).
+RSS high-water mark of a training step beyond its inputs and the gradients of the previous step
+(which the step frees before it makes new ones), output included; "net" also leaves out the output.
 """
 
 from __future__ import annotations
@@ -45,7 +46,9 @@ def make(impl: str, B: int, H: int, L: int, E: int, bias: bool, budget: Any = No
             t.grad = None
         out = attn()
         out.backward(grad_out)
-        return [out] + [t.grad for t in leaves]
+        # Only the output is new memory: each step first drops the previous step's gradients, so
+        # the RSS mark (taken after a warm-up step) sees the new gradients replace the old ones.
+        return out
 
     return step
 
@@ -69,7 +72,7 @@ def main(argv: List[str] | None = None) -> int:
                 print(f"  {impl:8s} L={L:5d} bias={bias!s:5s} {r.get('status')}: {r.get('median_ms', float('nan')):9.1f} ms "
                       f"peak {fmt_bytes(r.get('peak_extra_bytes', 0))} {r.get('reason', '')}", flush=True)
     print()
-    print("Peak = RSS high-water mark beyond the inputs; 'net' excludes the output and the gradients themselves.")
+    print("Peak = RSS high-water mark beyond the inputs (and the previous step's gradients, which each step replaces); 'net' excludes the output.")
     print("| shape | learnable bias | SDPA ms | subquad ms | time ratio | SDPA peak (net) | subquad peak (net) | net memory ratio |")
     print("|---|---|---|---|---|---|---|---|")
     for L in args.lengths:

@@ -219,7 +219,9 @@ class MatmulBackend(Backend):
         if inp.dropout_p > 0:
             n += tile * (8 * 2 + st * 2 + 1)
         if inp.attn_mask is not None and inp.attn_mask.requires_grad:
-            n += inp.attn_mask.numel() * 4 + inp.mask_tile_elements(qc, kc) * st
+            # The mask's gradient is an output; only a float32 accumulator for a half mask is extra.
+            n += inp.attn_mask.numel() * max(0, st - inp.attn_mask.element_size())
+            n += inp.mask_tile_elements(qc, kc) * st  # dS reduced to the mask's broadcast shape
         return n + _grad_accum_bytes(inp) + 256 * 1024
 
 
@@ -266,17 +268,24 @@ class FusedCPUBackend(Backend):
         return n
 
     def _bias_bytes(self, inp: Inputs, qc: int, kc: int) -> int:
-        n = 0
-        if inp.attn_mask is not None and inp.attn_mask.dtype != inp.dtype:
-            n += inp.mask_tile_elements(qc, kc) * (inp.itemsize + 1)
+        """The float bias tile fed to the kernel: a converted mask, generated masks, callback biases."""
+        parts = []  # elements of each part, in its own broadcast shape
+        if inp.attn_mask is not None:
+            parts.append(inp.mask_tile_elements(qc, kc))
         # Causal tiles are square and aligned: the kernel's own causal flag covers the diagonal.
-        generated = inp.mask_mod is not None or (inp.is_causal and qc != kc and kc < inp.Lk)
-        if generated:
-            n += inp.B * inp.Hq * qc * kc * (inp.itemsize + 2) if inp.mask_mod is not None else qc * kc * (inp.itemsize + 1)
+        if inp.is_causal and qc != kc and kc < inp.Lk:
+            parts.append(qc * kc)
+        if inp.mask_mod is not None:
+            parts.append(inp.B * inp.Hq * qc * kc)
         if inp.score_mod is not None:
-            n += inp.Hq * qc * kc * (inp.itemsize + 4) + 2 * qc * kc * 8
-        if inp.attn_mask is not None or generated or inp.score_mod is not None:
-            n += inp.B * inp.Hq * qc * kc  # the fully-masked-row check
+            parts.append(inp.Hq * qc * kc)
+        if not parts or (parts == [inp.mask_tile_elements(qc, kc)] and inp.attn_mask.dtype == inp.dtype):
+            return 0  # no bias, or the caller's float mask passed through as a view
+        n = sum(parts) * (inp.itemsize + 1)  # each part, its bool/-inf temporaries
+        if len(parts) > 1:
+            n += inp.B * inp.Hq * qc * kc * inp.itemsize  # their broadcast sum
+        if inp.score_mod is not None:
+            n += 2 * qc * kc * 8  # int64 distances of the index grids
         return n
 
     def tile_bytes(self, inp: Inputs, qc: int, kc: int) -> int:
