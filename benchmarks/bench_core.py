@@ -92,7 +92,7 @@ def main(argv: List[str] | None = None) -> int:
     for L in args.lengths:
         shape = dict(B=args.batch, H=args.heads, L=L, E=args.dim, dtype=args.dtype)
         for impl in args.impls:
-            r = measure(f"bench_core:make", dict(impl=impl, **shape), repeats=args.repeats)
+            r = measure("bench_core:make", dict(impl=impl, **shape), repeats=args.repeats)
             r.update(impl=impl, **shape)
             records.append(r)
             print(f"  {impl:20s} L={L:6d} {r.get('status')}: "
