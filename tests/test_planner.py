@@ -188,3 +188,20 @@ def test_measured_peak_within_budget_and_prediction_honest():
         if r["predicted"] < 0.8 * extra:
             failures.append(f"{label}: predicted {r['predicted']} < 0.8 x measured extra {extra}")
     assert not failures, "\n".join(failures)
+
+
+def test_fused_kernel_refusal_falls_back_to_matmul(monkeypatch):
+    from subquad import _kernels
+
+    def refusing(*args, **kwargs):
+        raise RuntimeError("scaled_dot_product_attention_flash_attention: some new restriction")
+
+    assert _kernels.cpu_flash_unavailable_reason() is None  # probed (and cached) before the kernel changes
+    monkeypatch.setattr(_kernels, "_cpu_flash_ops", lambda: (refusing, refusing))
+    q, k, v = (torch.randn(1, 2, 30, 8, dtype=torch.float64) for _ in range(3))
+    assert subquad.explain(q, k, v).backend == "fused"
+    with pytest.warns(RuntimeWarning, match="fused CPU kernel refused this input .* matmul tiles instead"):
+        out = subquad.attention(q, k, v, is_causal=True)
+    assert_close_to_golden(out, naive_attention(q, k, v, is_causal=True))
+    with pytest.raises(RuntimeError, match="some new restriction"):  # a forced backend is not replaced
+        subquad.attention(q, k, v, backend="fused")

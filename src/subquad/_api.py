@@ -184,8 +184,21 @@ def attention(
                 return out
             out, lse = _run(inp, plan, opts, captured, chunk, bwd_chunk)
             break
-        except Exception as e:  # noqa: BLE001 - only OOM and SDPA refusals are handled
+        except Exception as e:  # noqa: BLE001 - only OOM and kernel refusals are handled
             no_kernel = plan.backend == "sdpa" and isinstance(e, RuntimeError) and "kernel" in str(e).lower()
+            # The private fused kernel may reject an input the planner expected it to take
+            # (its checks change between releases): the matmul tiles take everything.
+            fused_refused = plan.backend == "fused" and backend == "auto" and isinstance(e, RuntimeError) and not _is_oom(e)
+            if attempt == 0 and fused_refused:
+                warnings.warn(
+                    f"subquad: the fused CPU kernel refused this input ({str(e).splitlines()[0][:200]}); "
+                    "running the matmul tiles instead.",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+                plan = make_plan(inp, opts, budget, "matmul")
+                chunk, bwd_chunk = plan.chunk_size, plan.backward_chunk_size
+                continue
             if attempt == 1 or not (_is_oom(e) or no_kernel):
                 raise
             if plan.backend == "sdpa":
