@@ -111,6 +111,12 @@ class _Attention(torch.autograd.Function):
                 # The fused backward computes D itself; the matmul tiles take dlse (same budget).
                 kernel, chunk = "matmul", matmul_backward_tiles(inp, budget)
         need = ctx.needs_input_grad
+        if kernel == "fused" and not (attn_mask is not None and need[4]) and not captured:
+            with torch.no_grad():
+                whole = _engine.whole_fused_backward(inp, chunk, grad_out, out, lse)
+            if whole is not None:
+                dq, dk, dv = whole
+                return (None, dq if need[1] else None, dk if need[2] else None, dv if need[3] else None, None)
         half = query.dtype in (torch.float16, torch.bfloat16)
         acc_dtype = torch.float32 if half else query.dtype
 
@@ -126,7 +132,6 @@ class _Attention(torch.autograd.Function):
             captured=list(captured),
             dcaptured=[torch.zeros_like(c) for c in captured],
         )
-        grad_out = grad_out.contiguous() if kernel == "fused" else grad_out
         with torch.no_grad():
             _engine.backward(inp, kernel, chunk, seed, grad_out, out, lse, grads, grad_lse)
 

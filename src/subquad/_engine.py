@@ -165,3 +165,18 @@ def backward(
         segs = _nonempty(kv_segments(inp, qs, qe, kv_chunk, coalesce=kernel_name == "fused"))
         if segs is not None:
             kernel.backward_rows(inp, qs, qe, segs, grad_out, out, lse, seed, grads, grad_lse)
+
+
+def whole_fused_backward(
+    inp: Inputs, chunk: Tuple[int, int], grad_out: Tensor, out: Tensor, lse: Tensor
+) -> Optional[Tuple[Tensor, Tensor, Tensor]]:
+    """``(dq, dk, dv)`` from one fused backward call, when the whole input is one tile.
+
+    The kernel's own gradients are then the result: no accumulators beside them.
+    """
+    if chunk[0] < inp.Lq or inp.Lq == 0:
+        return None
+    segs = list(kv_segments(inp, 0, inp.Lq, chunk[1], coalesce=True))
+    if len(segs) != 1 or (segs[0].ks, segs[0].ke) != (0, inp.Lk):
+        return None
+    return KERNELS["fused"].segment_backward(inp, 0, inp.Lq, segs[0], grad_out, out, lse)

@@ -485,24 +485,33 @@ class FusedCPUKernel:
         """The fused CPU backward per segment, fed the *global* out and lse of these rows."""
         if grad_lse is not None:
             raise NotImplementedError("the fused CPU backward cannot take a gradient of the lse; use the matmul kernel")
-        _, bwd = _cpu_flash_ops()
-        assert bwd is not None
-        q_t = _unit_stride(inp.query[:, :, qs:qe])
-        do_t = _unit_stride(grad_out[:, :, qs:qe])
-        o_t = _unit_stride(out[:, :, qs:qe])
-        # The kernel's own convention for fully masked rows is lse = 0 (their P is 0 either way).
-        lse_t = lse[:, :, qs:qe]
-        lse_t = lse_t.masked_fill(lse_t == NEG_INF, 0.0).to(torch.float64 if inp.dtype == torch.float64 else torch.float32)
         for seg in segments:
-            k_t = _unit_stride(inp.key[:, :, seg.ks : seg.ke])
-            v_t = _unit_stride(inp.value[:, :, seg.ks : seg.ke])
-            bias = _mask_arg(inp, self.bias(inp, qs, qe, seg))
-            gq, gk, gv = bwd(
-                do_t, q_t, k_t, v_t, o_t, lse_t, 0.0, seg.causal == "diag", attn_mask=bias, scale=inp.scale
-            )
+            gq, gk, gv = self.segment_backward(inp, qs, qe, seg, grad_out, out, lse)
             if grads.dq is not None:
                 grads.dq[:, :, qs:qe] += gq
             if grads.dk is not None:
                 grads.dk[:, :, seg.ks : seg.ke] += gk
             if grads.dv is not None:
                 grads.dv[:, :, seg.ks : seg.ke] += gv
+
+    def segment_backward(
+        self, inp: Inputs, qs: int, qe: int, seg: Segment, grad_out: Tensor, out: Tensor, lse: Tensor
+    ) -> Tuple[Tensor, Tensor, Tensor]:
+        """dQ of rows ``[qs, qe)`` and dK, dV of keys ``[ks, ke)`` from this segment alone."""
+        _, bwd = _cpu_flash_ops()
+        assert bwd is not None
+        # The kernel's own convention for fully masked rows is lse = 0 (their P is 0 either way).
+        lse_t = lse[:, :, qs:qe]
+        lse_t = lse_t.masked_fill(lse_t == NEG_INF, 0.0).to(torch.float64 if inp.dtype == torch.float64 else torch.float32)
+        return bwd(
+            _unit_stride(grad_out[:, :, qs:qe]),
+            _unit_stride(inp.query[:, :, qs:qe]),
+            _unit_stride(inp.key[:, :, seg.ks : seg.ke]),
+            _unit_stride(inp.value[:, :, seg.ks : seg.ke]),
+            _unit_stride(out[:, :, qs:qe]),
+            lse_t,
+            0.0,
+            seg.causal == "diag",
+            attn_mask=_mask_arg(inp, self.bias(inp, qs, qe, seg)),
+            scale=inp.scale,
+        )
