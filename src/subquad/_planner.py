@@ -247,11 +247,13 @@ class FusedCPUBackend(Backend):
             reasons.append("the CPU flash kernel does not support dropout")
         if inp.score_mod is not None and getattr(inp.score_mod, "additive_bias", None) is None:
             reasons.append("score_mod is a general callback (only additive built-ins such as mods.alibi run fused)")
-        if opts.captured_requires_grad:
-            reasons.append("tensors captured by score_mod require grad; the fused backward cannot return their gradient")
-        if inp.attn_mask is not None and inp.attn_mask.requires_grad and torch.is_grad_enabled():
-            reasons.append("attn_mask requires grad; the fused backward does not return the mask's gradient")
         return reasons
+
+    def backward_kernel(self, inp: Inputs, opts: Options) -> str:
+        # The fused backward returns dQ, dK, dV only: a learnable mask or tensors captured by
+        # score_mod take the matmul backward (it starts from the same saved out and lse).
+        mask_grad = inp.attn_mask is not None and inp.attn_mask.requires_grad
+        return "matmul" if mask_grad or opts.captured_requires_grad else "fused"
 
     def _kernel_bytes(self, inp: Inputs, qc: int, kc: int) -> int:
         qs, ks = min(self._Q_SPLIT, qc), min(self._KV_SPLIT, kc)
