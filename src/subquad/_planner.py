@@ -503,9 +503,12 @@ def _fit(
         return fwd, None, fwd_pred, 0
     # Forward-saved state (the lse) stays alive during the backward: both share the budget.
     saved = inp.lse_bytes()
-    bwd_tiles = next((p for p in options if saved + bwd(p) <= budget), None)
+    # The backward may run on another kernel (a learnable mask takes the matmul tiles): its tiles
+    # follow that kernel's own preferences.
+    bwd_options = options if bwd_backend is backend else _tile_options(inp, bwd_backend)
+    bwd_tiles = next((p for p in bwd_options if saved + bwd(p) <= budget), None)
     if bwd_tiles is None:
-        smallest = max(backend.forward_bytes(inp, *options[-1], need_lse), saved + bwd(options[-1]))
+        smallest = max(backend.forward_bytes(inp, *options[-1], need_lse), saved + bwd(bwd_options[-1]))
         return None, None, smallest, smallest
     return fwd, bwd_tiles, max(fwd_pred, saved + bwd(bwd_tiles)), 0
 
