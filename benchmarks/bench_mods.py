@@ -29,6 +29,9 @@ import sys
 import time
 from typing import Dict, List, Optional, Tuple
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _harness import _status_kib  # noqa: E402
+
 B, H, L, E = 1, 4, 8192, 64
 LONG_H, LONG_L = 2, 65536
 
@@ -48,14 +51,6 @@ CASES: Dict[str, Tuple[str, Tuple[int, int, int, int], Optional[int]]] = {
 
 
 # ----------------------------------------------------------------------------- worker (one case)
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
 def _reset_hwm() -> None:
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
