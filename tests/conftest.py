@@ -37,10 +37,10 @@ def naive_attention(
         for d in lead:
             B *= d
         s4 = s.reshape(B, Hq, Lq, Lk)
-        b = torch.arange(B).view(-1, 1, 1, 1)
-        h = torch.arange(Hq).view(1, -1, 1, 1)
-        qi = torch.arange(Lq).view(1, 1, -1, 1)
-        ki = torch.arange(Lk).view(1, 1, 1, -1)
+        b = torch.arange(B, device=s.device).view(-1, 1, 1, 1)
+        h = torch.arange(Hq, device=s.device).view(1, -1, 1, 1)
+        qi = torch.arange(Lq, device=s.device).view(1, 1, -1, 1)
+        ki = torch.arange(Lk, device=s.device).view(1, 1, 1, -1)
         if score_mod is not None:
             s4 = score_mod(s4, b, h, qi, ki).expand(B, Hq, Lq, Lk)
         if mask_mod is not None:
@@ -52,7 +52,7 @@ def naive_attention(
         else:
             s = s + attn_mask.to(s.dtype)
     if is_causal:
-        keep = torch.ones(Lq, Lk, dtype=torch.bool).tril()
+        keep = torch.ones(Lq, Lk, dtype=torch.bool, device=s.device).tril()
         s = s.masked_fill(~keep, float("-inf"))
     lse = torch.logsumexp(s.float() if s.dtype != torch.float64 else s, dim=-1)
     p = torch.softmax(s.float() if s.dtype in (torch.float16, torch.bfloat16) else s, dim=-1)

@@ -1,0 +1,69 @@
+"""Accelerator checks: the same contracts on CUDA (and MPS) when one is present; skipped elsewhere.
+
+No accelerator was available while these were written: they state what must hold there and are
+meant to be run first on a machine that has one (``python -m pytest -m gpu``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import subquad
+from conftest import assert_close_to_golden, naive_attention, to64
+
+DEVICES = []
+if torch.cuda.is_available():
+    DEVICES.append("cuda")
+if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+    DEVICES.append("mps")
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not DEVICES, reason="needs a CUDA or MPS device")]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("backend,chunk", [("auto", None), ("matmul", (64, 96)), ("matmul", None)])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_forward_matches_golden(device, dtype, backend, chunk, causal):
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 300, 64, generator=g) * 3 for _ in range(3))
+    q, k, v = (t.to(device, dtype) for t in (q, k, v))
+    out = subquad.attention(q, k, v, is_causal=causal, backend=backend, chunk_size=chunk)
+    golden = naive_attention(*to64(q.cpu(), k.cpu(), v.cpu()), is_causal=causal)
+    reference = naive_attention(q, k, v, is_causal=causal).cpu()
+    assert out.device.type == device and out.dtype == dtype
+    assert_close_to_golden(out.cpu(), golden, reference)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gqa_mask_and_gradients(device):
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(1, 8, 200, 32, generator=g).to(device).requires_grad_()
+    k = torch.randn(1, 2, 250, 32, generator=g).to(device).requires_grad_()
+    v = torch.randn(1, 2, 250, 32, generator=g).to(device).requires_grad_()
+    mask = (torch.rand(200, 250, generator=g) > 0.2).to(device)
+    out = subquad.attention(q, k, v, attn_mask=mask, enable_gqa=True, chunk_size=(64, 64))
+    grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    ref_grads = torch.autograd.grad(ref.square().sum(), (q, k, v))
+    assert (out - ref).abs().max().item() < 1e-4
+    for a, b in zip(grads, ref_grads):
+        assert (a - b).abs().max().item() < 1e-3
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the allocator's peak)")
+def test_cuda_peak_within_budget():
+    q, k, v = (torch.randn(1, 8, 8192, 64, device="cuda") for _ in range(3))
+    budget = 64 << 20
+    plan = subquad.explain(q, k, v, memory_budget=budget, backend="matmul")
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = subquad.attention(q, k, v, memory_budget=budget, backend="matmul")
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    out_bytes = out.numel() * out.element_size()
+    assert peak <= budget + out_bytes, (peak, plan)
+    assert plan.predicted_peak_bytes >= 0.8 * (peak - out_bytes)
