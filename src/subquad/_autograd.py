@@ -104,48 +104,72 @@ class _Attention(torch.autograd.Function):
         inp = dataclasses.replace(inp0, query=query, key=key, value=value, attn_mask=attn_mask)
         if grad_out is None:
             grad_out = torch.zeros_like(out)
-        if grad_lse is not None:
-            # Fully masked rows have lse = -inf and no keys to pass a gradient to.
-            grad_lse = grad_lse.masked_fill(torch.isneginf(lse), 0.0)
-            if kernel == "fused":
-                # The fused backward computes D itself; the matmul tiles take dlse (same budget).
-                kernel, chunk = "matmul", matmul_backward_tiles(inp, budget)
         need = ctx.needs_input_grad
-        if kernel == "fused" and not (attn_mask is not None and need[4]) and not captured:
-            with torch.no_grad():
-                whole = _engine.whole_fused_backward(inp, chunk, grad_out, out, lse)
+        dq, dk, dv, dmask, dcaptured = backward_grads(
+            inp, kernel, chunk, seed, budget, grad_out, out, lse, grad_lse,
+            wanted=need[1:5], captured=captured,
+        )
+        return (None, dq, dk, dv, dmask, *[g if n else None for g, n in zip(dcaptured, need[5:])])
+
+
+def backward_grads(
+    inp: Inputs,
+    kernel: str,
+    chunk: Tuple[int, int],
+    seed: int,
+    budget: int,
+    grad_out: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    grad_lse: Optional[Tensor],
+    wanted: Sequence[bool],
+    captured: Sequence[Tensor] = (),
+) -> Tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor], Optional[Tensor], List[Tensor]]:
+    """``(dq, dk, dv, dmask, dcaptured)`` of one call from its saved out and lse, in tiles.
+
+    ``wanted`` says which of q, k, v, attn_mask need a gradient (``None`` is returned for the
+    others). Shared by the autograd Function and the ``torch.compile`` backward operator.
+    """
+    query, key, value, attn_mask = inp.query, inp.key, inp.value, inp.attn_mask
+    want_q, want_k, want_v, want_mask = wanted
+    want_mask = bool(want_mask and attn_mask is not None)
+    if grad_lse is not None and not bool(grad_lse.any()):
+        grad_lse = None  # a zero-filled gradient of an unused lse
+    if grad_lse is not None:
+        # Fully masked rows have lse = -inf and no keys to pass a gradient to.
+        grad_lse = grad_lse.masked_fill(torch.isneginf(lse), 0.0)
+        if kernel == "fused":
+            # The fused backward computes D itself; the matmul tiles take dlse (same budget).
+            kernel, chunk = "matmul", matmul_backward_tiles(inp, budget)
+    with torch.no_grad():
+        if kernel == "fused" and not want_mask and not captured:
+            whole = _engine.whole_fused_backward(inp, chunk, grad_out, out, lse)
             if whole is not None:
                 dq, dk, dv = whole
-                return (None, dq if need[1] else None, dk if need[2] else None, dv if need[3] else None, None)
+                return dq if want_q else None, dk if want_k else None, dv if want_v else None, None, []
         half = query.dtype in (torch.float16, torch.bfloat16)
         acc_dtype = torch.float32 if half else query.dtype
 
-        def zeros_like(t: Tensor, wanted: bool) -> Optional[Tensor]:
-            return torch.zeros(t.shape, dtype=acc_dtype, device=t.device) if wanted else None
+        def zeros_like(t: Tensor, dtype: torch.dtype, want: bool) -> Optional[Tensor]:
+            return torch.zeros(t.shape, dtype=dtype, device=t.device) if want else None
 
         grads = Grads(
-            dq=zeros_like(query, need[1]),
-            dk=zeros_like(key, need[2]),
-            dv=zeros_like(value, need[3]),
-            dmask=torch.zeros(attn_mask.shape, dtype=torch.float32 if attn_mask.dtype != torch.float64 else torch.float64,
-                              device=attn_mask.device) if attn_mask is not None and need[4] else None,
+            dq=zeros_like(query, acc_dtype, want_q),
+            dk=zeros_like(key, acc_dtype, want_k),
+            dv=zeros_like(value, acc_dtype, want_v),
+            dmask=zeros_like(attn_mask, inp.stats_dtype, want_mask) if attn_mask is not None else None,
             captured=list(captured),
             dcaptured=[torch.zeros_like(c) for c in captured],
         )
-        with torch.no_grad():
-            _engine.backward(inp, kernel, chunk, seed, grad_out, out, lse, grads, grad_lse)
+        _engine.backward(inp, kernel, chunk, seed, grad_out, out, lse, grads, grad_lse)
 
-        def cast(g: Optional[Tensor], like: Tensor) -> Optional[Tensor]:
-            return None if g is None else g.to(like.dtype)
+    def cast(g: Optional[Tensor], like: Optional[Tensor]) -> Optional[Tensor]:
+        return None if g is None or like is None else g.to(like.dtype)
 
-        return (
-            None,
-            cast(grads.dq, query),
-            cast(grads.dk, key),
-            cast(grads.dv, value),
-            cast(grads.dmask, attn_mask) if attn_mask is not None else None,
-            *[g if n else None for g, n in zip(grads.dcaptured, need[5:])],
-        )
+    return (
+        cast(grads.dq, query), cast(grads.dk, key), cast(grads.dv, value), cast(grads.dmask, attn_mask),
+        list(grads.dcaptured),
+    )
 
 
 def attention_with_grad(

@@ -167,8 +167,8 @@ def _engine_grads(
     # autograd Function does.
     import dataclasses
 
-    from subquad import _api, _engine
-    from subquad._kernels import Grads
+    from subquad import _api
+    from subquad._autograd import backward_grads
     from subquad._planner import make_plan
 
     inp, opts, budget, _plan, _ = _api._prepare(
@@ -188,33 +188,16 @@ def _engine_grads(
     if plan.backward_backend is None:
         raise NotImplementedError(f"subquad planned no backward for {plan.shape} with backend={backend!r}.")
     chunk = plan.backward_chunk_size or plan.chunk_size or (max(inp.Lq, 1), max(inp.Lk, 1))
-    kernel = plan.backward_backend
     rows = (inp.B, inp.Hq, inp.Lq)
-    dlse = None
-    if grad_lse is not None and bool(grad_lse.any()):
-        dlse = grad_lse.reshape(rows).masked_fill(torch.isneginf(lse.reshape(rows)), 0.0)
-        if kernel == "fused":  # the fused backward cannot take a gradient of the lse
-            from subquad._planner import matmul_backward_tiles
-
-            kernel, chunk = "matmul", matmul_backward_tiles(inp, budget)
-    acc = torch.float32 if query.dtype in (torch.float16, torch.bfloat16) else query.dtype
-    grads = Grads(
-        dq=torch.zeros(inp.query.shape, dtype=acc, device=query.device),
-        dk=torch.zeros(inp.key.shape, dtype=acc, device=query.device),
-        dv=torch.zeros(inp.value.shape, dtype=acc, device=query.device),
-        dmask=torch.zeros(inp.attn_mask.shape, dtype=inp.stats_dtype, device=query.device)
-        if mask_grad and inp.attn_mask is not None
-        else None,
+    dq, dk, dv, dmask, _ = backward_grads(
+        wants, plan.backward_backend, chunk, 0, budget,
+        grad_out.reshape(*rows, inp.Ev), out.reshape(*rows, inp.Ev), lse.reshape(rows),
+        None if grad_lse is None else grad_lse.reshape(rows),
+        wanted=(True, True, True, mask_grad),
     )
-    g4 = grad_out.reshape(*rows, inp.Ev)
-    if kernel == "fused":
-        g4 = g4.contiguous()
-    with torch.no_grad():
-        _engine.backward(wants, kernel, chunk, 0, g4, out.reshape(*rows, inp.Ev), lse.reshape(rows), grads, dlse)
-    dq, dk, dv = (g.to(t.dtype).reshape(t.shape) for g, t in zip(grads[:3], (query, key, value)))
-    dmask = None
-    if grads.dmask is not None and attn_mask is not None:
-        dmask = grads.dmask.to(attn_mask.dtype).reshape(attn_mask.shape)
+    dq, dk, dv = (g.reshape(t.shape) for g, t in zip((dq, dk, dv), (query, key, value)))
+    if dmask is not None and attn_mask is not None:
+        dmask = dmask.reshape(attn_mask.shape)
     return dq, dk, dv, dmask
 
 
