@@ -178,8 +178,11 @@ def test_only_some_inputs_require_grad():
 def test_double_backward_raises():
     q = _leaf(1, 1, 5, 4)
     out = subquad.attention(q, q, q, backend="matmul")
+    # create_graph=True itself works (torch.func.grad runs the backward that way); differentiating
+    # the gradient again raises instead of treating it as a constant.
+    (g,) = torch.autograd.grad(out.sum(), q, create_graph=True)
     with pytest.raises(NotImplementedError, match="double backward"):
-        torch.autograd.grad(out.sum(), q, create_graph=True)
+        torch.autograd.grad(g.sum(), q)
 
 
 def test_sdpa_drop_in_gradients_match_torch():

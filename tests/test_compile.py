@@ -36,7 +36,7 @@ def _cases():
         "plain-Ev8": (q, k, v, None, False, None, False, None, list(MANY_TILES), "auto"),
         "causal-scale-budget": (q, q, q, None, True, 0.3, False, "1048576", None, "auto"),
         "gqa-bool-mask-matmul": (q, kg, vg, bool_mask, False, None, True, None, list(MANY_TILES), "matmul"),
-        "float-mask-with-grad": (q, k, v, float_mask, False, None, False, "64KiB", list(MANY_TILES), "auto"),
+        "float-mask-with-grad": (q, k, v, float_mask, False, None, False, "1MiB", list(MANY_TILES), "auto"),
         "3d-no-batch": (q[0], k[0], v[0], None, False, None, False, None, [4, 4], "auto"),
     }
 
@@ -54,7 +54,7 @@ def test_opcheck_backward_operator():
     out, lse = attention_op(q, k, v, None, False, None, False, None, list(MANY_TILES), "auto")
     grad = _t(*out.shape, seed=3, grad=False)
     args = (grad, q.detach(), k.detach(), v.detach(), None, out.detach(), lse.detach(), False, None, False, None,
-            list(MANY_TILES), "auto", False)
+            list(MANY_TILES), "auto", False, False)
     torch.library.opcheck(attention_backward_op, args)
 
 

@@ -55,8 +55,9 @@ def test_key_value_length_mismatch():
 
 def test_batch_mismatch():
     q, k, v = qkv()
-    with pytest.raises(ValueError, match=r"same batch dims .* got query \(2, 3, 5, 8\) and key \(1, 3, 7, 8\)"):
-        subquad.attention(q, k[:1], v[:1])
+    k3, v3 = torch.randn(3, 3, 7, 8), torch.randn(3, 3, 7, 8)
+    with pytest.raises(ValueError, match=r"same batch dims .* broadcast, got query \(2, 3, 5, 8\), key \(3, 3, 7, 8\)"):
+        subquad.attention(q, k3, v3)
 
 
 def test_key_value_heads_mismatch():
@@ -103,17 +104,31 @@ def test_bad_chunk_size(chunk):
         subquad.attention(q, k, v, chunk_size=chunk)
 
 
-@pytest.mark.parametrize("p", [-0.1, 1.0, 1.5, True])
+@pytest.mark.parametrize("p", [-0.1, 1.5, float("nan")])
 def test_bad_dropout(p):
     q, k, v = qkv()
-    with pytest.raises(ValueError, match=r"dropout_p in \[0, 1\)"):
+    with pytest.raises(ValueError, match=r"dropout_p in \[0, 1\]"):
         subquad.attention(q, k, v, dropout_p=p)
 
 
-@pytest.mark.parametrize("scale", [float("nan"), float("inf"), "2"])
+@pytest.mark.parametrize("p", [True, "0.1", None, torch.ones(2)])
+def test_dropout_of_the_wrong_type(p):
+    q, k, v = qkv()
+    with pytest.raises(TypeError, match="dropout_p to be a number"):
+        subquad.attention(q, k, v, dropout_p=p)
+
+
+@pytest.mark.parametrize("scale", [float("nan"), float("inf")])
 def test_bad_scale(scale):
     q, k, v = qkv()
     with pytest.raises(ValueError, match="scale"):
+        subquad.attention(q, k, v, scale=scale)
+
+
+@pytest.mark.parametrize("scale", ["2", True, [1.0]])
+def test_scale_of_the_wrong_type(scale):
+    q, k, v = qkv()
+    with pytest.raises(TypeError, match="scale to be a number"):  # SDPA raises TypeError too
         subquad.attention(q, k, v, scale=scale)
 
 

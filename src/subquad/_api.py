@@ -11,9 +11,28 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import _engine
-from ._autograd import attention_with_grad, captured_tensors
-from ._inputs import Inputs, MaskMod, ScoreMod, make_inputs, parse_chunk_size
-from ._planner import BACKEND_NAMES, MemoryBudgetError, Options, Plan, halve, make_plan, resolve_budget
+from ._autograd import Meta, attention_with_grad, captured_tensors, is_transformed
+from ._inputs import (
+    ArgumentError,
+    ArgumentTypeError,
+    Inputs,
+    MaskMod,
+    ScoreMod,
+    causal_bias_offset,
+    check_bool,
+    make_inputs,
+    parse_chunk_size,
+)
+from ._kernels import KernelRefused, from_callback, is_oom
+from ._planner import (
+    BACKEND_NAMES,
+    Options,
+    Plan,
+    format_seconds,
+    halve,
+    make_plan,
+    resolve_budget,
+)
 from .integrations.compile import compiled_attention
 from .integrations.compile import supports as _compile_supports
 
@@ -21,6 +40,9 @@ from .integrations.compile import supports as _compile_supports
 _TORCH_SDPA = F.scaled_dot_product_attention
 
 Budget = Union[int, str, None]
+
+WARN_LONGER_THAN_S = 300.0
+"""A call predicted to take longer than this warns once (with the plan's estimate)."""
 
 
 def _prepare(
@@ -38,40 +60,37 @@ def _prepare(
     chunk_size: object,
     backend: str,
     return_lse: bool,
+    estimate_time: bool = False,
 ) -> Tuple[Inputs, Options, int, Plan, Sequence[Tensor]]:
     if not isinstance(backend, str) or (backend != "auto" and backend not in BACKEND_NAMES):
-        raise ValueError(f"Unknown backend={backend!r}; expected 'auto' or one of {', '.join(map(repr, BACKEND_NAMES))}.")
-    if not isinstance(return_lse, bool):
-        raise TypeError(f"Expected return_lse to be a bool, got {type(return_lse).__name__}.")
+        raise ArgumentError(f"Unknown backend={backend!r}; expected 'auto' or one of {', '.join(map(repr, BACKEND_NAMES))}.")
+    check_bool("return_lse", return_lse)
     chunk = parse_chunk_size(chunk_size)
-    inp = make_inputs(
+    inp = _causal_mask_mod_as_flag(make_inputs(
         query, key, value,
         attn_mask=attn_mask, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
         dropout_p=dropout_p, score_mod=score_mod, mask_mod=mask_mod,
-    )
-    if getattr(mask_mod, "same_as_is_causal", False):
-        # mods.causal(): run it as the causal flag (the engine combines it with attn_mask).
-        inp = dataclasses.replace(inp, is_causal=True, mask_mod=None)
-    captured = captured_tensors(score_mod) if torch.is_grad_enabled() else []
+    ))
+    captured = captured_tensors(inp)
     opts = Options(return_lse=return_lse, chunk_size=chunk, captured_requires_grad=bool(captured))
     budget = resolve_budget(memory_budget, inp.device)
-    plan = make_plan(inp, opts, budget, backend)
+    plan = make_plan(inp, opts, budget, backend, estimate_time=estimate_time)
     return inp, opts, budget, plan, captured
 
 
-def _is_oom(e: BaseException) -> bool:
-    if isinstance(e, (MemoryError,)) and not isinstance(e, MemoryBudgetError):
-        return True
-    oom_type = getattr(torch, "OutOfMemoryError", None)
-    if oom_type is not None and isinstance(e, oom_type):
-        return True
-    msg = str(e).lower()
-    return isinstance(e, RuntimeError) and (
-        "out of memory" in msg or "can't allocate memory" in msg or "not enough memory" in msg
-    )
+def _causal_mask_mod_as_flag(inp: Inputs) -> Inputs:
+    """A ``mask_mod`` that declares itself the causal mask (``mods.causal()``, ``mods.causal_lower_right``)
+    runs as the causal flag: whole tiles skipped, the fused kernel's own causal masking."""
+    declared = getattr(inp.mask_mod, "causal_offset", None)
+    offset = declared(inp.Lq, inp.Lk) if callable(declared) else None
+    if not isinstance(offset, int) or isinstance(offset, bool):
+        return inp
+    if inp.is_causal:  # both: the intersection of two causal masks is the one with the smaller offset
+        offset = min(offset, inp.causal_offset)
+    return dataclasses.replace(inp, is_causal=True, causal_offset=offset, mask_mod=None)
 
 
-def _run_sdpa(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor], inp: Inputs, enable_gqa: bool) -> Tensor:
+def _run_sdpa(query: Tensor, key: Tensor, value: Tensor, inp: Inputs, attn_mask: Optional[Tensor], enable_gqa: bool) -> Tensor:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     kwargs = dict(attn_mask=attn_mask, dropout_p=inp.dropout_p, is_causal=inp.is_causal, scale=inp.scale)
@@ -93,13 +112,83 @@ def _run(
     seed = int(torch.randint(0, 2**31 - 1, (1,)).item()) if inp.dropout_p > 0 else 0
     full = (max(inp.Lq, 1), max(inp.Lk, 1))
     fwd_chunk = chunk or full
-    if inp.requires_grad or captured:
-        assert plan.backward_backend is not None
-        return attention_with_grad(
-            inp, plan.backend, fwd_chunk, plan.backward_backend, bwd_chunk or fwd_chunk, seed, captured,
-            plan.budget_bytes,
+    if inp.requires_grad or captured or is_transformed(inp.query, inp.key, inp.value, inp.attn_mask):
+        meta = Meta(
+            inp, plan.backend, fwd_chunk, plan.backward_backend or plan.backend, bwd_chunk or fwd_chunk, seed,
+            plan.budget_bytes, plan.predicted_seconds,
         )
-    return _engine.forward(inp, plan.backend, fwd_chunk, seed, need_lse=opts.return_lse)
+        return attention_with_grad(inp, meta, captured)
+    return _engine.forward(inp, plan.backend, fwd_chunk, seed, need_lse=opts.return_lse, predicted_s=plan.predicted_seconds)
+
+
+def _run_tiles(
+    inp: Inputs, plan: Plan, opts: Options, budget: int, backend: str, captured: Sequence[Tensor]
+) -> Tuple[Tensor, Optional[Tensor]]:
+    """One batch group on the planned tiles, with the two recoveries the engine allows itself.
+
+    A fused kernel that refuses the input at run time (its private checks change between
+    releases) hands over to the matmul tiles; a real out-of-memory error retries once with
+    tiles half the size. Anything a user callback raises propagates unchanged.
+    """
+    chunk, bwd_chunk = plan.chunk_size, plan.backward_chunk_size
+    for attempt in range(2):
+        try:
+            return _run(inp, plan, opts, captured, chunk, bwd_chunk)
+        except KernelRefused as e:
+            if backend != "auto" or attempt == 1:
+                raise
+            warnings.warn(
+                f"subquad: the fused CPU kernel refused this input ({str(e).splitlines()[0][:200]}); "
+                "running the matmul tiles instead.",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+            plan = make_plan(inp, opts, budget, "matmul")
+            chunk, bwd_chunk = plan.chunk_size, plan.backward_chunk_size
+        except Exception as e:  # noqa: BLE001 - only real out-of-memory errors are retried
+            if attempt == 1 or from_callback(e) or not is_oom(e):
+                raise
+            old = chunk
+            chunk = halve(chunk, inp)
+            bwd_chunk = halve(bwd_chunk or chunk, inp)
+            warnings.warn(
+                f"subquad: out of memory with tiles {old} ({type(e).__name__}); retrying with {chunk}. "
+                "The result is still exact; pass a smaller memory_budget to avoid the retry.",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+    raise AssertionError("unreachable")
+
+
+def _run_groups(
+    inp: Inputs, plan: Plan, opts: Options, budget: int, backend: str, captured: Sequence[Tensor]
+) -> Tuple[Tensor, Optional[Tensor]]:
+    """A call whose batch broadcasting does not fold into one batch dim: group by group."""
+    if inp.n_groups == 1:
+        return _run_tiles(inp, plan, opts, budget, backend, captured)
+    total = inp.n_groups * inp.B
+    out = torch.empty((total, inp.Hq, inp.Lq, inp.Ev), dtype=inp.dtype, device=inp.device)
+    lse = torch.empty((total, inp.Hq, inp.Lq), dtype=inp.stats_dtype, device=inp.device) if opts.return_lse else None
+    for g in range(inp.n_groups):
+        o, l = _run_tiles(inp.group(g), plan, opts, budget, backend, captured)
+        rows = slice(g * inp.B, (g + 1) * inp.B)
+        out[rows].copy_(o)
+        if lse is not None and l is not None:
+            lse[rows].copy_(l)
+        del o, l
+    return out, lse
+
+
+def _warn_if_long(plan: Plan) -> None:
+    if plan.predicted_seconds is not None and plan.predicted_seconds > WARN_LONGER_THAN_S:
+        warnings.warn(
+            f"subquad: this call runs {plan.tiles:,} tiles and is predicted to take about "
+            f"{format_seconds(plan.predicted_seconds)} ({plan.shape}, tiles {plan.chunk_size}). "
+            "Progress is logged to the 'subquad' logger (INFO); Ctrl-C stops it cleanly. A larger "
+            "memory_budget means fewer, larger tiles.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
 
 def attention(
@@ -122,8 +211,10 @@ def attention(
     r"""Exact scaled dot-product attention in bounded memory.
 
     Shapes: ``query (..., Hq, Lq, E)``, ``key (..., Hk, Lk, E)``, ``value (..., Hk, Lk, Ev)`` ->
-    ``out (..., Hq, Lq, Ev)`` (and ``lse (..., Hq, Lq)``). ``...`` are any batch dims, equal for all
-    three; ``Hq == Hk`` unless ``enable_gqa=True`` (then query head ``h`` reads kv head ``h // (Hq/Hk)``).
+    ``out (..., Hq, Lq, Ev)`` (and ``lse (..., Hq, Lq)``). ``...`` are any batch dims; they
+    broadcast between the three as in SDPA (a key/value of batch 1 is shared by every query
+    batch, never expanded in memory). ``Hq == Hk`` unless ``enable_gqa=True`` (then query head
+    ``h`` reads kv head ``h // (Hq/Hk)``).
 
     Equal (up to rounding, without ever building the ``Lq x Lk`` scores) to::
 
@@ -142,7 +233,10 @@ def attention(
         x x x . .
 
     Args:
-        attn_mask: bool (True = attend) or float (added) tensor broadcastable to ``(..., Hq, Lq, Lk)``.
+        attn_mask: bool (True = attend) or float (added) tensor broadcastable to ``(..., Hq, Lq, Lk)``,
+            or one of torch's ``torch.nn.attention.bias.causal_upper_left(Lq, Lk)`` (= ``is_causal``)
+            and ``causal_lower_right(Lq, Lk)`` (diagonal aligned to the bottom-right corner; rows
+            that see no key give 0), which are never materialized.
         is_causal: top-left causal mask; not together with ``attn_mask``.
         score_mod: ``score_mod(score, b, h, q_idx, kv_idx) -> score``, FlexAttention's convention,
             called per tile with ``score (B, Hq, qc, kc)`` float32 and broadcastable int64 indices
@@ -152,17 +246,24 @@ def attention(
             where it is False everywhere are skipped.
         scale: the factor on ``q kᵀ``; default ``1/sqrt(E)``.
         enable_gqa: grouped-query attention without expanding key/value in memory.
-        dropout_p: dropout on the attention weights (its masks are regenerated in the backward).
+        dropout_p: dropout on the attention weights, in ``[0, 1]`` (its masks are regenerated in the
+            backward; ``1`` drops everything, output 0, as SDPA).
         memory_budget: bytes (int) or a string like ``"512MiB"``/``"2GB"``: the extra memory of the
             call beyond its inputs, output (and gradients). ``None``: half the device's free memory.
-        chunk_size: force tiles ``(q_chunk, kv_chunk)`` (or one int for both) instead of planning them.
+            A promise: a call that cannot keep it raises, it never runs over it.
+        chunk_size: force tiles ``(q_chunk, kv_chunk)`` (or one int for both) instead of planning
+            them. They must fit the budget too: tiles predicted to need more raise
+            :class:`MemoryBudgetError` (pass a larger ``memory_budget`` to run them).
         backend: ``"auto"`` (the planner), ``"sdpa"``, ``"fused"`` or ``"matmul"``.
         return_lse: also return the log-sum-exp per row (float32; float64 for float64 inputs).
 
     Raises:
         TypeError / ValueError: invalid arguments, naming the argument and showing the values.
-        MemoryBudgetError: the budget cannot hold even the smallest tiles (says what would).
+            They are also ``RuntimeError``\ s, the class torch's SDPA raises for the same inputs.
+        MemoryBudgetError: the budget cannot hold even the smallest tiles, or the forced
+            ``chunk_size`` (says what would fit).
         NotImplementedError: a forced ``backend`` cannot run the call (with its reasons).
+        Whatever ``score_mod`` / ``mask_mod`` raise, unchanged (never retried or hidden).
     """
     if torch.compiler.is_compiling() and _compile_supports(score_mod=score_mod, mask_mod=mask_mod, dropout_p=dropout_p):
         # Under torch.compile subquad is one opaque operator (fake + autograd registrations); the
@@ -175,50 +276,23 @@ def attention(
         query, key, value, attn_mask, is_causal, score_mod, mask_mod, scale, enable_gqa,
         dropout_p, memory_budget, chunk_size, backend, return_lse,
     )
-    lead = tuple(query.shape[:-2])
-    chunk, bwd_chunk = plan.chunk_size, plan.backward_chunk_size
-    for attempt in range(2):
+    _warn_if_long(plan)
+    if plan.backend == "sdpa":
         try:
-            if plan.backend == "sdpa":
-                out = _run_sdpa(query, key, value, attn_mask, inp, enable_gqa)
-                return out
-            out, lse = _run(inp, plan, opts, captured, chunk, bwd_chunk)
-            break
-        except Exception as e:  # noqa: BLE001 - only OOM and kernel refusals are handled
-            no_kernel = plan.backend == "sdpa" and isinstance(e, RuntimeError) and "kernel" in str(e).lower()
-            # The private fused kernel may reject an input the planner expected it to take
-            # (its checks change between releases): the matmul tiles take everything.
-            fused_refused = plan.backend == "fused" and backend == "auto" and isinstance(e, RuntimeError) and not _is_oom(e)
-            if attempt == 0 and fused_refused:
-                warnings.warn(
-                    f"subquad: the fused CPU kernel refused this input ({str(e).splitlines()[0][:200]}); "
-                    "running the matmul tiles instead.",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
-                plan = make_plan(inp, opts, budget, "matmul")
-                chunk, bwd_chunk = plan.chunk_size, plan.backward_chunk_size
-                continue
-            if attempt == 1 or not (_is_oom(e) or no_kernel):
+            return _run_sdpa(query, key, value, inp, None if inp.attn_mask is None else attn_mask, enable_gqa)
+        except RuntimeError as e:
+            # No fused kernel took the input after all (their checks are private), or it ran out
+            # of memory: the tiles take everything, within the budget.
+            no_kernel = "kernel" in str(e).lower() and not is_oom(e)
+            if not (no_kernel or is_oom(e)):
                 raise
-            if plan.backend == "sdpa":
-                plan = make_plan(inp, opts, budget, "fused" if inp.device.type == "cpu" and "fused" not in plan.rejected else "matmul")
-                chunk, bwd_chunk = plan.chunk_size, plan.backward_chunk_size
-                if no_kernel:
-                    continue
-            old = chunk
-            chunk = halve(chunk, inp)
-            bwd_chunk = halve(bwd_chunk or chunk, inp)
-            warnings.warn(
-                f"subquad: out of memory with tiles {old} ({type(e).__name__}); retrying with {chunk}. "
-                "The result is still exact; pass a smaller memory_budget to avoid the retry.",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-    out = out.reshape(*lead, inp.Lq, inp.Ev)
+            tiles = "fused" if inp.device.type == "cpu" and "fused" not in plan.rejected else "matmul"
+            plan = make_plan(inp, opts, budget, tiles)
+    out, lse = _run_groups(inp, plan, opts, budget, backend, captured)
+    out = out.reshape(inp.output_shape)
     if return_lse:
         assert lse is not None
-        lse_out = lse.reshape(*lead, inp.Lq)
+        lse_out = lse.reshape(inp.output_shape[:-1])
         if lse_out.dtype != inp.stats_dtype:
             lse_out = lse_out.to(inp.stats_dtype)
         return out, lse_out
@@ -244,7 +318,7 @@ def sdpa(
     ``backend``, ``score_mod``, ``mask_mod``). ``return_lse`` is not accepted here.
     """
     if "return_lse" in options:
-        raise TypeError("sdpa() returns the output only; use subquad.attention(..., return_lse=True) for the lse.")
+        raise ArgumentTypeError("sdpa() returns the output only; use subquad.attention(..., return_lse=True) for the lse.")
     out = attention(
         query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
         enable_gqa=enable_gqa, **options,  # type: ignore[arg-type]
@@ -278,5 +352,5 @@ def explain(
     """
     return _prepare(
         query, key, value, attn_mask, is_causal, score_mod, mask_mod, scale, enable_gqa,
-        dropout_p, memory_budget, chunk_size, backend, return_lse,
+        dropout_p, memory_budget, chunk_size, backend, return_lse, estimate_time=True,
     )[3]

@@ -3,113 +3,181 @@
 The backward never materializes ``Lq x Lk``: per tile it recomputes the scores from the saved lse
 (FlashAttention-2), with PyTorch's fused CPU backward kernel where it accepts the tile and the
 matmul kernel otherwise (a float mask's gradient, tensors captured by ``score_mod``, dropout).
+
+The Function also works under ``torch.func`` (``grad``, ``vjp``, ``jacrev``, ``vmap``) and with
+batched gradients (``torch.autograd.grad(..., is_grads_batched=True)``, ``gradcheck``'s batched
+check): a vmapped call runs example by example, each within the planned tiles.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import inspect
-from typing import Any, List, Optional, Sequence, Tuple
+import warnings
+from typing import Any, Callable, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
+from torch._C import _functorch
 
 from . import _engine
 from ._inputs import Inputs
-from ._kernels import Grads
+from ._kernels import Grads, KernelRefused, probe_captured, reduce_to
 from ._planner import matmul_backward_tiles
 
 
-def captured_tensors(fn: Any) -> List[Tensor]:
-    """Tensors requiring grad that a callback can read: closure cells, defaults, attributes, parameters.
-
-    These become extra inputs of the autograd Function so that their gradients flow.
-    """
-    if fn is None:
+def captured_tensors(inp: Inputs) -> List[Tensor]:
+    """Tensors requiring grad that the call's ``score_mod`` reads (they become extra inputs of the Function)."""
+    if inp.score_mod is None or not torch.is_grad_enabled():
         return []
-    found: List[Tensor] = []
-    seen: set = set()
+    return probe_captured(inp)
 
-    def add(obj: Any, depth: int) -> None:
-        if depth > 3 or id(obj) in seen:
-            return
-        seen.add(id(obj))
-        if isinstance(obj, Tensor):
-            if obj.requires_grad:
-                found.append(obj)
-        elif isinstance(obj, torch.nn.Module):
-            for p in obj.parameters():
-                add(p, depth + 1)
-        elif isinstance(obj, (list, tuple)):
-            for x in obj:
-                add(x, depth + 1)
-        elif isinstance(obj, dict):
-            for x in obj.values():
-                add(x, depth + 1)
-        elif inspect.ismethod(obj):
-            add(obj.__self__, depth + 1)
-            add(obj.__func__, depth + 1)
-        elif inspect.isfunction(obj):
-            for cell in obj.__closure__ or ():
-                try:
-                    add(cell.cell_contents, depth + 1)
-                except ValueError:  # an empty cell
-                    pass
-            for d in obj.__defaults__ or ():
-                add(d, depth + 1)
-            # Module-level names the function reads (a global bias table, a global nn.Module).
-            names = obj.__globals__
-            for name in obj.__code__.co_names:
-                if name in names and not inspect.ismodule(names[name]):
-                    add(names[name], depth + 1)
-        elif hasattr(obj, "__dict__") and not isinstance(obj, type):
-            for x in vars(obj).values():
-                add(x, depth + 1)
-            if callable(obj) and hasattr(type(obj), "__call__"):
-                add(getattr(obj, "__call__"), depth + 1)
 
-    add(fn, 0)
-    return found
+class Meta(NamedTuple):
+    """What the Function needs besides tensors: the call without its tensors, and its plan."""
+
+    inp: Inputs
+    kernel: str
+    chunk: Tuple[int, int]
+    bwd_kernel: str
+    bwd_chunk: Tuple[int, int]
+    seed: int
+    budget: int
+    predicted_s: Optional[float] = None
+
+
+def is_transformed(*tensors: Optional[Tensor]) -> bool:
+    """Whether a tensor is wrapped by a ``torch.func`` transform (``vmap``, ``grad``)."""
+    return any(t is not None and _functorch.is_functorch_wrapped_tensor(t) for t in tensors)
 
 
 class _Attention(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any,
-        meta: Tuple[Inputs, str, Tuple[int, int], str, Tuple[int, int], int, int],
+        meta: Meta,
         query: Tensor,
         key: Tensor,
         value: Tensor,
         attn_mask: Optional[Tensor],
         *captured: Tensor,
     ) -> Tuple[Tensor, Tensor]:
-        inp, kernel, chunk, bwd_kernel, bwd_chunk, seed, budget = meta
-        inp = dataclasses.replace(inp, query=query, key=key, value=value, attn_mask=attn_mask)
-        out, lse = _engine.forward(inp, kernel, chunk, seed, need_lse=True)
+        inp = dataclasses.replace(meta.inp, query=query, key=key, value=value, attn_mask=attn_mask)
+        out, lse = _engine.forward(inp, meta.kernel, meta.chunk, meta.seed, need_lse=True, predicted_s=meta.predicted_s)
         assert lse is not None
-        ctx.save_for_backward(query, key, value, attn_mask, out, lse, *captured)
-        ctx.meta = (dataclasses.replace(inp, query=None, key=None, value=None, attn_mask=None), bwd_kernel, bwd_chunk, seed, budget)
-        ctx.set_materialize_grads(False)  # an unused lse (or output) gets no zero-filled gradient
         return out, lse
 
     @staticmethod
+    def setup_context(ctx: Any, inputs: Tuple[Any, ...], output: Tuple[Tensor, Tensor]) -> None:
+        meta, query, key, value, attn_mask, *captured = inputs
+        out, lse = output
+        ctx.save_for_backward(query, key, value, attn_mask, out, lse, *captured)
+        ctx.meta = meta
+        ctx.set_materialize_grads(False)  # an unused lse (or output) gets no zero-filled gradient
+
+    @staticmethod
     def backward(ctx: Any, grad_out: Optional[Tensor], grad_lse: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:
-        if torch.is_grad_enabled():  # only true under create_graph=True
-            raise NotImplementedError(
-                "subquad's attention does not support double backward (create_graph=True); "
-                "use torch.nn.functional.scaled_dot_product_attention for higher-order gradients."
-            )
         query, key, value, attn_mask, out, lse, *captured = ctx.saved_tensors
-        inp0, kernel, chunk, seed, budget = ctx.meta
-        inp = dataclasses.replace(inp0, query=query, key=key, value=value, attn_mask=attn_mask)
         if grad_out is None:
             grad_out = torch.zeros_like(out)
-        need = ctx.needs_input_grad
-        dq, dk, dv, dmask, dcaptured = backward_grads(
-            inp, kernel, chunk, seed, budget, grad_out, out, lse, grad_lse,
-            wanted=need[1:5], captured=captured,
+        wanted = tuple(ctx.needs_input_grad[1:])  # query, key, value, attn_mask, *captured
+        grads = iter(_Backward.apply(ctx.meta, wanted, grad_out, grad_lse, query, key, value, attn_mask, out, lse, *captured))
+        return (None, *[next(grads) if w else None for w in wanted])
+
+    @staticmethod
+    def vmap(info: Any, in_dims: Tuple[Optional[int], ...], meta: Meta, *tensors: Optional[Tensor]) -> Any:
+        # Under torch.func.vmap the call runs example by example: each is the call that was
+        # planned (same shapes, same tiles), so the memory budget holds whatever the batch.
+        if any(d is not None for d in in_dims[5:]):
+            raise NotImplementedError(
+                "vmap over a tensor that score_mod captures is not supported; vmap over query, key, value "
+                "or attn_mask, or pass the batched values as attention inputs."
+            )
+        outs, lses = [], []
+        for i in range(info.batch_size):
+            m = meta
+            if meta.inp.dropout_p > 0 and info.randomness == "different":
+                m = meta._replace(seed=(meta.seed * 1000003 + i + 1) % (2**31 - 1))
+            args = [t if (t is None or d is None) else t.select(d, i) for t, d in zip(tensors, in_dims[1:])]
+            o, l = _Attention.apply(m, *args)
+            outs.append(o)
+            lses.append(l)
+        return (torch.stack(outs), torch.stack(lses)), (0, 0)
+
+
+class _Backward(torch.autograd.Function):
+    """The gradients of a call, as a Function of its own so that transforms can batch it.
+
+    Under ``torch.func`` (``jacrev``, ``vmap(grad(...))``) the incoming gradient is batched:
+    :meth:`vmap` runs one backward per example. Differentiating its outputs again raises
+    (subquad has no double backward) instead of treating the gradients as constants.
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        meta: Meta, wanted: Tuple[bool, ...], grad_out: Tensor, grad_lse: Optional[Tensor], query: Tensor,
+        key: Tensor, value: Tensor, attn_mask: Optional[Tensor], out: Tensor, lse: Tensor, *captured: Tensor,
+    ) -> Tuple[Tensor, ...]:
+        def grads_of(go: Tensor, gl: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, m: Optional[Tensor],
+                     o: Tensor, l: Tensor) -> Tuple[Optional[Tensor], ...]:
+            inp = dataclasses.replace(meta.inp, query=q, key=k, value=v, attn_mask=m)
+            dq, dk, dv, dmask, dcaptured = backward_grads(
+                inp, meta.bwd_kernel, meta.bwd_chunk, meta.seed, meta.budget, go, o, l, gl,
+                wanted=wanted[:4], captured=captured, predicted_s=meta.predicted_s,
+            )
+            return tuple(g for g, w in zip((dq, dk, dv, dmask, *dcaptured), wanted) if w)
+
+        with torch.no_grad():
+            return per_example(grads_of, grad_out, grad_lse, query, key, value, attn_mask, out, lse)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: Tuple[Any, ...], output: Any) -> None:
+        pass
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        raise NotImplementedError(
+            "subquad's attention does not support double backward (create_graph=True); "
+            "use torch.nn.functional.scaled_dot_product_attention for higher-order gradients."
         )
-        return (None, dq, dk, dv, dmask, *[g if n else None for g, n in zip(dcaptured, need[5:])])
+
+    @staticmethod
+    def vmap(info: Any, in_dims: Tuple[Optional[int], ...], meta: Meta, wanted: Tuple[bool, ...], *tensors: Optional[Tensor]) -> Any:
+        if any(d is not None for d in in_dims[10:]):
+            raise NotImplementedError("vmap over a tensor that score_mod captures is not supported.")
+        results = []
+        for i in range(info.batch_size):
+            args = [t if (t is None or d is None) else t.select(d, i) for t, d in zip(tensors, in_dims[2:])]
+            results.append(_Backward.apply(meta, wanted, *args))
+        stacked = tuple(torch.stack(parts) for parts in zip(*results))
+        return stacked, tuple(0 for _ in stacked)
+
+
+def per_example(fn: Callable[..., Tuple[Optional[Tensor], ...]], *tensors: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:
+    """``fn(*tensors)`` computed on plain tensors.
+
+    ``torch.autograd.grad(..., is_grads_batched=True)`` (and ``gradcheck``'s batched check) run
+    the backward under the older vmap, which does not dispatch to :meth:`_Backward.vmap`: the
+    engine's private kernels and in-place accumulators have no batching rules, so that vmap
+    level is peeled off here and ``fn`` runs once per example. Results come back batched.
+    """
+    if not any(t is not None and _functorch.is_legacy_batchedtensor(t) for t in tensors):
+        return fn(*tensors)
+    level = torch._C._vmapmode_increment_nesting()
+    torch._C._vmapmode_decrement_nesting()
+    level -= 1  # the innermost level now running
+    plain: List[Tuple[Optional[Tensor], bool]] = []
+    size = 0
+    for t in tensors:
+        if t is not None and _functorch.is_legacy_batchedtensor(t):
+            u = torch._remove_batch_dim(t, level, 1, 0)  # type: ignore[attr-defined]
+            size = u.shape[0]
+            plain.append((u, True))
+        else:
+            plain.append((t, False))
+    results = [fn(*[u[i] if batched and u is not None else u for u, batched in plain]) for i in range(size)]
+    return tuple(
+        None if parts[0] is None else torch._add_batch_dim(torch.stack(parts), 0, level)  # type: ignore[attr-defined]
+        for parts in zip(*results)
+    )
 
 
 def backward_grads(
@@ -124,11 +192,13 @@ def backward_grads(
     grad_lse: Optional[Tensor],
     wanted: Sequence[bool],
     captured: Sequence[Tensor] = (),
+    predicted_s: Optional[float] = None,
 ) -> Tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor], Optional[Tensor], List[Tensor]]:
     """``(dq, dk, dv, dmask, dcaptured)`` of one call from its saved out and lse, in tiles.
 
     ``wanted`` says which of q, k, v, attn_mask need a gradient (``None`` is returned for the
-    others). Shared by the autograd Function and the ``torch.compile`` backward operator.
+    others). Each gradient has its input's shape (a batch-broadcast key gets the sum over the
+    batch). Shared by the autograd Function and the ``torch.compile`` backward operator.
     """
     query, key, value, attn_mask = inp.query, inp.key, inp.value, inp.attn_mask
     want_q, want_k, want_v, want_mask = wanted
@@ -143,25 +213,24 @@ def backward_grads(
             kernel, chunk = "matmul", matmul_backward_tiles(inp, budget)
     with torch.no_grad():
         if kernel == "fused" and not want_mask and not captured:
-            whole = _engine.whole_fused_backward(inp, chunk, grad_out, out, lse)
+            try:
+                whole = _engine.whole_fused_backward(inp, chunk, grad_out, out, lse)
+            except KernelRefused as e:
+                _warn_refused(e)
+                whole, kernel, chunk = None, "matmul", matmul_backward_tiles(inp, budget)
             if whole is not None:
-                dq, dk, dv = whole
+                dq, dk, dv = (reduce_to(g, t.shape) for g, t in zip(whole, (query, key, value)))
                 return dq if want_q else None, dk if want_k else None, dv if want_v else None, None, []
-        half = query.dtype in (torch.float16, torch.bfloat16)
-        acc_dtype = torch.float32 if half else query.dtype
-
-        def zeros_like(t: Tensor, dtype: torch.dtype, want: bool) -> Optional[Tensor]:
-            return torch.zeros(t.shape, dtype=dtype, device=t.device) if want else None
-
-        grads = Grads(
-            dq=zeros_like(query, acc_dtype, want_q),
-            dk=zeros_like(key, acc_dtype, want_k),
-            dv=zeros_like(value, acc_dtype, want_v),
-            dmask=zeros_like(attn_mask, inp.stats_dtype, want_mask) if attn_mask is not None else None,
-            captured=list(captured),
-            dcaptured=[torch.zeros_like(c) for c in captured],
-        )
-        _engine.backward(inp, kernel, chunk, seed, grad_out, out, lse, grads, grad_lse)
+        while True:
+            grads = _zero_grads(inp, want_q, want_k, want_v, want_mask, captured)
+            try:
+                _engine.backward(inp, kernel, chunk, seed, grad_out, out, lse, grads, grad_lse, predicted_s)
+                break
+            except KernelRefused as e:
+                if kernel != "fused":
+                    raise
+                _warn_refused(e)
+                kernel, chunk = "matmul", matmul_backward_tiles(inp, budget)
 
     def cast(g: Optional[Tensor], like: Optional[Tensor]) -> Optional[Tensor]:
         return None if g is None or like is None else g.to(like.dtype)
@@ -172,17 +241,33 @@ def backward_grads(
     )
 
 
-def attention_with_grad(
-    inp: Inputs,
-    kernel: str,
-    chunk: Tuple[int, int],
-    bwd_kernel: str,
-    bwd_chunk: Tuple[int, int],
-    seed: int,
-    captured: Sequence[Tensor],
-    budget: int,
-) -> Tuple[Tensor, Tensor]:
-    mask = inp.attn_mask
-    meta = (dataclasses.replace(inp, query=None, key=None, value=None, attn_mask=None), kernel, chunk, bwd_kernel, bwd_chunk, seed, budget)
-    # mask_mod / score_mod are plain Python objects and ride along in ``meta``.
-    return _Attention.apply(meta, inp.query, inp.key, inp.value, mask, *captured)
+def _zero_grads(inp: Inputs, want_q: bool, want_k: bool, want_v: bool, want_mask: bool, captured: Sequence[Tensor]) -> Grads:
+    half = inp.dtype in (torch.float16, torch.bfloat16)
+    acc_dtype = torch.float32 if half else inp.dtype
+
+    def zeros(t: Optional[Tensor], dtype: torch.dtype, want: bool) -> Optional[Tensor]:
+        return torch.zeros(t.shape, dtype=dtype, device=t.device) if want and t is not None else None
+
+    return Grads(
+        dq=zeros(inp.query, acc_dtype, want_q),
+        dk=zeros(inp.key, acc_dtype, want_k),
+        dv=zeros(inp.value, acc_dtype, want_v),
+        dmask=zeros(inp.attn_mask, inp.stats_dtype, want_mask),
+        proxies={id(c): c.detach().requires_grad_() for c in captured},
+        dcaptured=[torch.zeros_like(c) for c in captured],
+    )
+
+
+def _warn_refused(e: KernelRefused) -> None:
+    warnings.warn(
+        f"subquad: the fused CPU backward kernel refused this input ({str(e).splitlines()[0][:200]}); "
+        "running the matmul tiles instead.",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+
+
+def attention_with_grad(inp: Inputs, meta: Meta, captured: Sequence[Tensor]) -> Tuple[Tensor, Tensor]:
+    """Run the call through the autograd Function (``mask_mod``/``score_mod`` ride along in ``meta``)."""
+    stripped = dataclasses.replace(inp, query=None, key=None, value=None, attn_mask=None, groups=None)
+    return _Attention.apply(meta._replace(inp=stripped), inp.query, inp.key, inp.value, inp.attn_mask, *captured)

@@ -10,13 +10,17 @@ of blocks.
 from __future__ import annotations
 
 import itertools
-from typing import Callable, Iterator, List, Optional, Tuple, Union
+import logging
+import time
+from typing import Callable, Iterator, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
 
 from ._inputs import Inputs
-from ._kernels import FusedCPUKernel, Grads, MatmulKernel, Segment, eval_mask_mod
+from ._kernels import FusedCPUKernel, Grads, MatmulKernel, Segment, call_user, eval_mask_mod
+
+log = logging.getLogger("subquad")
 
 Kernel = Union[MatmulKernel, FusedCPUKernel]
 
@@ -48,7 +52,7 @@ def _mask_mod_state(inp: Inputs, qs: int, qe: int, ks: int, ke: int) -> Tuple[in
         return FULL, None
     declared: Optional[Callable[[int, int, int, int], int]] = getattr(mm, "block_state", None)
     if declared is not None:
-        state = declared(qs, qe, ks, ke)
+        state = call_user(declared, qs, qe, ks, ke)
         if state in (EMPTY, FULL, PARTIAL):
             return int(state), None
     # Exact for any callback: evaluate it on the tile's indices (elementwise, no matmul); the
@@ -66,15 +70,18 @@ def kv_segments(inp: Inputs, qs: int, qe: int, kv_chunk: int, coalesce: bool) ->
     kernel's memory does not grow with the segment length).
     """
     pending: Optional[Segment] = None
+    off = inp.causal_offset
     for ks in range(0, inp.Lk, kv_chunk):
         ke = min(ks + kv_chunk, inp.Lk)
         causal = "none"
         if inp.is_causal:
-            if ks > qe - 1:
+            # Query i sees keys j <= i + off: the block's last row sees up to key qe - 1 + off.
+            if ks > qe - 1 + off:
                 TILES.skipped += (inp.Lk - ks + kv_chunk - 1) // kv_chunk
                 break
-            if ke - 1 > qs:
-                causal = "diag" if ks == qs else "partial"
+            if ke - 1 > qs + off:
+                # "diag": the tile's causal mask is top-left within the tile (ks == qs + off).
+                causal = "diag" if ks == qs + off else "partial"
         state, keep = _mask_mod_state(inp, qs, qe, ks, ke)
         if state == EMPTY:
             TILES.skipped += 1
@@ -110,21 +117,56 @@ def _nonempty(segments: Iterator[Segment]) -> Optional[Iterator[Segment]]:
     return None if first is None else itertools.chain([first], segments)
 
 
-def _row_blocks(Lq: int, q_chunk: int) -> List[Tuple[int, int]]:
-    return [(qs, min(qs + q_chunk, Lq)) for qs in range(0, Lq, q_chunk)]
+def _row_blocks(Lq: int, q_chunk: int) -> Iterator[Tuple[int, int]]:
+    # Produced lazily: a list of 2**20 one-row blocks alone would take more than 100 MiB.
+    for qs in range(0, Lq, q_chunk):
+        yield qs, min(qs + q_chunk, Lq)
+
+
+LONG_CALL_SECONDS = 30.0
+"""Calls predicted to run longer than this log their progress to the ``subquad`` logger (INFO)."""
+
+
+class Progress:
+    """Logs how far a long tile loop is, at most every ``every`` seconds."""
+
+    def __init__(self, what: str, blocks: int, predicted_s: Optional[float], every: float = 10.0) -> None:
+        self.what, self.blocks, self.every = what, blocks, every
+        self.enabled = predicted_s is not None and predicted_s > LONG_CALL_SECONDS and log.isEnabledFor(logging.INFO)
+        self.start = self.last = time.monotonic()
+
+    def tick(self, done: int) -> None:
+        if not self.enabled:
+            return
+        now = time.monotonic()
+        if now - self.last < self.every:
+            return
+        self.last = now
+        elapsed = now - self.start
+        eta = elapsed * (self.blocks - done) / max(done, 1)
+        log.info("subquad %s: %d/%d row blocks, %.0f s elapsed, about %.0f s left", self.what, done, self.blocks, elapsed, eta)
 
 
 def forward(
-    inp: Inputs, kernel_name: str, chunk: Tuple[int, int], seed: int, need_lse: bool
+    inp: Inputs, kernel_name: str, chunk: Tuple[int, int], seed: int, need_lse: bool,
+    predicted_s: Optional[float] = None,
 ) -> Tuple[Tensor, Optional[Tensor]]:
-    """Attention of the whole call, ``(out (B, Hq, Lq, Ev), lse (B, Hq, Lq) or None)``."""
+    """Attention of the whole call, ``(out (B, Hq, Lq, Ev), lse (B, Hq, Lq) or None)``.
+
+    An interrupt (Ctrl-C) between tiles leaves nothing behind: the output is returned only once
+    every tile is done.
+    """
     kernel = KERNELS[kernel_name]
     q_chunk, kv_chunk = chunk
     B, Hq, Lq = inp.B, inp.Hq, inp.Lq
     lse = torch.empty((B, Hq, Lq), dtype=inp.stats_dtype, device=inp.device) if need_lse else None
+    if inp.empty or inp.Lk == 0:
+        # No output element, or no key: rows see nothing, their output is 0 (as SDPA's).
+        if lse is not None:
+            lse.fill_(float("-inf"))
+        return torch.zeros((B, Hq, Lq, inp.Ev), dtype=inp.dtype, device=inp.device), lse
     coalesce = kernel_name == "fused"
-    blocks = _row_blocks(Lq, q_chunk)
-    if isinstance(kernel, FusedCPUKernel) and len(blocks) == 1:
+    if isinstance(kernel, FusedCPUKernel) and q_chunk >= Lq:
         # One block of rows: the kernel's own output is the result, no copy.
         segs = _nonempty(kv_segments(inp, 0, Lq, kv_chunk, coalesce))
         if segs is not None:
@@ -133,7 +175,9 @@ def forward(
                 lse.copy_(rows_lse)
             return out.to(inp.dtype), lse
     out = torch.empty((B, Hq, Lq, inp.Ev), dtype=inp.dtype, device=inp.device)
-    for qs, qe in blocks:
+    progress = Progress("forward", -(-Lq // q_chunk), predicted_s)
+    for i, (qs, qe) in enumerate(_row_blocks(Lq, q_chunk)):
+        progress.tick(i)
         segs = _nonempty(kv_segments(inp, qs, qe, kv_chunk, coalesce))
         if segs is None:
             out[:, :, qs:qe].zero_()
@@ -157,12 +201,21 @@ def backward(
     lse: Tensor,
     grads: Grads,
     grad_lse: Optional[Tensor] = None,
+    predicted_s: Optional[float] = None,
 ) -> None:
-    """Accumulate the gradients of the whole call into ``grads``, block by block."""
+    """Accumulate the gradients of the whole call into ``grads``, block by block.
+
+    Key segments are never coalesced here: a backward kernel returns dK and dV for all the keys
+    of its segment, so segments stay as long as the planned tiles.
+    """
+    if inp.empty or inp.Lk == 0:
+        return
     kernel = KERNELS[kernel_name]
     q_chunk, kv_chunk = chunk
-    for qs, qe in _row_blocks(inp.Lq, q_chunk):
-        segs = _nonempty(kv_segments(inp, qs, qe, kv_chunk, coalesce=kernel_name == "fused"))
+    progress = Progress("backward", -(-inp.Lq // q_chunk), predicted_s)
+    for i, (qs, qe) in enumerate(_row_blocks(inp.Lq, q_chunk)):
+        progress.tick(i)
+        segs = _nonempty(kv_segments(inp, qs, qe, kv_chunk, coalesce=False))
         if segs is not None:
             kernel.backward_rows(inp, qs, qe, segs, grad_out, out, lse, seed, grads, grad_lse)
 
@@ -174,9 +227,9 @@ def whole_fused_backward(
 
     The kernel's own gradients are then the result: no accumulators beside them.
     """
-    if chunk[0] < inp.Lq or inp.Lq == 0:
+    if chunk[0] < inp.Lq or chunk[1] < inp.Lk or inp.empty or inp.Lk == 0:
         return None
-    segs = list(kv_segments(inp, 0, inp.Lq, chunk[1], coalesce=True))
+    segs = list(kv_segments(inp, 0, inp.Lq, chunk[1], coalesce=False))
     if len(segs) != 1 or (segs[0].ks, segs[0].ke) != (0, inp.Lk):
         return None
     return KERNELS["fused"].segment_backward(inp, 0, inp.Lq, segs[0], grad_out, out, lse)

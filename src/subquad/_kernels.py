@@ -13,14 +13,63 @@ A kernel's ``forward_rows`` writes ``out[:, :, qs:qe]`` and returns the rows' ls
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, List, NamedTuple, Optional, Sequence, Tuple
+import contextlib
+from typing import Any, Callable, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten, tree_map
 
 from ._inputs import Inputs
 
 NEG_INF = float("-inf")
+
+
+class KernelRefused(RuntimeError):
+    """A fused kernel refused an input the planner expected it to take (its message is the kernel's)."""
+
+
+def is_oom(e: BaseException) -> bool:
+    """A real allocator out-of-memory error (not one raised by a user callback)."""
+    if from_callback(e):
+        return False
+    if isinstance(e, MemoryError) and type(e).__name__ != "MemoryBudgetError":
+        return True
+    oom_type = getattr(torch, "OutOfMemoryError", None)
+    if oom_type is not None and isinstance(e, oom_type):
+        return True
+    msg = str(e).lower()
+    return isinstance(e, RuntimeError) and (
+        "out of memory" in msg or "can't allocate memory" in msg or "not enough memory" in msg
+    )
+
+
+def from_callback(e: BaseException) -> bool:
+    """Whether ``e`` was raised by a user's ``score_mod``/``mask_mod`` (it must then propagate as is)."""
+    return bool(getattr(e, "_subquad_from_callback", False))
+
+
+def call_user(fn: Callable[..., Any], *args: Any) -> Any:
+    """Call a user callback; an exception it raises is marked so that no retry or fallback hides it."""
+    try:
+        return fn(*args)
+    except Exception as e:
+        try:
+            e._subquad_from_callback = True  # type: ignore[attr-defined]
+        except Exception:  # an exception type without attributes: it still propagates unchanged
+            pass
+        raise
+
+
+def _call_kernel(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """A private fused kernel; its refusals (not its out-of-memory errors) become :class:`KernelRefused`."""
+    try:
+        return fn(*args, **kwargs)
+    except RuntimeError as e:
+        if is_oom(e):
+            raise
+        raise KernelRefused(str(e)) from e
 
 
 class Segment(NamedTuple):
@@ -51,25 +100,18 @@ class RowState(NamedTuple):
 def _index_grids(inp: Inputs, qs: int, qe: int, ks: int, ke: int) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """FlexAttention-style broadcastable int64 indices: b (B,1,1,1), h (1,Hq,1,1), q (1,1,qn,1), kv (1,1,1,kn)."""
     dev = inp.device
-    b = torch.arange(inp.B, device=dev).view(-1, 1, 1, 1)
+    b = torch.arange(inp.b_offset, inp.b_offset + inp.B, device=dev).view(-1, 1, 1, 1)
     h = torch.arange(inp.Hq, device=dev).view(1, -1, 1, 1)
     qi = torch.arange(qs, qe, device=dev).view(1, 1, -1, 1)
     ki = torch.arange(ks, ke, device=dev).view(1, 1, 1, -1)
     return b, h, qi, ki
 
 
-def causal_keep(qs: int, qe: int, ks: int, ke: int, device: torch.device) -> Tensor:
-    """Top-left causal visibility of a tile, ``(qn, kn)`` bool (True = attend)."""
-    qi = torch.arange(qs, qe, device=device).view(-1, 1)
-    ki = torch.arange(ks, ke, device=device).view(1, -1)
-    return ki <= qi
-
-
 def eval_mask_mod(inp: Inputs, qs: int, qe: int, ks: int, ke: int) -> Tensor:
     """``mask_mod`` on one tile, checked: a bool tensor broadcastable to ``(B, Hq, qn, kn)``."""
     assert inp.mask_mod is not None
     b, h, qi, ki = _index_grids(inp, qs, qe, ks, ke)
-    keep = inp.mask_mod(b, h, qi, ki)
+    keep = call_user(inp.mask_mod, b, h, qi, ki)
     if not isinstance(keep, Tensor) or keep.dtype != torch.bool:
         got = keep.dtype if isinstance(keep, Tensor) else type(keep).__name__
         raise TypeError(f"mask_mod must return a bool tensor (True = attend), got {got}.")
@@ -83,11 +125,14 @@ def eval_mask_mod(inp: Inputs, qs: int, qe: int, ks: int, ke: int) -> Tensor:
     return keep
 
 
-def apply_score_mod(inp: Inputs, s4: Tensor, qs: int, qe: int, ks: int, ke: int) -> Tensor:
-    """``score_mod`` on one tile of scores ``(B, Hq, qn, kn)``, checked."""
+def apply_score_mod(
+    inp: Inputs, s4: Tensor, qs: int, qe: int, ks: int, ke: int, mode: Optional[TorchFunctionMode] = None
+) -> Tensor:
+    """``score_mod`` on one tile of scores ``(B, Hq, qn, kn)``, checked (``mode`` active inside the callback)."""
     assert inp.score_mod is not None
     b, h, qi, ki = _index_grids(inp, qs, qe, ks, ke)
-    new = inp.score_mod(s4, b, h, qi, ki)
+    with mode if mode is not None else contextlib.nullcontext():
+        new = call_user(inp.score_mod, s4, b, h, qi, ki)
     if not isinstance(new, Tensor):
         raise TypeError(f"score_mod must return a tensor, got {type(new).__name__}.")
     if new.shape != s4.shape:
@@ -117,6 +162,7 @@ def dropout_scale(inp: Inputs, seed: int, qs: int, qe: int, ks: int, ke: int, dt
     """Dropout multipliers of a tile: 0 or 1/(1-p), a pure function of (seed, b, h, q, kv).
 
     Counter-based, so forward and backward regenerate the same mask whatever the tiling.
+    ``dropout_p = 1`` drops everything (SDPA's output is then 0, as here).
     """
     b, h, qi, ki = _index_grids(inp, qs, qe, ks, ke)
     x = _hash32((b * inp.Hq + h + seed) & 0xFFFFFFFF)
@@ -124,17 +170,18 @@ def dropout_scale(inp: Inputs, seed: int, qs: int, qe: int, ks: int, ke: int, dt
     x = _hash32(x ^ (ki * 0x9E3779B1 & 0xFFFFFFFF))
     threshold = int(inp.dropout_p * 4294967296.0)  # p * 2**32
     keep = x >= threshold
-    return keep.to(dtype) * (1.0 / (1.0 - inp.dropout_p))
+    return keep.to(dtype) * (1.0 / (1.0 - inp.dropout_p) if inp.dropout_p < 1.0 else 0.0)
 
 
-def to_caller_batch(inp: Inputs, t: Tensor) -> Tensor:
-    """A 4-D tensor in the engine's ``(B, ...)`` form, brought to the caller's batch dims."""
-    nb = len(inp.batch_shape)
-    if nb == 1 or t.dim() < 4:
-        return t
-    if t.shape[0] == 1:
-        return t.reshape(*([1] * nb), *t.shape[1:])
-    return t.reshape(*inp.batch_shape, *t.shape[1:])
+def reduce_to(t: Tensor, shape: Sequence[int]) -> Tensor:
+    """``t`` summed over the dims where ``shape`` is 1: the gradient of a broadcast input."""
+    dims = [i for i, (want, got) in enumerate(zip(shape, t.shape)) if want == 1 and got != 1]
+    return t.sum(dim=dims, keepdim=True) if dims else t
+
+
+def add_into(target: Tensor, value: Tensor) -> None:
+    """``target += value``, summing ``value`` over the dims where ``target`` is broadcast."""
+    target += reduce_to(value, target.shape).to(target.dtype)
 
 
 def tile_bias(
@@ -142,8 +189,8 @@ def tile_bias(
 ) -> Optional[Tensor]:
     """Everything added to a tile's scores as one tensor: ``attn_mask``, causal and ``mask_mod``.
 
-    Broadcastable to ``(*batch_shape, Hq, qn, kn)``; masked entries are ``-inf``. ``None`` when
-    nothing is added.
+    Broadcastable to ``(B, Hq, qn, kn)``; masked entries are ``-inf``. ``None`` when nothing is
+    added.
     """
     ks, ke = seg.ks, seg.ke
     bias: Optional[Tensor] = None
@@ -155,10 +202,9 @@ def tile_bias(
             bias = m.to(dtype)
     keep: Optional[Tensor] = None
     if seg.causal == "partial" or (seg.causal == "diag" and not causal_in_kernel):
-        keep = causal_keep(qs, qe, ks, ke, inp.device)
+        keep = inp.causal_visible(qs, qe, ks, ke)
     if seg.mask_mod:
         mm = seg.keep if seg.keep is not None else eval_mask_mod(inp, qs, qe, ks, ke)
-        mm = to_caller_batch(inp, mm)
         keep = mm if keep is None else keep & mm
     if keep is not None:
         if bias is None:
@@ -166,6 +212,91 @@ def tile_bias(
         else:
             bias = bias.masked_fill(keep.logical_not(), NEG_INF)
     return bias
+
+
+# ------------------------------------------------------------------ tensors captured by score_mod
+class UncapturedGradientError(RuntimeError):
+    """A ``score_mod`` read a tensor that requires grad which subquad's probe of it did not see."""
+
+
+class _RecordGradTensors(TorchFunctionMode):
+    """Collects every tensor that requires grad and is an argument of a torch function.
+
+    Run under ``no_grad``: nothing created inside then requires grad, so each one found comes from
+    outside the callback, however it got there (closure, global, ``functools.partial``, bound
+    method, module attribute, container, a view or a tensor derived from a parameter).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.found: Dict[int, Tensor] = {}
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        for x in tree_flatten((args, kwargs))[0]:
+            if isinstance(x, Tensor) and x.requires_grad:
+                self.found.setdefault(id(x), x)
+        return func(*args, **kwargs)
+
+
+def probe_captured(inp: Inputs) -> List[Tensor]:
+    """Tensors requiring grad that ``score_mod`` reads, found by running it once on a tiny tile.
+
+    The tile holds the first and last query and key (callbacks that index tables with positions
+    touch both ends). A tensor read only on other tiles is caught by the backward, which raises
+    rather than drop its gradient (:class:`UncapturedGradientError`).
+    """
+    if inp.score_mod is None or inp.B * inp.Hq * inp.Lq * inp.Lk == 0:
+        return []
+    dev = inp.device
+    b = torch.arange(inp.b_offset, inp.b_offset + inp.B, device=dev).view(-1, 1, 1, 1)
+    h = torch.arange(inp.Hq, device=dev).view(1, -1, 1, 1)
+    qi = torch.tensor(sorted({0, inp.Lq - 1}), device=dev).view(1, 1, -1, 1)
+    ki = torch.tensor(sorted({0, inp.Lk - 1}), device=dev).view(1, 1, 1, -1)
+    score = torch.zeros(inp.B, inp.Hq, qi.shape[2], ki.shape[3], dtype=inp.stats_dtype, device=dev)
+    recorder = _RecordGradTensors()
+    with torch.no_grad(), recorder:
+        call_user(inp.score_mod, score, b, h, qi, ki)
+    return list(recorder.found.values())
+
+
+class _CapturedAsLeaves(TorchFunctionMode):
+    """Inside ``score_mod``, reads of a captured tensor see a detached leaf standing for it.
+
+    The pulled-back gradient then stops at each captured tensor: the autograd Function returns
+    it as that tensor's gradient and autograd carries it on to the tensor's sources once. (A
+    gradient taken through the real tensor would also flow into its sources here, counting a
+    parameter twice when a view or a derived tensor of it is captured as well, and would
+    traverse their graph once per tile.)
+    """
+
+    def __init__(self, proxies: Dict[int, Tensor], known: Sequence[Tensor]) -> None:
+        super().__init__()
+        self.proxies = proxies
+        self.known: Dict[int, Tensor] = {id(t): t for t in known}
+
+    def _swap(self, x: Any) -> Any:
+        if not isinstance(x, Tensor):
+            return x
+        proxy = self.proxies.get(id(x))
+        if proxy is not None:
+            return proxy
+        if x.requires_grad and id(x) not in self.known:
+            raise UncapturedGradientError(
+                f"score_mod read a tensor that requires grad ({tuple(x.shape)}, {x.dtype}) on a tile where "
+                "subquad's probe of the callback (its first and last query and key) did not see it, so its "
+                "gradient cannot be returned. Read every learnable tensor on every tile (e.g. index it "
+                "with the tile's positions), or detach it if it needs no gradient."
+            )
+        return x
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        args, kwargs = tree_map(self._swap, (args, kwargs or {}))
+        out = func(*args, **kwargs)
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, Tensor):
+                self.known[id(t)] = t
+        return out
 
 
 # ------------------------------------------------------------------ matmul kernel
@@ -183,22 +314,23 @@ class MatmulKernel:
 
     def _scaled_q(self, inp: Inputs, qs: int, qe: int, cdt: torch.dtype) -> Tensor:
         # Scaling q (qn x E) is cheaper than scaling the scores (qn x kn), and keeps fp16 scores in range.
-        q_t = torch.mul(inp.query[:, :, qs:qe].to(cdt), inp.scale)
+        q_t = torch.mul(inp.q[:, :, qs:qe].to(cdt), inp.scale)
         return q_t.reshape(inp.B * inp.Hk, inp.G * (qe - qs), inp.E)
 
     def _kv(self, t: Tensor, inp: Inputs, seg: Segment, dtype: torch.dtype) -> Tensor:
+        # A key/value shared by the batch is copied per tile here (tile-sized, in the memory model).
         t = t[:, :, seg.ks : seg.ke].reshape(inp.B * inp.Hk, seg.ke - seg.ks, t.shape[-1])
         return t if t.dtype == dtype else t.to(dtype)
 
     def _raw_scores(self, inp: Inputs, q_t: Tensor, seg: Segment, cdt: torch.dtype) -> Tensor:
         """``scale · q kᵀ`` of one tile, ``(B*Hk, G*qn, kn)`` in the stats dtype."""
-        s = torch.bmm(q_t, self._kv(inp.key, inp, seg, cdt).transpose(1, 2))
+        s = torch.bmm(q_t, self._kv(inp.k, inp, seg, cdt).transpose(1, 2))
         return s if s.dtype == inp.stats_dtype else s.to(inp.stats_dtype)
 
     def _add_bias(self, inp: Inputs, s: Tensor, qs: int, qe: int, seg: Segment) -> Tensor:
         bias = tile_bias(inp, qs, qe, seg, inp.stats_dtype)
         if bias is not None:
-            s.view(*inp.batch_shape, inp.Hq, qe - qs, seg.ke - seg.ks).add_(bias)
+            s.view(inp.B, inp.Hq, qe - qs, seg.ke - seg.ks).add_(bias)
         return s
 
     def _scores(self, inp: Inputs, q_t: Tensor, qs: int, qe: int, seg: Segment, cdt: torch.dtype) -> Tensor:
@@ -233,7 +365,7 @@ class MatmulKernel:
             state.acc.mul_(correction.unsqueeze(-1))
             if inp.dropout_p > 0.0:
                 p.view(B, Hq, qn, -1).mul_(dropout_scale(inp, seed, qs, qe, seg.ks, seg.ke, sdt))
-            v_t = self._kv(inp.value, inp, seg, cdt)
+            v_t = self._kv(inp.v, inp, seg, cdt)
             if v_t.dtype == sdt:
                 state.acc.baddbmm_(p, v_t)
             else:
@@ -277,8 +409,8 @@ class MatmulKernel:
         dq_acc = torch.zeros_like(q_t) if grads.dq is not None else None
         for seg in segments:
             kn = seg.ke - seg.ks
-            k_t = self._kv(inp.key, inp, seg, sdt)
-            v_t = self._kv(inp.value, inp, seg, sdt)
+            k_t = self._kv(inp.k, inp, seg, sdt)
+            v_t = self._kv(inp.v, inp, seg, sdt)
             s_in: Optional[Tensor] = None
             s_mod: Optional[Tensor] = None
             if inp.score_mod is None:
@@ -287,7 +419,8 @@ class MatmulKernel:
                 raw = torch.bmm(q_t, k_t.transpose(1, 2)).view(B, Hq, qn, kn)
                 with torch.enable_grad():
                     s_in = raw.detach().requires_grad_()
-                    s_mod = apply_score_mod(inp, s_in, qs, qe, seg.ks, seg.ke)
+                    leaves = _CapturedAsLeaves(grads.proxies, [s_in])
+                    s_mod = apply_score_mod(inp, s_in, qs, qe, seg.ks, seg.ke, leaves)
                 s = self._add_bias(inp, s_mod.detach().reshape(B * Hk, G * qn, kn).clone(), qs, qe, seg)
             p = s.sub_(lse_t).exp_()
             dp = torch.bmm(do_t, v_t.transpose(1, 2))
@@ -298,15 +431,20 @@ class MatmulKernel:
                 dp.mul_(z)
                 del z
             if grads.dv is not None:
-                grads.dv[:, :, seg.ks : seg.ke] += torch.bmm(pd.transpose(1, 2), do_t).view(B, Hk, kn, inp.Ev).to(grads.dv.dtype)
+                add_into(grads.dv[:, :, seg.ks : seg.ke], torch.bmm(pd.transpose(1, 2), do_t).view(B, Hk, kn, inp.Ev))
             del pd
             ds = p.mul_(dp.sub_(D))
             del dp
             if grads.dmask is not None:
-                _accumulate_mask_grad(grads.dmask, ds.view(*inp.batch_shape, Hq, qn, kn), qs, qe, seg.ks, seg.ke)
+                target = grads.dmask
+                if target.shape[-2] != 1:
+                    target = target[..., qs:qe, :]
+                if target.shape[-1] != 1:
+                    target = target[..., seg.ks : seg.ke]
+                add_into(target, ds.view(B, Hq, qn, kn))
             if s_mod is not None and s_in is not None:
-                wanted = [s_in, *grads.captured]
-                pulled = torch.autograd.grad(s_mod, wanted, ds.view(B, Hq, qn, kn), allow_unused=True)
+                proxies = list(grads.proxies.values())
+                pulled = torch.autograd.grad(s_mod, [s_in, *proxies], ds.view(B, Hq, qn, kn), allow_unused=True)
                 for acc_g, g in zip(grads.dcaptured, pulled[1:]):
                     if g is not None:
                         acc_g += g
@@ -316,33 +454,25 @@ class MatmulKernel:
                 dq_acc.baddbmm_(ds, k_t)
             if grads.dk is not None:
                 # q_t already carries the scale.
-                grads.dk[:, :, seg.ks : seg.ke] += torch.bmm(ds.transpose(1, 2), q_t).view(B, Hk, kn, inp.E).to(grads.dk.dtype)
+                add_into(grads.dk[:, :, seg.ks : seg.ke], torch.bmm(ds.transpose(1, 2), q_t).view(B, Hk, kn, inp.E))
             del ds
         if grads.dq is not None and dq_acc is not None:
-            grads.dq[:, :, qs:qe] += dq_acc.mul_(inp.scale).view(B, Hq, qn, inp.E).to(grads.dq.dtype)
+            add_into(grads.dq[:, :, qs:qe], dq_acc.mul_(inp.scale).view(B, Hq, qn, inp.E))
 
 
 class Grads(NamedTuple):
-    """Gradient accumulators of one backward (``None`` where no gradient is wanted)."""
+    """Gradient accumulators of one backward (``None`` where no gradient is wanted).
+
+    ``proxies`` maps each captured tensor (by ``id``) to the detached leaf that stands for it
+    inside ``score_mod`` during the backward; ``dcaptured`` accumulates their gradients, in order.
+    """
 
     dq: Optional[Tensor]
     dk: Optional[Tensor]
     dv: Optional[Tensor]
     dmask: Optional[Tensor]
-    captured: Sequence[Tensor] = ()
+    proxies: Dict[int, Tensor] = {}
     dcaptured: Sequence[Tensor] = ()
-
-
-def _accumulate_mask_grad(dmask: Tensor, ds: Tensor, qs: int, qe: int, ks: int, ke: int) -> None:
-    """Add a tile of dS, summed over the mask's broadcast dims, into the mask's gradient."""
-    target = dmask
-    if dmask.shape[-2] != 1:
-        target = target[..., qs:qe, :]
-    if dmask.shape[-1] != 1:
-        target = target[..., ks:ke]
-    dims = [i for i, (t, s) in enumerate(zip(target.shape, ds.shape)) if t == 1 and s != 1]
-    red = ds.sum(dim=dims, keepdim=True) if dims else ds
-    target += red.to(target.dtype)
 
 
 # ------------------------------------------------------------------ fused CPU kernel
@@ -389,20 +519,13 @@ def cpu_flash_unavailable_reason() -> Optional[str]:
     return _CPU_FLASH_PROBE[0]
 
 
-def _mask_arg(inp: Inputs, bias: Optional[Tensor]) -> Optional[Tensor]:
-    """The kernel accepts 2-D or 4-D masks only; fold the caller's batch dims into one."""
-    if bias is None or bias.dim() == 2:
+def _as_kernel_mask(bias: Optional[Tensor]) -> Optional[Tensor]:
+    """The kernel takes 2-D or 4-D masks (it broadcasts their size-1 dims itself)."""
+    if bias is None or bias.dim() in (2, 4):
         return bias
-    nb = len(inp.batch_shape)
-    while bias.dim() < nb + 3:
+    while bias.dim() < 4:
         bias = bias.unsqueeze(0)
-    if nb == 1:
-        return bias
-    if nb == 0:
-        return bias.unsqueeze(0)
-    if all(s == 1 for s in bias.shape[:nb]):
-        return bias.reshape(1, *bias.shape[nb:])
-    return bias.expand(*inp.batch_shape, *bias.shape[nb:]).reshape(inp.B, *bias.shape[nb:])
+    return bias
 
 
 def _unit_stride(t: Tensor) -> Tensor:
@@ -410,36 +533,89 @@ def _unit_stride(t: Tensor) -> Tensor:
     return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
 
 
+EMPTY_CHECK_ELEMENTS = 1 << 20
+"""Bounds the temporaries of the empty-row check of a diagonal tile (about 2 bytes each)."""
+
+
+def empty_rows(bias: Tensor, causal_in_kernel: bool, qn: int) -> Tensor:
+    """Rows of a tile that see no key, broadcastable to ``(B, Hq, qn)``.
+
+    A fused kernel reports lse = 0 for them, and when it applies the causal mask itself its
+    check ignores that part, so the rows are found here from the bias: a row ``i`` of a diagonal
+    tile (top-left causal within the tile) is empty when none of its keys ``0..i`` is visible.
+    That check runs over blocks of rows, so its temporaries stay small.
+    """
+    if not causal_in_kernel:
+        return bias.amax(dim=-1) == NEG_INF
+    if bias.shape[-2] == 1:
+        return _first_visible(bias) > torch.arange(qn, device=bias.device)
+    per_row = max(1, bias.numel() // bias.shape[-2])
+    step = max(1, EMPTY_CHECK_ELEMENTS // per_row)
+    parts = []
+    for r0 in range(0, qn, step):
+        r1 = min(r0 + step, qn)
+        rows = bias[..., r0:r1, :r1] if bias.shape[-1] != 1 else bias[..., r0:r1, :]
+        parts.append(_first_visible(rows) > torch.arange(r0, r1, device=bias.device))
+    return torch.cat(parts, dim=-1)
+
+
+def _first_visible(bias: Tensor) -> Tensor:
+    """Index of the first visible key of each row (int64 max for a row with none)."""
+    visible = bias > NEG_INF
+    never = torch.iinfo(torch.int64).max
+    return torch.where(visible.any(dim=-1), visible.to(torch.uint8).argmax(dim=-1), never)
+
+
 class FusedCPUKernel:
     """PyTorch's fused CPU flash kernel per segment, merged by log-sum-exp."""
 
     name = "fused"
 
-    def _segment(
-        self, inp: Inputs, qs: int, qe: int, seg: Segment, need_empty_rows: bool
-    ) -> Tuple[Tensor, Tensor]:
-        fwd, _ = _cpu_flash_ops()
-        assert fwd is not None
-        q_t = _unit_stride(inp.query[:, :, qs:qe])
-        k_t = _unit_stride(inp.key[:, :, seg.ks : seg.ke])
-        v_t = _unit_stride(inp.value[:, :, seg.ks : seg.ke])
-        bias = _mask_arg(inp, self.bias(inp, qs, qe, seg))
-        o_t, lse_t = fwd(q_t, k_t, v_t, 0.0, seg.causal == "diag", attn_mask=bias, scale=inp.scale)
-        masked = inp.attn_mask is not None or seg.causal == "partial" or seg.mask_mod
-        if bias is not None and masked and need_empty_rows:
-            # The kernel reports lse = 0 for rows whose keys are all masked; they must weigh nothing.
-            # (An additive score_mod alone never masks a whole row: no check then.)
-            lse_t = lse_t.masked_fill(bias.amax(dim=-1) == NEG_INF, NEG_INF)
-        return o_t, lse_t
+    @staticmethod
+    def causal_in_kernel(inp: Inputs, seg: Segment) -> bool:
+        # The kernel's own causal flag is top-left within the tile (a diagonal tile). With
+        # scale <= 0 it returns NaN (it scales the masked -inf scores), so the mask goes into
+        # the bias then.
+        return seg.causal == "diag" and inp.scale > 0
 
     def bias(self, inp: Inputs, qs: int, qe: int, seg: Segment) -> Optional[Tensor]:
-        bias = tile_bias(inp, qs, qe, seg, inp.dtype, causal_in_kernel=True)
+        """The tile's float bias for the kernel (masks, generated causal part, additive ``score_mod``)."""
+        dtype = inp.bias_dtype
+        bias = tile_bias(inp, qs, qe, seg, dtype, causal_in_kernel=self.causal_in_kernel(inp, seg))
         if inp.score_mod is not None:
             add = inp.score_mod.additive_bias  # type: ignore[attr-defined]
             b, h, qi, ki = _index_grids(inp, qs, qe, seg.ks, seg.ke)
-            extra = to_caller_batch(inp, add(b, h, qi, ki).to(inp.dtype))
+            extra = call_user(add, b, h, qi, ki).to(dtype)
             bias = extra if bias is None else bias + extra
         return bias
+
+    @staticmethod
+    def _may_mask(inp: Inputs, seg: Segment) -> bool:
+        # An additive score_mod alone never masks a whole row: no empty-row check then.
+        return inp.attn_mask is not None or seg.causal != "none" or seg.mask_mod
+
+    def _segment(self, inp: Inputs, qs: int, qe: int, seg: Segment) -> Tuple[Tensor, Tensor]:
+        fwd, _ = _cpu_flash_ops()
+        assert fwd is not None
+        causal = self.causal_in_kernel(inp, seg)
+        bias = self.bias(inp, qs, qe, seg)
+        o_t, lse_t = _call_kernel(
+            fwd,
+            _unit_stride(inp.q[:, :, qs:qe]),
+            _unit_stride(inp.k[:, :, seg.ks : seg.ke]),
+            _unit_stride(inp.v[:, :, seg.ks : seg.ke]),
+            0.0,
+            causal,
+            attn_mask=_as_kernel_mask(bias),
+            scale=inp.scale,
+        )
+        if bias is not None and self._may_mask(inp, seg):
+            empty = empty_rows(bias, causal, qe - qs)
+            if bool(empty.any()):
+                # Rows without a visible key weigh nothing in the merge, and give output 0.
+                lse_t = lse_t.masked_fill(empty, NEG_INF)
+                o_t = o_t.masked_fill(empty.unsqueeze(-1), 0.0)
+        return o_t, lse_t
 
     def forward_rows(
         self, inp: Inputs, qs: int, qe: int, segments: Iterable[Segment], out: Optional[Tensor], seed: int
@@ -450,7 +626,7 @@ class FusedCPUKernel:
         acc: Optional[Tensor] = None
         lse = torch.empty(0)
         for seg in segments:
-            o_t, lse_t = self._segment(inp, qs, qe, seg, need_empty_rows=True)
+            o_t, lse_t = self._segment(inp, qs, qe, seg)
             if first is None:
                 first = (o_t, lse_t)
                 continue
@@ -488,30 +664,31 @@ class FusedCPUKernel:
         for seg in segments:
             gq, gk, gv = self.segment_backward(inp, qs, qe, seg, grad_out, out, lse)
             if grads.dq is not None:
-                grads.dq[:, :, qs:qe] += gq
+                add_into(grads.dq[:, :, qs:qe], gq)
             if grads.dk is not None:
-                grads.dk[:, :, seg.ks : seg.ke] += gk
+                add_into(grads.dk[:, :, seg.ks : seg.ke], gk)
             if grads.dv is not None:
-                grads.dv[:, :, seg.ks : seg.ke] += gv
+                add_into(grads.dv[:, :, seg.ks : seg.ke], gv)
 
     def segment_backward(
         self, inp: Inputs, qs: int, qe: int, seg: Segment, grad_out: Tensor, out: Tensor, lse: Tensor
     ) -> Tuple[Tensor, Tensor, Tensor]:
-        """dQ of rows ``[qs, qe)`` and dK, dV of keys ``[ks, ke)`` from this segment alone."""
+        """dQ of rows ``[qs, qe)`` and dK, dV of keys ``[ks, ke)`` from this segment alone (batch ``B``)."""
         _, bwd = _cpu_flash_ops()
         assert bwd is not None
         # The kernel's own convention for fully masked rows is lse = 0 (their P is 0 either way).
         lse_t = lse[:, :, qs:qe]
         lse_t = lse_t.masked_fill(lse_t == NEG_INF, 0.0).to(torch.float64 if inp.dtype == torch.float64 else torch.float32)
-        return bwd(
+        return _call_kernel(
+            bwd,
             _unit_stride(grad_out[:, :, qs:qe]),
-            _unit_stride(inp.query[:, :, qs:qe]),
-            _unit_stride(inp.key[:, :, seg.ks : seg.ke]),
-            _unit_stride(inp.value[:, :, seg.ks : seg.ke]),
+            _unit_stride(inp.q[:, :, qs:qe]),
+            _unit_stride(inp.k[:, :, seg.ks : seg.ke]),
+            _unit_stride(inp.v[:, :, seg.ks : seg.ke]),
             _unit_stride(out[:, :, qs:qe]),
             lse_t,
             0.0,
-            seg.causal == "diag",
-            attn_mask=_mask_arg(inp, self.bias(inp, qs, qe, seg)),
+            self.causal_in_kernel(inp, seg),
+            attn_mask=_as_kernel_mask(self.bias(inp, qs, qe, seg)),
             scale=inp.scale,
         )

@@ -9,6 +9,7 @@ taking the largest such tiles (whole key rows first).
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import time
@@ -16,9 +17,10 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple, Union
 
 import torch
+from torch import Tensor
 
-from ._inputs import Inputs
-from ._kernels import MatmulKernel, cpu_flash_unavailable_reason
+from ._inputs import ArgumentError, Inputs
+from ._kernels import EMPTY_CHECK_ELEMENTS, MatmulKernel, cpu_flash_unavailable_reason
 
 MiB = 1 << 20
 DEFAULT_BUDGET_FRACTION = 0.5
@@ -33,6 +35,8 @@ class MemoryBudgetError(MemoryError):
 
 
 # ------------------------------------------------------------------ budgets
+MAX_BUDGET = (1 << 63) - 1
+
 _UNITS = {
     "": 1, "b": 1,
     "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -44,7 +48,7 @@ _UNITS = {
 def parse_budget(memory_budget: Union[int, str]) -> int:
     """Bytes from an int or a string such as ``"512MiB"``, ``"2GB"``, ``"1.5GiB"``."""
     if isinstance(memory_budget, bool):
-        raise ValueError(f"Expected memory_budget to be None, an int of bytes or a string like '512MiB', got {memory_budget!r}.")
+        raise ArgumentError(f"Expected memory_budget to be None, an int of bytes or a string like '512MiB', got {memory_budget!r}.")
     if isinstance(memory_budget, int):
         value = memory_budget
     elif isinstance(memory_budget, float) and memory_budget.is_integer():
@@ -52,18 +56,23 @@ def parse_budget(memory_budget: Union[int, str]) -> int:
     elif isinstance(memory_budget, str):
         m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*", memory_budget)
         if m is None or m.group(2).lower() not in _UNITS:
-            raise ValueError(
+            raise ArgumentError(
                 f"Could not parse memory_budget={memory_budget!r}; use bytes or a number with a unit "
                 "(B, KB, MB, GB, KiB, MiB, GiB), e.g. '512MiB' or '2GB'."
             )
-        value = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+        number = float(m.group(1)) * _UNITS[m.group(2).lower()]
+        if not math.isfinite(number) or number > MAX_BUDGET:
+            raise ArgumentError(
+                f"memory_budget={memory_budget!r} is not a usable number of bytes (at most {MAX_BUDGET}, 2**63 - 1)."
+            )
+        value = int(number)
     else:
-        raise ValueError(
+        raise ArgumentError(
             f"Expected memory_budget to be None, an int of bytes or a string like '512MiB', got {memory_budget!r}."
         )
     if value < 0:
-        raise ValueError(f"Expected memory_budget >= 0, got {memory_budget!r}.")
-    return value
+        raise ArgumentError(f"Expected memory_budget >= 0, got {memory_budget!r}.")
+    return min(value, MAX_BUDGET)
 
 
 _CPU_FREE_CACHE: List[float] = []  # [timestamp, bytes]: /proc/meminfo read at most every 0.2 s
@@ -106,6 +115,17 @@ def resolve_budget(memory_budget: Optional[Union[int, str]], device: torch.devic
     if memory_budget is None:
         return int(DEFAULT_BUDGET_FRACTION * free_memory_bytes(device))
     return parse_budget(memory_budget)
+
+
+def format_seconds(t: float) -> str:
+    if t < 1e-3:
+        return f"{t * 1e6:.0f} us"
+    if t < 1:
+        return f"{t * 1e3:.0f} ms"
+    for unit, size in (("days", 86400), ("hours", 3600), ("minutes", 60)):
+        if t >= size:
+            return f"{t / size:.1f} {unit}"
+    return f"{t:.1f} s"
 
 
 def format_bytes(n: float) -> str:
@@ -161,6 +181,29 @@ def _bh(inp: Inputs) -> int:
     return inp.B * inp.Hq
 
 
+def _strided(t: Tensor) -> bool:
+    """Whether the last dim of ``t`` is not contiguous (a transformed tensor has no strides to read)."""
+    try:
+        return t.stride(-1) != 1
+    except RuntimeError:
+        return False
+
+
+def _generated_causal(inp: Inputs, qc: int, kc: int) -> bool:
+    """Whether some tile of these sizes needs a generated causal mask (not the kernel's own flag).
+
+    The kernel's flag is top-left within a tile: square tiles aligned with the diagonal use it.
+    It returns NaN with ``scale <= 0``, so then every partly visible tile gets a generated mask.
+    """
+    if inp.scale <= 0:
+        return True
+    qc, kc = min(qc, max(inp.Lq, 1)), min(kc, max(inp.Lk, 1))
+    off = inp.causal_offset
+    if qc >= inp.Lq and kc >= inp.Lk:
+        return not (off == 0 or off >= inp.Lk - 1)  # one tile: the kernel's flag, or no mask at all
+    return not (qc == kc and off % kc == 0)
+
+
 def _grad_accum_bytes(inp: Inputs) -> int:
     # Half-precision gradients are accumulated across tiles in float32, then cast.
     if inp.dtype in (torch.float16, torch.bfloat16):
@@ -184,7 +227,10 @@ class MatmulBackend(Backend):
         cs = torch.tensor([], dtype=MatmulKernel.compute_dtype(inp)).element_size()
         tile = bh * qc * kc
         n = inp.B * inp.Hq * qc * inp.E * cs  # scaled q block
-        n += inp.B * inp.Hk * kc * (inp.E + inp.Ev) * cs * (2 if cs != inp.itemsize else 0)  # k/v casts
+        if cs != inp.itemsize:
+            n += inp.B * inp.Hk * kc * (inp.E + inp.Ev) * cs * 2  # k/v casts
+        elif inp.kv_broadcast:
+            n += inp.B * inp.Hk * kc * (inp.E + inp.Ev) * cs  # a key/value shared by the batch, copied per tile
         n += tile * st  # scores; exp, the correction and p @ v work on them in place
         if cs != st:
             n += tile * cs * 2  # the matmul's own output before the float32 cast, and p cast for p @ v
@@ -262,10 +308,10 @@ class FusedCPUBackend(Backend):
         if inp.dtype in (torch.float16, torch.bfloat16):
             n += inp.B * inp.Hk * kc * (inp.E + inp.Ev) * inp.itemsize  # packed K/V on CPUs that pack
         # Inputs whose last dim is strided are copied per tile (the kernel needs unit stride).
-        if inp.query.stride(-1) != 1 and inp.E > 1:
+        if _strided(inp.query) and inp.E > 1:
             n += inp.B * inp.Hq * qc * inp.E * inp.itemsize
         for t in (inp.key, inp.value):
-            if t.stride(-1) != 1 and t.shape[-1] > 1:
+            if _strided(t) and t.shape[-1] > 1:
                 n += inp.B * inp.Hk * kc * t.shape[-1] * inp.itemsize
         return n
 
@@ -274,20 +320,24 @@ class FusedCPUBackend(Backend):
         parts = []  # elements of each part, in its own broadcast shape
         if inp.attn_mask is not None:
             parts.append(inp.mask_tile_elements(qc, kc))
-        # Causal tiles are square and aligned: the kernel's own causal flag covers the diagonal.
-        if inp.is_causal and qc != kc and kc < inp.Lk:
+        if inp.is_causal and _generated_causal(inp, qc, kc):
             parts.append(qc * kc)
         if inp.mask_mod is not None:
             parts.append(inp.B * inp.Hq * qc * kc)
         if inp.score_mod is not None:
             parts.append(inp.Hq * qc * kc)
-        if not parts or (parts == [inp.mask_tile_elements(qc, kc)] and inp.attn_mask.dtype == inp.dtype):
+        mask_as_is = inp.attn_mask is not None and inp.attn_mask.dtype == inp.bias_dtype
+        if not parts or (parts == [inp.mask_tile_elements(qc, kc)] and mask_as_is and not inp.is_causal):
             return 0  # no bias, or the caller's float mask passed through as a view
-        n = sum(parts) * (inp.itemsize + 1)  # each part, its bool/-inf temporaries
+        size = torch.tensor([], dtype=inp.bias_dtype).element_size()
+        n = sum(parts) * (size + 1)  # each part, its bool/-inf temporaries
         if len(parts) > 1:
-            n += inp.B * inp.Hq * qc * kc * inp.itemsize  # their broadcast sum
+            n += inp.B * inp.Hq * qc * kc * size  # their broadcast sum
         if inp.score_mod is not None:
             n += 2 * qc * kc * 8  # int64 distances of the index grids
+        if inp.attn_mask is not None or inp.is_causal or inp.mask_mod is not None:
+            # The empty-row check: the rows' maximum, or (diagonal tiles) visibility in blocks of rows.
+            n += min(max(parts), EMPTY_CHECK_ELEMENTS) * 2 + inp.B * inp.Hq * qc * 8 * 2
         return n
 
     def tile_bytes(self, inp: Inputs, qc: int, kc: int) -> int:
@@ -339,6 +389,12 @@ class SdpaBackend(Backend):
             reasons.append("chunk_size asks for tiles; SDPA runs the whole input")
         if inp.attn_mask is not None and inp.attn_mask.requires_grad and torch.is_grad_enabled():
             reasons.append("attn_mask requires grad: SDPA would take its math path (Lq x Lk memory)")
+        if inp.is_causal and inp.causal_offset != 0:
+            reasons.append("bottom-right causal: torch's SDPA takes it only as a CausalBias, which may materialize it")
+        if inp.is_causal and inp.scale <= 0:
+            reasons.append(f"is_causal with scale={inp.scale:g} <= 0: torch's fused kernels return NaN")
+        if inp.n_groups > 1 or inp.kv_broadcast or inp.query.shape[0] != inp.B:
+            reasons.append("batch dims broadcast between query, key and value: SDPA may expand them in memory")
         if inp.device.type == "cpu":
             if inp.Ev != inp.E:
                 reasons.append(f"on CPU SDPA's fused kernel needs Ev == E, got Ev={inp.Ev}, E={inp.E}")
@@ -401,6 +457,8 @@ class Plan:
     backward_chunk_size: Optional[Tuple[int, int]] = None
     shape: str = ""
     notes: List[str] = field(default_factory=list)
+    tiles: int = 1
+    predicted_seconds: Optional[float] = None
 
     def __str__(self) -> str:
         lines = [f"subquad plan for {self.shape}" if self.shape else "subquad plan"]
@@ -416,6 +474,8 @@ class Plan:
             f"  memory:    predicted peak {format_bytes(self.predicted_peak_bytes)} "
             f"of a {format_bytes(self.budget_bytes)} budget (extra beyond inputs and output)"
         )
+        if self.predicted_seconds is not None:
+            lines.append(f"  time:      about {format_seconds(self.predicted_seconds)} ({self.tiles:,} tiles; an order of magnitude)")
         for note in self.notes:
             lines.append(f"  note:      {note}")
         for name, reasons in self.rejected.items():
@@ -487,11 +547,11 @@ def _fit(
     if opts.chunk_size is not None:
         f = opts.chunk_size
         if inp.device.type == "mps" and inp.B * inp.Hq * min(f[0], inp.Lq) * min(f[1], inp.Lk) >= MPS_MAX_MATMUL_ELEMENTS:
-            raise ValueError(
+            raise ArgumentError(
                 f"chunk_size={f} makes score tiles of {inp.B * inp.Hq * min(f[0], inp.Lq) * min(f[1], inp.Lk)} elements; "
                 f"on MPS every matmul must stay below {MPS_MAX_MATMUL_ELEMENTS} (larger ones error or corrupt results)."
             )
-        pred = backend.forward_bytes(inp, *f, need_lse) + bwd(f)
+        pred = max(backend.forward_bytes(inp, *f, need_lse), inp.lse_bytes() + bwd(f) if need_grad else 0)
         return f, f, pred, pred
     options = _tile_options(inp, backend)
     fwd = next((p for p in options if backend.forward_bytes(inp, *p, need_lse) <= budget), None)
@@ -518,8 +578,14 @@ def make_plan(
     opts: Options,
     budget: int,
     backend: str = "auto",
+    estimate_time: bool = False,
 ) -> Plan:
-    """Choose the path and tiles for a call. Raises :class:`MemoryBudgetError` if nothing fits."""
+    """Choose the path and tiles for a call. Raises :class:`MemoryBudgetError` if nothing fits.
+
+    A forced ``chunk_size`` must fit the budget too (the budget is a promise): if its tiles
+    are predicted to need more, this raises :class:`MemoryBudgetError` instead of running them.
+    ``estimate_time`` fills ``predicted_seconds`` (always filled for calls of many tiles).
+    """
     need_grad = inp.requires_grad or opts.captured_requires_grad
     need_lse = opts.return_lse or need_grad
     names = priority(inp.device) if backend == "auto" else [backend]
@@ -532,9 +598,11 @@ def make_plan(
             rejected[name] = reasons
             continue
         fwd, bwd_tiles, pred, smallest = _fit(inp, b, opts, budget, need_grad, need_lse)
-        over = pred > budget and opts.chunk_size is None
-        if over or (b.tiled and fwd is None):
-            tiles = "its smallest tiles need" if b.tiled else "needs"
+        if pred > budget or (b.tiled and fwd is None):
+            if opts.chunk_size is not None and b.tiled:
+                tiles = f"chunk_size={opts.chunk_size} needs"
+            else:
+                tiles = "its smallest tiles need" if b.tiled else "needs"
             rejected[name] = [f"{tiles} ≈{format_bytes(smallest)}, the budget is {format_bytes(budget)}"]
             smallest_overall = smallest if smallest_overall is None else min(smallest_overall, smallest)
             continue
@@ -550,13 +618,25 @@ def make_plan(
         )
         if fwd is not None and fwd[1] >= inp.Lk and fwd[0] < inp.Lq:
             plan.notes.append("whole key rows per block (no kv chunking)")
-        if opts.chunk_size is not None and pred > budget:
-            plan.notes.append("chunk_size was forced; its predicted peak exceeds the budget")
+        if inp.n_groups > 1:
+            plan.notes.append(
+                f"batch broadcasting runs as {inp.n_groups} groups of {inp.B} (one group's tiles at a time)"
+            )
+        plan.tiles = count_tiles(inp, fwd, bwd_tiles if need_grad else None)
+        if estimate_time or plan.tiles >= ESTIMATE_TIME_FROM_TILES:
+            plan.predicted_seconds = predict_seconds(inp, plan.tiles, need_grad)
         if backend == "auto":
             for later in names[names.index(name) + 1 :]:
                 plan.rejected.setdefault(later, ["slower path; the one above fits"])
         return plan
     if smallest_overall is not None:
+        if opts.chunk_size is not None:
+            raise MemoryBudgetError(
+                f"chunk_size={opts.chunk_size} does not fit memory_budget={format_bytes(budget)} for {describe(inp)}: "
+                f"those tiles need ≈{format_bytes(smallest_overall)}; pass a smaller chunk_size, chunk_size=None "
+                f"(the planner picks tiles that fit), or memory_budget of at least {smallest_overall} bytes."
+                + "".join(f"\n  {n}: {'; '.join(r)}" for n, r in rejected.items())
+            )
         raise MemoryBudgetError(
             f"memory_budget={format_bytes(budget)} is too small for {describe(inp)}: the smallest tiles "
             f"need ≈{format_bytes(smallest_overall)}; pass memory_budget of at least {smallest_overall} bytes."
@@ -566,6 +646,75 @@ def make_plan(
         f"backend={backend!r} cannot run {describe(inp)}:"
         + "".join(f"\n  {n}: {'; '.join(r)}" for n, r in rejected.items())
     )
+
+
+ESTIMATE_TIME_FROM_TILES = 4096
+"""Plans with at least this many tiles get a time estimate (long calls log their progress)."""
+
+# Python and launch overhead of one tile, a rough constant per device type.
+_TILE_OVERHEAD_S = {"cpu": 30e-6, "cuda": 40e-6, "mps": 80e-6}
+_RATES: Dict[str, float] = {}
+
+
+def visible_fraction(inp: Inputs) -> float:
+    """The fraction of the ``Lq x Lk`` scores a causal mask leaves visible (1 without one)."""
+    if not inp.is_causal or inp.Lq == 0 or inp.Lk == 0:
+        return 1.0
+    Lq, Lk, o = inp.Lq, inp.Lk, inp.causal_offset
+    # Row i sees min(max(i + o + 1, 0), Lk) keys: zero below r0, all of them from r2 on.
+    r0 = min(max(-o, 0), Lq)
+    r2 = min(max(Lk - o - 1, r0), Lq)
+    n = r2 - r0
+    seen = n * (o + 1) + (r0 + r2 - 1) * n / 2 + (Lq - r2) * Lk
+    return max(0.0, seen / (Lq * Lk))
+
+
+def count_tiles(inp: Inputs, fwd: Optional[Tuple[int, int]], bwd: Optional[Tuple[int, int]]) -> int:
+    """Kernel calls of the plan, forward and backward (causal tiles above the diagonal not counted)."""
+    frac = visible_fraction(inp)
+    n = 0
+    for tiles in (fwd, bwd):
+        if tiles is None:
+            continue
+        nq = -(-max(inp.Lq, 1) // tiles[0])
+        nk = -(-max(inp.Lk, 1) // tiles[1])
+        n += max(1, math.ceil(nq * nk * frac) + (min(nq, nk) if inp.is_causal else 0))
+    return max(n, 1)
+
+
+def _device_rate(device: torch.device) -> float:
+    """FLOP/s of a float32 batched matmul on this device, measured once per process."""
+    key = device.type
+    if key not in _RATES:
+        try:
+            _RATES[key] = _measure_rate(device)
+        except Exception:  # a device that cannot run the probe: a conservative guess
+            _RATES[key] = 5e10
+    return _RATES[key]
+
+
+def _measure_rate(device: torch.device) -> float:
+    a = torch.randn(8, 256, 64, device=device)
+    b = torch.randn(8, 64, 256, device=device)
+    sync = {"cuda": torch.cuda.synchronize, "mps": getattr(getattr(torch, "mps", None), "synchronize", None)}.get(device.type)
+    best = float("inf")
+    for _ in range(3):
+        if sync:
+            sync()
+        t0 = time.perf_counter()
+        torch.bmm(a, b)
+        if sync:
+            sync()
+        best = min(best, time.perf_counter() - t0)
+    return 2 * 8 * 256 * 256 * 64 / max(best, 1e-9)
+
+
+def predict_seconds(inp: Inputs, tiles: int, need_grad: bool) -> float:
+    """An order-of-magnitude estimate of a call's time: its FLOPs at the device's matmul rate plus per-tile overhead."""
+    flops = 2.0 * inp.B * inp.Hq * inp.Lq * inp.Lk * (inp.E + inp.Ev) * visible_fraction(inp) * inp.n_groups
+    if need_grad:
+        flops *= 3.5
+    return flops / _device_rate(inp.device) + tiles * inp.n_groups * _TILE_OVERHEAD_S.get(inp.device.type, 50e-6)
 
 
 def matmul_backward_tiles(inp: Inputs, budget: int) -> Tuple[int, int]:
@@ -583,7 +732,7 @@ def describe(inp: Inputs) -> str:
     if inp.attn_mask is not None:
         extras.append(f"{inp.mask_kind} mask {tuple(inp.attn_mask.shape)}")
     if inp.is_causal:
-        extras.append("causal")
+        extras.append("causal" if inp.causal_offset == 0 else f"causal (bottom-right, offset {inp.causal_offset})")
     if inp.score_mod is not None:
         extras.append("score_mod")
     if inp.mask_mod is not None:

@@ -13,6 +13,9 @@ with broadcastable int64 indices ``b (B,1,1,1)``, ``h (1,Hq,1,1)`` (the query he
 and ``kv_idx (1,1,1,kc)``; ``B`` is the product of the caller's batch dims. Any callable with these
 signatures works; the built-ins are small classes that add two optional hooks the engine looks for:
 
+* ``mask_mod.causal_offset(Lq, Lk) -> int or None``: declares that on a call of these lengths the
+  mask *is* the causal mask ``kv_idx <= q_idx + offset``; the engine then runs it as ``is_causal``
+  (:func:`causal` and :func:`causal_lower_right` declare it).
 * ``mask_mod.block_state(qs, qe, ks, ke) -> int``: what the mask is on query rows ``[qs, qe)`` x keys
   ``[ks, ke)`` -- :data:`EMPTY` (the tile is skipped, never computed), :data:`FULL` (computed without
   evaluating the mask) or :data:`PARTIAL` (the mask is evaluated on the tile); ``None`` means "unknown,
@@ -93,9 +96,10 @@ def _diagonal_state(qs: int, qe: int, ks: int, ke: int, lo: float, hi: float) ->
 
 # ----------------------------------------------------------------------------- causal
 class _Causal(_Mask):
-    # The engine runs this exactly as is_causal=True (the fused kernel's own causal flag on the
-    # diagonal tiles instead of a generated mask).
-    same_as_is_causal = True
+    def causal_offset(self, q_len: int, kv_len: int) -> Optional[int]:
+        # The engine runs this exactly as is_causal=True (the fused kernel's own causal flag on
+        # the diagonal tiles instead of a generated mask).
+        return 0
 
     def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         return q_idx >= kv_idx
@@ -127,6 +131,11 @@ class _CausalLowerRight(_Mask):
     def __init__(self, q_len: int, kv_len: int) -> None:
         self.q_len, self.kv_len = q_len, kv_len
         self.offset = kv_len - q_len
+
+    def causal_offset(self, q_len: int, kv_len: int) -> Optional[int]:
+        # On a call of the lengths it was built for, this is the causal mask with the diagonal
+        # shifted: the engine runs it as such (tile skipping, the kernel's causal flag).
+        return self.offset if (q_len, kv_len) == (self.q_len, self.kv_len) else None
 
     def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         return kv_idx <= q_idx + self.offset

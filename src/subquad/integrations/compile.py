@@ -70,6 +70,7 @@ def _eager(
     memory_budget: Optional[str],
     chunk_size: Optional[List[int]],
     backend: str,
+    lower_right: bool,
 ) -> Tuple[Tensor, Tensor]:
     # Runs when the compiled graph executes (not while tracing), so subquad.attention takes its
     # eager path here.
@@ -81,6 +82,7 @@ def _eager(
         value,
         attn_mask=attn_mask,
         is_causal=is_causal,
+        mask_mod=_lower_right(query, key, lower_right),
         scale=scale,
         enable_gqa=enable_gqa,
         memory_budget=_budget_value(memory_budget),
@@ -89,6 +91,29 @@ def _eager(
         return_lse=True,
     )
     return out, lse
+
+
+def _lower_right(query: Tensor, key: Tensor, lower_right: bool) -> Any:
+    # torch's causal_lower_right mask travels through the operator as a flag (a CausalBias is a
+    # tensor subclass without data, which AOTAutograd cannot pass to a custom operator).
+    if not lower_right:
+        return None
+    from subquad import mods
+
+    return mods.causal_lower_right(query.shape[-2], key.shape[-2])
+
+
+def _causal_kind(attn_mask: Any, is_causal: bool, query: Tensor, key: Tensor) -> Tuple[Any, bool, bool]:
+    """``(attn_mask, is_causal, lower_right)`` with torch's ``CausalBias`` masks turned into flags."""
+    from subquad._inputs import causal_bias_offset
+
+    offset = causal_bias_offset(attn_mask, query.shape[-2], key.shape[-2], is_causal)
+    if offset is None:
+        return attn_mask, is_causal, False
+    from torch.nn.attention.bias import CausalVariant
+
+    lower = attn_mask.variant == CausalVariant.LOWER_RIGHT
+    return None, not lower, lower
 
 
 def _fresh(t: Tensor, inputs: Sequence[Optional[Tensor]]) -> Tensor:
@@ -113,11 +138,13 @@ def attention_op(
     memory_budget: Optional[str],
     chunk_size: Optional[List[int]],
     backend: str,
+    lower_right: bool = False,
 ) -> Tuple[Tensor, Tensor]:
     """``(out, lse)`` of ``subquad.attention``: out ``(..., Hq, Lq, Ev)``, lse ``(..., Hq, Lq)``."""
     with torch.no_grad():
         out, lse = _eager(
-            query, key, value, attn_mask, is_causal, scale, enable_gqa, memory_budget, chunk_size, backend
+            query, key, value, attn_mask, is_causal, scale, enable_gqa, memory_budget, chunk_size, backend,
+            lower_right,
         )
     inputs = (query, key, value, attn_mask)
     return _fresh(out, inputs), _fresh(lse, inputs)
@@ -135,6 +162,7 @@ def _attention_fake(
     memory_budget: Optional[str],
     chunk_size: Optional[List[int]],
     backend: str,
+    lower_right: bool = False,
 ) -> Tuple[Tensor, Tensor]:
     from subquad._inputs import make_inputs
 
@@ -159,6 +187,7 @@ def _engine_grads(
     memory_budget: Optional[str],
     chunk_size: Optional[List[int]],
     backend: str,
+    lower_right: bool,
     mask_grad: bool,
     grad_lse: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
@@ -172,7 +201,7 @@ def _engine_grads(
     from subquad._planner import make_plan
 
     inp, opts, budget, _plan, _ = _api._prepare(
-        query, key, value, attn_mask, is_causal, None, None, scale, enable_gqa, 0.0,
+        query, key, value, attn_mask, is_causal, None, _lower_right(query, key, lower_right), scale, enable_gqa, 0.0,
         _budget_value(memory_budget), tuple(chunk_size) if chunk_size is not None else None, backend, True,
     )
     # Inputs that require grad make the planner plan (and budget) a backward.
@@ -216,6 +245,7 @@ def attention_backward_op(
     memory_budget: Optional[str],
     chunk_size: Optional[List[int]],
     backend: str,
+    lower_right: bool,
     mask_grad: bool,
     grad_lse: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -223,7 +253,7 @@ def attention_backward_op(
     any); ``dmask`` is empty unless ``mask_grad``."""
     dq, dk, dv, dmask = _engine_grads(
         grad_out, query, key, value, attn_mask, out, lse, is_causal, scale, enable_gqa,
-        memory_budget, chunk_size, backend, mask_grad, grad_lse,
+        memory_budget, chunk_size, backend, lower_right, mask_grad, grad_lse,
     )
     if dmask is None:
         dmask = query.new_empty(0)
@@ -246,6 +276,7 @@ def _attention_backward_fake(
     memory_budget: Optional[str],
     chunk_size: Optional[List[int]],
     backend: str,
+    lower_right: bool,
     mask_grad: bool,
     grad_lse: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -267,7 +298,7 @@ def _backward(ctx: Any, grad_out: Tensor, grad_lse: Optional[Tensor]) -> Tuple[O
     dq, dk, dv, dmask = attention_backward_op(
         grad_out, query, key, value, attn_mask, out, lse, *ctx.options, mask_grad, grad_lse
     )
-    return dq, dk, dv, (dmask if mask_grad else None), None, None, None, None, None, None
+    return dq, dk, dv, (dmask if mask_grad else None), None, None, None, None, None, None, None
 
 
 attention_op.register_autograd(_backward, setup_context=_setup_context)
@@ -304,6 +335,7 @@ def compiled_attention(
     Raises:
         TypeError / ValueError: as ``subquad.attention``; under ``torch.compile`` while tracing.
     """
+    attn_mask, is_causal, lower_right = _causal_kind(attn_mask, is_causal, query, key)
     out, lse = attention_op(
         query,
         key,
@@ -315,5 +347,6 @@ def compiled_attention(
         _budget_arg(memory_budget),
         _chunk_arg(chunk_size),
         _backend_arg(backend),
+        lower_right,
     )
     return (out, lse) if return_lse else out
