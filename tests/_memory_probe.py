@@ -1,6 +1,12 @@
 """Run attention calls in this (fresh) process and report their RSS high-water marks as JSON.
 
 Started by tests with ``MALLOC_MMAP_THRESHOLD_=131072`` so that freed tensors return to the OS.
+
+A case is a dict: ``shape`` ``[B, H, Lq, Lk, E]`` (or ``batch`` for several leading batch dims,
+e.g. ``[2, 4]``), ``budget``, and optionally ``dtype``, ``backend``, ``grad``, ``chunk``, and
+``mask``: ``"bool"``, ``"float"``, ``"causal"`` or ``"bool-batch"`` (a bool mask that varies
+along the first batch dim only, broadcast over the others), ``score_mod``: ``"module-method"``
+(a bound method of a module that also holds a large unused layer; its table is learnable).
 """
 
 from __future__ import annotations
@@ -22,34 +28,60 @@ def _kib(field: str) -> int:
     raise RuntimeError(field)
 
 
+class RelativeBias(torch.nn.Module):
+    """A learnable relative-position bias beside a large layer the score_mod never uses."""
+
+    def __init__(self, heads: int, length: int) -> None:
+        super().__init__()
+        self.table = torch.nn.Parameter(torch.zeros(heads, 2 * length - 1))
+        self.unused = torch.nn.Linear(4096, 4096)  # 64 MiB of parameters
+        self.length = length
+
+    def score_mod(self, score, b, h, q_idx, kv_idx):
+        return score + self.table[h, q_idx - kv_idx + self.length - 1]
+
+
 def run(case: dict) -> dict:
     B, H, Lq, Lk, E = case["shape"]
+    batch = case.get("batch", [B])
     dt = getattr(torch, case.get("dtype", "float32"))
     g = torch.Generator().manual_seed(0)
     grad = case.get("grad", False)
-    q = torch.randn(B, H, Lq, E, generator=g, dtype=dt).requires_grad_(grad)
-    k = torch.randn(B, H, Lk, E, generator=g, dtype=dt).requires_grad_(grad)
-    v = torch.randn(B, H, Lk, E, generator=g, dtype=dt).requires_grad_(grad)
+    q = torch.randn(*batch, H, Lq, E, generator=g, dtype=dt).requires_grad_(grad)
+    k = torch.randn(*batch, H, Lk, E, generator=g, dtype=dt).requires_grad_(grad)
+    v = torch.randn(*batch, H, Lk, E, generator=g, dtype=dt).requires_grad_(grad)
     kw: dict = dict(memory_budget=case["budget"], backend=case.get("backend", "auto"))
+    if case.get("chunk"):
+        kw["chunk_size"] = tuple(case["chunk"])
     mask = case.get("mask")
     if mask == "bool":
         kw["attn_mask"] = torch.rand(Lq, Lk, generator=g) > 0.2
+    elif mask == "bool-batch":
+        kw["attn_mask"] = torch.rand(batch[0], *([1] * len(batch[1:])), 1, Lq, Lk, generator=g) > 0.2
     elif mask == "float":
         kw["attn_mask"] = torch.randn(1, H, Lq, Lk, generator=g, dtype=dt)
     elif mask == "causal":
         kw["is_causal"] = True
+    module = None
+    if case.get("score_mod") == "module-method":
+        module = RelativeBias(H, max(Lq, Lk))
+        kw["score_mod"] = module.score_mod
     plan = subquad.explain(q, k, v, **kw)
+    params = [] if module is None else list(module.parameters())
+
+    grad_out = None
 
     def call():
+        nonlocal grad_out
         out = subquad.attention(q, k, v, **kw)
         if grad:
-            out.backward(torch.ones_like(out))
+            grad_out = torch.ones_like(out)
+            out.backward(grad_out)
         return out
 
     call()  # warm-up: thread pools and lazy initialisation are not the call's memory
-    if grad:
-        for t in (q, k, v):
-            t.grad = None
+    for t in (q, k, v, *params):
+        t.grad = None
     gc.collect()
     base = _kib("VmRSS")
     with open("/proc/self/clear_refs", "w") as f:
@@ -57,11 +89,13 @@ def run(case: dict) -> dict:
     out = call()
     peak = _kib("VmHWM") - base
     out_bytes = out.numel() * out.element_size()
-    if grad:  # the gradients are outputs too
-        out_bytes += sum(t.numel() * t.element_size() for t in (q, k, v))
+    if grad:  # the incoming gradient is an input of the backward, the gradients are outputs
+        out_bytes += grad_out.numel() * grad_out.element_size()
+        out_bytes += sum(t.grad.numel() * t.grad.element_size() for t in (q, k, v, *params) if t.grad is not None)
     return dict(
         case=case, backend=plan.backend, chunk=plan.chunk_size, predicted=plan.predicted_peak_bytes,
         budget=plan.budget_bytes, measured=peak, output=out_bytes,
+        grads_set=[p.grad is not None for p in params],
     )
 
 

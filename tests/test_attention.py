@@ -273,3 +273,56 @@ def test_fused_tile_skipping_counts_causal():
     subquad.attention(q, k, v, is_causal=True, chunk_size=(16, 16), backend="matmul")
     # 4 x 4 tiles, 6 above the diagonal are never computed.
     assert (TILES.computed, TILES.skipped) == (10, 6)
+
+
+# ----------------------------------------------------------------- issue 10: silent errors fixed
+@pytest.mark.parametrize("backend,chunk", PATHS)
+def test_causal_with_a_mask_that_hides_every_visible_key_of_a_row(backend, chunk):
+    # Row 0 of the diagonal tile sees only key 0 (causal), which the mask hides: the fused
+    # kernel reports lse 0 for it unless the check accounts for the causal part.
+    q = k = v = _rand(1, 1, 8, 16)
+    dense = torch.ones(8, 8, dtype=torch.bool).tril() & ~torch.eye(8, dtype=torch.bool)
+    golden, golden_lse = naive_attention(q, k, v, attn_mask=dense, return_lse=True)
+    for kw in (dict(is_causal=True, mask_mod=lambda b, h, i, j: i != j), dict(attn_mask=~torch.eye(8, dtype=torch.bool), mask_mod=subquad.mods.causal())):
+        out, lse = _call(q, k, v, backend, chunk or (4, 4), return_lse=True, **kw)
+        assert_close_to_golden(out, golden)
+        assert_close_to_golden(lse, golden_lse, name="lse")
+        assert lse[0, 0, 0].item() == float("-inf")
+
+
+def test_causal_with_a_mask_on_the_planners_tiles():
+    q, k, v = (_rand(1, 4, 2048, 64, dtype=torch.float32) for _ in range(3))
+    mask = ~torch.eye(2048, dtype=torch.bool)
+    plan = subquad.explain(q, k, v, attn_mask=mask, mask_mod=subquad.mods.causal(), memory_budget="2MiB")
+    assert plan.backend == "fused" and plan.chunk_size[0] < 2048
+    out = subquad.attention(q, k, v, attn_mask=mask, mask_mod=subquad.mods.causal(), memory_budget="2MiB")
+    golden = naive_attention(*to64(q, k, v), attn_mask=mask & torch.ones(2048, 2048, dtype=torch.bool).tril())
+    assert_close_to_golden(out, golden, naive_attention(q, k, v, attn_mask=mask & torch.ones(2048, 2048, dtype=torch.bool).tril()))
+
+
+@pytest.mark.parametrize("backend,chunk", PATHS)
+@pytest.mark.parametrize("scale", [0.0, -0.5], ids=["scale0", "negative"])
+def test_causal_with_nonpositive_scale(backend, chunk, scale):
+    q, k, v = _rand(2, 3, 13, 8), _rand(2, 3, 17, 8), _rand(2, 3, 17, 8)
+    out, lse = _call(q, k, v, backend, chunk, is_causal=True, scale=scale, return_lse=True)
+    golden, golden_lse = naive_attention(q, k, v, is_causal=True, scale=scale, return_lse=True)
+    assert_close_to_golden(out, golden)
+    assert_close_to_golden(lse, golden_lse, name="lse")
+
+
+def test_causal_with_nonpositive_scale_backward():
+    q, k, v = (_rand(1, 2, 13, 8).requires_grad_() for _ in range(3))
+    assert torch.autograd.gradcheck(lambda q, k, v: subquad.attention(q, k, v, is_causal=True, scale=-0.3), (q, k, v))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_inputs_with_a_float32_mask_keep_the_mask_in_float32(dtype):
+    q, k, v = (_rand(1, 2, 64, 16, dtype=torch.float32).to(dtype) for _ in range(3))
+    mask = torch.randn(64, 64) * 3
+    golden_out, golden_lse = naive_attention(*to64(q, k, v), attn_mask=mask.double(), return_lse=True)
+    errs = {}
+    for backend in ("fused", "matmul"):
+        out, lse = subquad.attention(q, k, v, attn_mask=mask, return_lse=True, backend=backend)
+        errs[backend] = (lse.double() - golden_lse).abs().max().item()
+    # Rounding the mask to 8 bits of mantissa gave 4e-2 on the fused path; the matmul path is ~1e-6.
+    assert errs["fused"] < 1e-3, errs

@@ -639,3 +639,103 @@ def test_score_mod_of_the_wrong_float_dtype_raises(dtype):
     q, k, v = _qkv(1, 2, 9, 9, dtype=torch.float32)
     with pytest.raises(TypeError, match=rf"score_mod must return scores of the dtype it was given \(torch.float32\), got {dtype}"):
         subquad.attention(q, k, v, score_mod=lambda s, b, h, qi, ki: s.to(dtype), backend="matmul")
+
+
+# ----------------------------------------------------------------------------- captured tensors, every idiom
+class _Holder:
+    def __init__(self, t):
+        self.t = t
+
+    def method(self, score, b, h, q_idx, kv_idx):
+        return score + self.t[q_idx, kv_idx]
+
+
+class _BiasModule(torch.nn.Module):
+    def __init__(self, S):
+        super().__init__()
+        self.bias = torch.nn.Parameter(torch.randn(S, S, dtype=f64))
+        self.unused = torch.nn.Linear(3, 3).double()
+
+    def forward(self, score, b, h, q_idx, kv_idx):
+        return score + self.bias[q_idx, kv_idx]
+
+
+def _idioms(S):
+    """(name, score_mod, leaf tensors whose gradients are checked) for every way of capturing."""
+    import functools
+
+    t = torch.randn(S, S, dtype=f64, requires_grad=True)
+    param = torch.randn(S, S, dtype=f64, requires_grad=True)
+    view = param[:, :]  # a view of a tensor that is captured as well
+    scale = torch.tensor(0.7, dtype=f64, requires_grad=True)
+    derived = param * scale  # a tensor derived from a captured parameter
+    module = _BiasModule(S)
+    nested = {"tables": [torch.randn(S, S, dtype=f64, requires_grad=True)]}
+    return [
+        ("closure", lambda s, b, h, qi, ki: s + t[qi, ki], [t]),
+        ("partial", functools.partial(lambda s, b, h, qi, ki, t: s + t[qi, ki], t=t), [t]),
+        ("bound-method", _Holder(t).method, [t]),
+        ("module", module, [module.bias]),
+        ("nested-container", lambda s, b, h, qi, ki: s + nested["tables"][0][qi, ki], nested["tables"]),
+        ("param-and-its-view", lambda s, b, h, qi, ki: s + param[qi, ki] + 0.5 * view[qi, ki], [param]),
+        ("module-and-derived", lambda s, b, h, qi, ki: module(s, b, h, qi, ki) + derived[qi, ki], [module.bias, param, scale]),
+        ("derived-and-source", lambda s, b, h, qi, ki: s + derived[qi, ki] * param[qi, ki], [param, scale]),
+    ]
+
+
+@pytest.mark.parametrize("name", [i[0] for i in _idioms(4)])
+@pytest.mark.parametrize("backend,chunk", [("auto", (7, 5)), ("matmul", None), ("auto", None)], ids=["7x5", "whole-matmul", "planned"])
+def test_captured_tensor_gradients_whatever_the_idiom(name, backend, chunk):
+    S = 40
+    _, score_mod, leaves = next(i for i in _idioms(S) if i[0] == name)
+    q, k, v = (torch.randn(1, 2, S, 8, dtype=f64, requires_grad=True) for _ in range(3))
+    inputs = (q, k, v, *leaves)
+
+    def grads(out):  # the graph of a derived tensor outside the call is shared by every backward here
+        return torch.autograd.grad(out, inputs, torch.ones_like(out) * 0.3, retain_graph=True)
+
+    got = grads(subquad.attention(q, k, v, score_mod=score_mod, backend=backend, chunk_size=chunk))
+    want = grads(naive_attention(q, k, v, score_mod=score_mod))
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert g is not None, f"gradient {i} dropped"
+        assert_close_to_golden(g, w, name=f"grad {i}", floor=1e-11)
+
+
+def test_backward_through_derived_tensors_accumulates_like_autograd():
+    S = 24
+    module = _BiasModule(S)
+    derived = module.bias * 2
+    q, k, v = (torch.randn(1, 2, S, 8, dtype=f64) for _ in range(3))
+    mod = lambda s, b, h, qi, ki: module(s, b, h, qi, ki) + derived[qi, ki]  # noqa: E731
+    subquad.attention(q, k, v, score_mod=mod, chunk_size=(5, 7)).sum().backward(retain_graph=True)
+    got = module.bias.grad.clone()
+    module.bias.grad = None
+    naive_attention(q, k, v, score_mod=mod).sum().backward()
+    assert_close_to_golden(got, module.bias.grad, floor=1e-11)
+    assert module.unused.weight.grad is None  # only what the callback reads gets a gradient
+
+
+def test_only_tensors_the_callback_reads_get_gradients():
+    S = 16
+    module = _BiasModule(S)
+    q = torch.randn(1, 2, S, 8, dtype=f64)
+    subquad.attention(q, q, q, score_mod=module.forward, chunk_size=5).sum().backward()
+    assert module.bias.grad is not None
+    assert module.unused.weight.grad is None and module.unused.bias.grad is None
+
+
+def test_a_tensor_read_only_on_later_tiles_raises_instead_of_dropping_its_gradient():
+    S = 32
+    late = torch.randn(S, S, dtype=f64, requires_grad=True)
+
+    def branchy(score, b, h, q_idx, kv_idx):
+        if int(q_idx.min()) >= 8 and int(q_idx.max()) < S - 1:  # data-dependent control flow
+            return score + late[q_idx, kv_idx]
+        return score
+
+    q = torch.randn(1, 1, S, 8, dtype=f64, requires_grad=True)
+    out = subquad.attention(q, q, q, score_mod=branchy, chunk_size=8)
+    from subquad._kernels import UncapturedGradientError
+
+    with pytest.raises(UncapturedGradientError, match="probe of the callback"):
+        out.sum().backward()

@@ -131,3 +131,92 @@ def test_rejects_unknown_options(option):
         with subquad.patch_sdpa(**{option: 1}):
             pass
     assert F.scaled_dot_product_attention is ORIGINAL_SDPA
+
+
+# ----------------------------------------------------------------- exits out of order, threads
+def _spy_chunks(monkeypatch):
+    import threading
+
+    seen = []
+    real = subquad.sdpa
+
+    def spy(*a, **kw):
+        seen.append((threading.current_thread().name, kw.get("chunk_size")))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(subquad, "sdpa", spy)
+    return seen
+
+
+def test_blocks_exiting_out_of_order_restore_torch_at_the_last_exit(monkeypatch):
+    seen = _spy_chunks(monkeypatch)
+    q, k, v = _qkv(1, 2, 9, 8)
+    a, b = subquad.patch_sdpa(chunk_size=(2, 2)), subquad.patch_sdpa(chunk_size=(3, 3))
+    a.__enter__()
+    b.__enter__()
+    a.__exit__(None, None, None)
+    assert F.scaled_dot_product_attention is not ORIGINAL_SDPA  # b is still active
+    F.scaled_dot_product_attention(q, k, v)
+    b.__exit__(None, None, None)
+    assert F.scaled_dot_product_attention is ORIGINAL_SDPA
+    assert [c for _, c in seen] == [(3, 3)]
+
+
+def test_threads_each_use_their_own_block_and_others_see_the_newest(monkeypatch):
+    import threading
+
+    seen = _spy_chunks(monkeypatch)
+    q, k, v = _qkv(1, 2, 9, 8)
+    entered, release = threading.Event(), threading.Event()
+
+    def worker():
+        with subquad.patch_sdpa(chunk_size=(4, 4)):
+            F.scaled_dot_product_attention(q, k, v)
+            entered.set()
+            release.wait(10)
+            F.scaled_dot_product_attention(q, k, v)
+
+    t = threading.Thread(target=worker, name="worker")
+    with subquad.patch_sdpa(chunk_size=(2, 2)):
+        t.start()
+        assert entered.wait(10)
+        F.scaled_dot_product_attention(q, k, v)  # this thread's own block, though the worker entered later
+        release.set()
+        t.join(10)
+        assert F.scaled_dot_product_attention is not ORIGINAL_SDPA  # the main block is still active
+    assert F.scaled_dot_product_attention is ORIGINAL_SDPA
+
+    bystander_seen = []
+    holder = subquad.patch_sdpa(chunk_size=(5, 5))
+    holder.__enter__()
+    try:
+        b = threading.Thread(target=lambda: bystander_seen.append(F.scaled_dot_product_attention(q, k, v)), name="bystander")
+        b.start()
+        b.join(10)
+    finally:
+        holder.__exit__(None, None, None)
+    assert ("worker", (4, 4)) in seen and ("MainThread", (2, 2)) in seen
+    assert ("bystander", (5, 5)) in seen  # a thread without a block of its own: the newest active one
+    assert F.scaled_dot_product_attention is ORIGINAL_SDPA
+
+
+# ----------------------------------------------------------------- torch's CausalBias masks
+def test_causal_bias_through_the_patch_and_through_a_bound_function():
+    import warnings
+
+    from torch.nn.attention.bias import causal_lower_right, causal_upper_left
+
+    bound = F.scaled_dot_product_attention  # bound before the block, as `from ... import` at import time
+    q, k, v = _qkv(1, 2, 9, 8, lk=13)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        masks = [causal_upper_left(9, 13), causal_lower_right(9, 13)]
+    for mask in masks:
+        golden = ORIGINAL_SDPA(q, k, v, attn_mask=mask._materialize())
+        with subquad.patch_sdpa(chunk_size=MANY_TILES):
+            _close(F.scaled_dot_product_attention(q, k, v, attn_mask=mask), golden, what="patched")
+            _close(bound(q, k, v, attn_mask=mask), golden, what="bound before the patch")
+        _close(bound(q, k, v, attn_mask=mask), golden, what="after the patch")
+    from torch.nn.attention.bias import CausalBias
+
+    assert CausalBias.__dict__["__torch_function__"].__func__.__module__ == "torch.nn.attention.bias"

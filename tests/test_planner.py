@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import subquad
+from subquad import MemoryBudgetError
 from conftest import assert_close_to_golden, naive_attention
 from subquad._inputs import Inputs, make_inputs
 from subquad._planner import (
@@ -168,6 +169,14 @@ GRID = [
     dict(shape=[1, 4, 2048, 2048, 64], budget="16MiB", grad=True, backend="matmul"),
     dict(shape=[1, 4, 2048, 2048, 64], budget="16MiB", grad=True, mask="causal"),
     dict(shape=[1, 4, 2048, 2048, 64], budget="16MiB", grad=True, mask="float"),
+    # Issue 10: the causal fused backward (key segments are not coalesced there) ...
+    dict(shape=[1, 4, 2048, 2048, 64], budget="4MiB", grad=True, mask="causal"),
+    # ... a 5-D call whose mask varies along the first batch dim only (no copy per batch entry) ...
+    dict(shape=[2, 2, 2048, 2048, 64], batch=[2, 4], budget="16MiB", mask="bool-batch"),
+    # ... a score_mod that is a bound method of a module with a large unused layer ...
+    dict(shape=[1, 4, 1024, 1024, 64], budget="16MiB", grad=True, score_mod="module-method"),
+    # ... and 65,536 one-row tiles under 1 MiB (bookkeeping that does not grow with the tiles).
+    dict(shape=[1, 1, 65536, 16, 8], budget="1MiB", chunk=[1, 16]),
 ]
 
 
@@ -187,6 +196,8 @@ def test_measured_peak_within_budget_and_prediction_honest():
             failures.append(f"{label}: measured {r['measured']} > budget {r['budget']} + output {r['output']}")
         if r["predicted"] < 0.8 * extra:
             failures.append(f"{label}: predicted {r['predicted']} < 0.8 x measured extra {extra}")
+        if r["case"].get("score_mod") == "module-method" and r["grads_set"] != [True, False, False]:
+            failures.append(f"{label}: gradients set on {r['grads_set']}; only the table the score_mod reads may get one")
     assert not failures, "\n".join(failures)
 
 
@@ -205,3 +216,22 @@ def test_fused_kernel_refusal_falls_back_to_matmul(monkeypatch):
     assert_close_to_golden(out, naive_attention(q, k, v, is_causal=True))
     with pytest.raises(RuntimeError, match="some new restriction"):  # a forced backend is not replaced
         subquad.attention(q, k, v, backend="fused")
+
+
+def test_forced_chunk_size_must_fit_the_budget():
+    q, k, v = (torch.randn(1, 4, 4096, 64) for _ in range(3))
+    with pytest.raises(MemoryBudgetError, match=r"chunk_size=\(4096, 4096\) does not fit memory_budget=300.0 KiB"):
+        subquad.attention(q, k, v, chunk_size=4096, memory_budget="300KiB", backend="matmul")
+    with pytest.raises(MemoryBudgetError, match="chunk_size"):
+        subquad.explain(q, k, v, chunk_size=(4096, 512), memory_budget="300KiB")
+    # Tiles that fit run as forced; a budget large enough lets any tiles run.
+    plan = subquad.explain(q, k, v, chunk_size=(64, 256), memory_budget="4MiB", backend="matmul")
+    assert plan.chunk_size == (64, 256) and plan.predicted_peak_bytes <= 4 * MiB
+    assert subquad.explain(q, k, v, chunk_size=4096, memory_budget="4GiB", backend="matmul").chunk_size == (4096, 4096)
+
+
+def test_row_blocks_are_produced_lazily():
+    from subquad._engine import _row_blocks
+
+    blocks = _row_blocks(1 << 40, 1)  # a list of these would not fit in memory
+    assert next(blocks) == (0, 1) and next(blocks) == (1, 2)

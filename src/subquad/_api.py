@@ -105,11 +105,22 @@ def _run_sdpa(query: Tensor, key: Tensor, value: Tensor, inp: Inputs, attn_mask:
             return _TORCH_SDPA(query, key, value, **kwargs)
 
 
+def _draw_seed() -> int:
+    """The dropout seed, from torch's generator (``torch.manual_seed`` makes calls reproducible)."""
+    drawn = torch.randint(0, 2**31 - 1, (1,))
+    if is_transformed(drawn):
+        # Under vmap with randomness="same" or "different" the draw is batched; one seed is drawn
+        # here and the Function's vmap rule derives one per example for "different".
+        with torch._C._DisableFuncTorch():
+            drawn = torch.randint(0, 2**31 - 1, (1,))
+    return int(drawn.item())
+
+
 def _run(
     inp: Inputs, plan: Plan, opts: Options, captured: Sequence[Tensor], chunk: Optional[Tuple[int, int]],
     bwd_chunk: Optional[Tuple[int, int]],
 ) -> Tuple[Tensor, Optional[Tensor]]:
-    seed = int(torch.randint(0, 2**31 - 1, (1,)).item()) if inp.dropout_p > 0 else 0
+    seed = _draw_seed() if inp.dropout_p > 0 else 0
     full = (max(inp.Lq, 1), max(inp.Lk, 1))
     fwd_chunk = chunk or full
     if inp.requires_grad or captured or is_transformed(inp.query, inp.key, inp.value, inp.attn_mask):

@@ -1,0 +1,128 @@
+"""Faults: user exceptions propagate unchanged, kernel refusals and interrupts leave nothing
+half-done, long calls say how long they will take and show progress."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import subquad
+from conftest import assert_close_to_golden, naive_attention
+from subquad import _engine, _kernels
+from subquad.integrations.patch import ORIGINAL_SDPA
+
+f64 = torch.float64
+
+
+class CallbackError(RuntimeError):
+    pass
+
+
+def _qkv(L=24):
+    return tuple(torch.randn(1, 2, L, 8, dtype=f64) for _ in range(3))
+
+
+CALLBACK_CASES = [
+    pytest.param("mask_mod", "auto", id="mask_mod-auto"),
+    pytest.param("mask_mod", "fused", id="mask_mod-fused"),
+    pytest.param("mask_mod", "matmul", id="mask_mod-matmul"),
+    pytest.param("score_mod", "auto", id="score_mod-auto"),
+    pytest.param("score_mod", "matmul", id="score_mod-matmul"),
+]
+
+
+@pytest.mark.parametrize("where,backend", CALLBACK_CASES)
+@pytest.mark.parametrize("message", ["a one-off failure", "CUDA out of memory (simulated by the callback)"])
+def test_callback_errors_propagate_unchanged_and_are_not_retried(where, backend, message):
+    q, k, v = _qkv()
+    calls = []
+    raised = CallbackError(message)
+    # The score_mod is called once by the probe that finds its captured tensors, then per tile.
+    fail_at = 2 if where == "mask_mod" else 3
+
+    def mask_mod(b, h, i, j):
+        calls.append(1)
+        if len(calls) == fail_at:
+            raise raised
+        return i >= j
+
+    def score_mod(s, b, h, i, j):
+        calls.append(1)
+        if len(calls) == fail_at:
+            raise raised
+        return s * 0.5
+
+    kw = {"mask_mod": mask_mod} if where == "mask_mod" else {"score_mod": score_mod}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # neither a fallback nor an out-of-memory retry may happen
+        with pytest.raises(CallbackError) as info:
+            subquad.attention(q, k, v, backend=backend, chunk_size=(8, 8), **kw)
+    assert info.value is raised
+    assert len(calls) == fail_at  # the callback was not run again
+
+
+def test_kernel_refusal_is_still_handled(monkeypatch):
+    def refusing(*args, **kwargs):
+        raise RuntimeError("the fused kernel: some new restriction")
+
+    assert _kernels.cpu_flash_unavailable_reason() is None
+    fwd, bwd = _kernels._cpu_flash_ops()
+    monkeypatch.setattr(_kernels, "_cpu_flash_ops", lambda: (fwd, refusing))
+    q, k, v = (t.requires_grad_() for t in _qkv())
+    out = subquad.attention(q, k, v, is_causal=True, chunk_size=8)
+    with pytest.warns(RuntimeWarning, match="fused CPU backward kernel refused this input"):
+        out.sum().backward()
+    q2, k2, v2 = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    naive_attention(q2, k2, v2, is_causal=True).sum().backward()
+    for a, b in zip((q, k, v), (q2, k2, v2)):
+        assert_close_to_golden(a.grad, b.grad)
+
+
+def test_an_interrupt_leaves_nothing_half_done(monkeypatch):
+    q, k, v = _qkv(64)
+    real = _kernels.FusedCPUKernel.forward_rows
+    count = []
+
+    def interrupted(self, *args, **kwargs):
+        count.append(1)
+        if len(count) == 3:
+            raise KeyboardInterrupt
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(_kernels.FusedCPUKernel, "forward_rows", interrupted)
+    with subquad.patch_sdpa(chunk_size=(8, 8)):
+        with pytest.raises(KeyboardInterrupt):
+            F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert F.scaled_dot_product_attention is ORIGINAL_SDPA
+    monkeypatch.setattr(_kernels.FusedCPUKernel, "forward_rows", real)
+    out = subquad.attention(q, k, v, is_causal=True, chunk_size=(8, 8))  # the next call is whole
+    assert_close_to_golden(out, naive_attention(q, k, v, is_causal=True))
+
+
+def test_explain_predicts_the_time_of_a_huge_call():
+    q = torch.empty(1, 8, 1 << 20, 16)  # explain reads no data; the pages are never touched
+    plan = subquad.explain(q, q, q, memory_budget="1MiB")
+    assert plan.tiles > 10**4
+    assert plan.predicted_seconds is not None and plan.predicted_seconds > 3600  # hours, not seconds
+    assert "time:" in str(plan) and "hours" in str(plan)
+    small = subquad.explain(*_qkv())
+    assert small.predicted_seconds is not None and small.predicted_seconds < 1
+
+
+def test_long_calls_warn_and_log_progress(monkeypatch, caplog):
+    from subquad import _api, _planner
+
+    monkeypatch.setattr(_planner, "ESTIMATE_TIME_FROM_TILES", 1)
+    monkeypatch.setattr(_api, "WARN_LONGER_THAN_S", 0.0)
+    monkeypatch.setattr(_engine, "LONG_CALL_SECONDS", 0.0)
+    monkeypatch.setattr(_engine.Progress.__init__, "__defaults__", (0.0,))  # log at every block
+    q, k, v = _qkv(64)
+    with caplog.at_level(logging.INFO, logger="subquad"):
+        with pytest.warns(RuntimeWarning, match="predicted to take about"):
+            subquad.attention(q, k, v, chunk_size=(8, 8), backend="matmul")
+    lines = [r.getMessage() for r in caplog.records if r.name == "subquad"]
+    assert any("forward: 7/8 row blocks" in line for line in lines), lines
