@@ -425,13 +425,12 @@ def make_inputs(
             "Expected key and value to agree on their leading dims (..., Hk), got "
             f"key {_shape(k)} and value {_shape(v)}."
         )
-    try:
-        batch_shape = tuple(torch.broadcast_shapes(q.shape[:-3], k.shape[:-3], v.shape[:-3]))
-    except RuntimeError:
+    batch_shape = _broadcast(q.shape[:-3], k.shape[:-3], v.shape[:-3])
+    if batch_shape is None:
         raise ArgumentError(
             "Expected query, key and value to have the same batch dims (everything before H, L, E) or "
             f"batch dims that broadcast, got query {_shape(q)}, key {_shape(k)} and value {_shape(v)}."
-        ) from None
+        )
     Hq, Hk = q.shape[-3], k.shape[-3]
     if Hq != Hk:
         if not enable_gqa:
@@ -472,14 +471,18 @@ def make_inputs(
 
     nb = len(batch_shape)
     tensors = tuple(None if t is None else _pad_rank(t, nb + 3) for t in (q, k, v, mask))
-    split = next(
-        j for j in range(nb + 1)
-        if all(t is None or _fold(t[(0,) * j] if j else t, batch_shape[j:]) is not None for t in tensors)
-    )
-    groups = _BatchGroups(tensors, batch_shape, split) if split else None
-    inner = batch_shape[split:]
-    first = tuple(None if t is None else t[(0,) * split] if split else t for t in tensors)
-    q4, k4, v4, m4 = (None if t is None else _fold(t, inner) for t in first)
+    groups = None
+    if nb <= 1:  # one batch dim (or none): each tensor is already its own canonical view
+        q4, k4, v4, m4 = (None if t is None else t if nb else t.unsqueeze(0) for t in tensors)
+    else:
+        # The first split whose inner batch dims fold into one as views (the last one always does).
+        split = next(
+            j for j in range(nb + 1)
+            if all(t is None or _fold(t[(0,) * j] if j else t, batch_shape[j:]) is not None for t in tensors)
+        )
+        groups = _BatchGroups(tensors, batch_shape, split) if split else None
+        first = tuple(None if t is None else t[(0,) * split] if split else t for t in tensors)
+        q4, k4, v4, m4 = (None if t is None else _fold(t, batch_shape[split:]) for t in first)
     assert q4 is not None and k4 is not None and v4 is not None
     return Inputs(
         query=q4,
@@ -493,7 +496,7 @@ def make_inputs(
         score_mod=score_mod,
         mask_mod=mask_mod,
         causal_offset=causal_offset,
-        batch=_prod(inner),
+        batch=_prod(batch_shape if groups is None else batch_shape[groups.split :]),
         squeeze_head=squeeze_head,
         groups=groups,
     )
@@ -527,12 +530,24 @@ def _check_mask(
         raise ArgumentError(
             f"attn_mask of shape {_shape(attn_mask)} does not broadcast to the scores' shape {tuple(shown)}."
         )
-    try:
-        if torch.broadcast_shapes(attn_mask.shape, full_shape) != torch.Size(full_shape):
-            raise RuntimeError
-    except RuntimeError:
+    if _broadcast(attn_mask.shape, full_shape) != tuple(full_shape):
         raise ArgumentError(
             f"attn_mask of shape {_shape(attn_mask)} does not broadcast to the scores' shape "
             f"{tuple(shown)} (..., Hq, Lq, Lk)."
-        ) from None
+        )
     return attn_mask
+
+
+def _broadcast(*shapes: Sequence[int]) -> Optional[Tuple[int, ...]]:
+    """The broadcast of ``shapes`` (numpy's rules), or ``None`` if they do not broadcast."""
+    if all(len(s) == len(shapes[0]) and tuple(s) == tuple(shapes[0]) for s in shapes):
+        return tuple(shapes[0])
+    n = max(len(s) for s in shapes)
+    out = [1] * n
+    for s in shapes:
+        for i, size in enumerate(s, start=n - len(s)):
+            if size != 1:
+                if out[i] not in (1, size):
+                    return None
+                out[i] = size
+    return tuple(out)
