@@ -175,8 +175,11 @@ GRID = [
     dict(shape=[2, 2, 2048, 2048, 64], batch=[2, 4], budget="16MiB", mask="bool-batch"),
     # ... a score_mod that is a bound method of a module with a large unused layer ...
     dict(shape=[1, 4, 1024, 1024, 64], budget="16MiB", grad=True, score_mod="module-method"),
-    # ... and 65,536 one-row tiles under 1 MiB (bookkeeping that does not grow with the tiles).
+    # ... 65,536 one-row tiles under 1 MiB (bookkeeping that does not grow with the tiles) ...
     dict(shape=[1, 1, 65536, 16, 8], budget="1MiB", chunk=[1, 16]),
+    # ... and forced tiles, which run only when they fit the budget (else MemoryBudgetError).
+    dict(shape=[1, 4, 2048, 2048, 64], budget="8MiB", chunk=[256, 512], backend="matmul"),
+    dict(shape=[1, 4, 2048, 2048, 64], budget="8MiB", chunk=[512, 512], mask="bool"),
 ]
 
 

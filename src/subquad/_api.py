@@ -324,9 +324,14 @@ def sdpa(
     """A drop-in for :func:`torch.nn.functional.scaled_dot_product_attention` that keeps a memory budget.
 
     Same signature, layout ``(..., H, L, E)`` and semantics (bool mask True = attend, float mask
-    added, ``is_causal`` top-left, fully masked rows -> 0, ``enable_gqa``); ``options`` are the
-    keyword-only options of :func:`subquad.attention` (``memory_budget``, ``chunk_size``,
-    ``backend``, ``score_mod``, ``mask_mod``). ``return_lse`` is not accepted here.
+    added, torch's ``CausalBias`` masks, ``is_causal`` top-left, fully masked rows -> 0,
+    ``enable_gqa``, batch dims that broadcast, empty inputs); ``options`` are the keyword-only
+    options of :func:`subquad.attention` (``memory_budget``, ``chunk_size``, ``backend``,
+    ``score_mod``, ``mask_mod``). ``return_lse`` is not accepted here. Invalid arguments raise
+    ``TypeError``/``ValueError`` subclasses that are also ``RuntimeError`` (what SDPA raises).
+
+    Equal to ``torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask,
+    dropout_p, is_causal, scale, enable_gqa=enable_gqa)``, computed in tiles.
     """
     if "return_lse" in options:
         raise ArgumentTypeError("sdpa() returns the output only; use subquad.attention(..., return_lse=True) for the lse.")
