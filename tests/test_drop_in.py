@@ -8,7 +8,6 @@ import warnings
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right, causal_upper_left
 
 import subquad

@@ -18,7 +18,6 @@ from ._inputs import (
     Inputs,
     MaskMod,
     ScoreMod,
-    causal_bias_offset,
     check_bool,
     make_inputs,
     parse_chunk_size,

@@ -107,7 +107,7 @@ def kv_segments(inp: Inputs, qs: int, qe: int, kv_chunk: int, coalesce: bool) ->
 
 
 def _needs_generated_mask(inp: Inputs, seg: Segment) -> bool:
-    bool_or_cast = inp.attn_mask is not None and inp.attn_mask.dtype != inp.dtype
+    bool_or_cast = inp.attn_mask is not None and inp.attn_mask.dtype != inp.bias_dtype
     additive = inp.score_mod is not None
     return seg.causal != "none" or seg.mask_mod or bool_or_cast or additive
 
