@@ -236,7 +236,7 @@ def test_dropout_mask_independent_of_tiling():
 
 def test_dropout_keep_rate():
     from subquad._inputs import make_inputs
-    from subquad._kernels import dropout_scale
+    from subquad._tiles import dropout_scale
 
     inp = make_inputs(_rand(2, 4, 64, 8), _rand(2, 4, 256, 8), _rand(2, 4, 256, 8), dropout_p=0.25)
     z = dropout_scale(inp, 1234, 0, 64, 0, 256, torch.float64)

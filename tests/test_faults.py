@@ -12,7 +12,8 @@ import torch.nn.functional as F
 
 import subquad
 from conftest import assert_close_to_golden, naive_attention
-from subquad import _engine, _kernels
+from subquad import _engine
+from subquad._paths import FusedCPU, fused
 from subquad.integrations.patch import ORIGINAL_SDPA
 
 f64 = torch.float64
@@ -69,9 +70,9 @@ def test_kernel_refusal_is_still_handled(monkeypatch):
     def refusing(*args, **kwargs):
         raise RuntimeError("the fused kernel: some new restriction")
 
-    assert _kernels.cpu_flash_unavailable_reason() is None
-    fwd, bwd = _kernels._cpu_flash_ops()
-    monkeypatch.setattr(_kernels, "_cpu_flash_ops", lambda: (fwd, refusing))
+    assert fused.cpu_flash_unavailable_reason() is None
+    fwd, bwd = fused._cpu_flash_ops()
+    monkeypatch.setattr(fused, "_cpu_flash_ops", lambda: (fwd, refusing))
     q, k, v = (t.requires_grad_() for t in _qkv())
     out = subquad.attention(q, k, v, is_causal=True, chunk_size=8)
     with pytest.warns(RuntimeWarning, match="fused CPU backward kernel refused this input"):
@@ -84,7 +85,7 @@ def test_kernel_refusal_is_still_handled(monkeypatch):
 
 def test_an_interrupt_leaves_nothing_half_done(monkeypatch):
     q, k, v = _qkv(64)
-    real = _kernels.FusedCPUKernel.forward_rows
+    real = FusedCPU.forward_rows
     count = []
 
     def interrupted(self, *args, **kwargs):
@@ -93,12 +94,12 @@ def test_an_interrupt_leaves_nothing_half_done(monkeypatch):
             raise KeyboardInterrupt
         return real(self, *args, **kwargs)
 
-    monkeypatch.setattr(_kernels.FusedCPUKernel, "forward_rows", interrupted)
+    monkeypatch.setattr(FusedCPU, "forward_rows", interrupted)
     with subquad.patch_sdpa(chunk_size=(8, 8)):
         with pytest.raises(KeyboardInterrupt):
             F.scaled_dot_product_attention(q, k, v, is_causal=True)
     assert F.scaled_dot_product_attention is ORIGINAL_SDPA
-    monkeypatch.setattr(_kernels.FusedCPUKernel, "forward_rows", real)
+    monkeypatch.setattr(FusedCPU, "forward_rows", real)
     out = subquad.attention(q, k, v, is_causal=True, chunk_size=(8, 8))  # the next call is whole
     assert_close_to_golden(out, naive_attention(q, k, v, is_causal=True))
 

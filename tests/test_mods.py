@@ -735,7 +735,7 @@ def test_a_tensor_read_only_on_later_tiles_raises_instead_of_dropping_its_gradie
 
     q = torch.randn(1, 1, S, 8, dtype=f64, requires_grad=True)
     out = subquad.attention(q, q, q, score_mod=branchy, chunk_size=8)
-    from subquad._kernels import UncapturedGradientError
+    from subquad._callbacks import UncapturedGradientError
 
     with pytest.raises(UncapturedGradientError, match="probe of the callback"):
         out.sum().backward()

@@ -18,11 +18,10 @@ import subquad
 from subquad import MemoryBudgetError
 from conftest import assert_close_to_golden, naive_attention
 from subquad._inputs import Inputs, make_inputs
+from subquad._paths import Matmul, Options
 from subquad._planner import (
     DEFAULT_BUDGET_FRACTION,
     MPS_MAX_MATMUL_ELEMENTS,
-    MatmulBackend,
-    Options,
     _tile_options,
     make_plan,
     free_memory_bytes,
@@ -97,11 +96,11 @@ def test_budget_too_small_says_what_would_work():
 
 
 def test_out_of_memory_retry_halves_tiles_and_stays_exact(monkeypatch):
-    from subquad import _kernels
+    from subquad._paths import Matmul
 
     q, k, v = (torch.randn(1, 2, 100, 16, dtype=torch.float64) for _ in range(3))
     calls = {"n": 0}
-    original = _kernels.MatmulKernel.forward_rows
+    original = Matmul.forward_rows
 
     def flaky(self, inp, qs, qe, segments, out, seed):
         calls["n"] += 1
@@ -109,7 +108,7 @@ def test_out_of_memory_retry_halves_tiles_and_stays_exact(monkeypatch):
             raise RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory")
         return original(self, inp, qs, qe, segments, out, seed)
 
-    monkeypatch.setattr(_kernels.MatmulKernel, "forward_rows", flaky)
+    monkeypatch.setattr(Matmul, "forward_rows", flaky)
     with pytest.warns(RuntimeWarning, match=r"out of memory with tiles .* retrying with \(50, 100\)"):
         out = subquad.attention(q, k, v, backend="matmul")
     assert calls["n"] == 1 + 2  # one failure, then two blocks of 50 rows
@@ -117,12 +116,12 @@ def test_out_of_memory_retry_halves_tiles_and_stays_exact(monkeypatch):
 
 
 def test_other_errors_are_not_retried(monkeypatch):
-    from subquad import _kernels
+    from subquad._paths import Matmul
 
     def broken(*a, **kw):
         raise RuntimeError("something else")
 
-    monkeypatch.setattr(_kernels.MatmulKernel, "forward_rows", broken)
+    monkeypatch.setattr(Matmul, "forward_rows", broken)
     q = torch.randn(1, 1, 8, 8)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -140,7 +139,7 @@ def test_mps_guard_keeps_every_matmul_below_2_31():
             return torch.device("mps")
 
     mps_inp = OnMPS(**{f.name: getattr(inp, f.name) for f in dataclasses.fields(inp)})
-    options = _tile_options(mps_inp, MatmulBackend())
+    options = _tile_options(mps_inp, Matmul())
     assert options and all(2 * 32 * qc * kc < MPS_MAX_MATMUL_ELEMENTS for qc, kc in options)
     plan = make_plan(mps_inp, Options(), 1 << 40, "matmul")  # a huge budget still gets small tiles
     assert 2 * 32 * plan.chunk_size[0] * plan.chunk_size[1] < MPS_MAX_MATMUL_ELEMENTS
@@ -205,13 +204,13 @@ def test_measured_peak_within_budget_and_prediction_honest():
 
 
 def test_fused_kernel_refusal_falls_back_to_matmul(monkeypatch):
-    from subquad import _kernels
+    from subquad._paths import fused
 
     def refusing(*args, **kwargs):
         raise RuntimeError("scaled_dot_product_attention_flash_attention: some new restriction")
 
-    assert _kernels.cpu_flash_unavailable_reason() is None  # probed (and cached) before the kernel changes
-    monkeypatch.setattr(_kernels, "_cpu_flash_ops", lambda: (refusing, refusing))
+    assert fused.cpu_flash_unavailable_reason() is None  # probed (and cached) before the kernel changes
+    monkeypatch.setattr(fused, "_cpu_flash_ops", lambda: (refusing, refusing))
     q, k, v = (torch.randn(1, 2, 30, 8, dtype=torch.float64) for _ in range(3))
     assert subquad.explain(q, k, v).backend == "fused"
     with pytest.warns(RuntimeWarning, match="fused CPU kernel refused this input .* matmul tiles instead"):

@@ -6,7 +6,7 @@ tiles with a running max, sum and weighted sum per row, so the ``Lq x Lk`` matri
 
 from . import mods
 from ._api import attention, explain, sdpa
-from ._planner import BACKEND_NAMES as BACKENDS
+from ._paths import BACKEND_NAMES as BACKENDS
 from ._planner import MemoryBudgetError, Plan
 
 __all__ = ["attention", "sdpa", "explain", "Plan", "MemoryBudgetError", "BACKENDS", "mods", "patch_sdpa", "integrations"]

@@ -7,7 +7,6 @@ import warnings
 from typing import Optional, Sequence, Tuple, Union
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from . import _engine
@@ -22,10 +21,10 @@ from ._inputs import (
     make_inputs,
     parse_chunk_size,
 )
-from ._kernels import KernelRefused, from_callback, is_oom
+from ._callbacks import from_callback
+from ._paths import BACKEND_NAMES, BACKENDS, Options
+from ._tiles import KernelRefused, is_oom
 from ._planner import (
-    BACKEND_NAMES,
-    Options,
     Plan,
     format_seconds,
     halve,
@@ -34,9 +33,6 @@ from ._planner import (
 )
 from .integrations.compile import compiled_attention
 from .integrations.compile import supports as _compile_supports
-
-# The original SDPA, saved before anything (such as subquad.patch_sdpa) can replace it.
-_TORCH_SDPA = F.scaled_dot_product_attention
 
 Budget = Union[int, str, None]
 
@@ -87,21 +83,6 @@ def _causal_mask_mod_as_flag(inp: Inputs) -> Inputs:
     if inp.is_causal:  # both: the intersection of two causal masks is the one with the smaller offset
         offset = min(offset, inp.causal_offset)
     return dataclasses.replace(inp, is_causal=True, causal_offset=offset, mask_mod=None)
-
-
-def _run_sdpa(query: Tensor, key: Tensor, value: Tensor, inp: Inputs, attn_mask: Optional[Tensor], enable_gqa: bool) -> Tensor:
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    kwargs = dict(attn_mask=attn_mask, dropout_p=inp.dropout_p, is_causal=inp.is_causal, scale=inp.scale)
-    if enable_gqa:
-        kwargs["enable_gqa"] = True
-    if query.device.type == "mps":
-        return _TORCH_SDPA(query, key, value, **kwargs)
-    fused = [getattr(SDPBackend, n) for n in ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION") if hasattr(SDPBackend, n)]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # SDPA warns about every kernel it declines
-        with sdpa_kernel(fused):
-            return _TORCH_SDPA(query, key, value, **kwargs)
 
 
 def _draw_seed() -> int:
@@ -289,7 +270,8 @@ def attention(
     _warn_if_long(plan)
     if plan.backend == "sdpa":
         try:
-            return _run_sdpa(query, key, value, inp, None if inp.attn_mask is None else attn_mask, enable_gqa)
+            sdpa_path = BACKENDS["sdpa"]
+            return sdpa_path.run_whole(query, key, value, inp, None if inp.attn_mask is None else attn_mask, enable_gqa)  # type: ignore[attr-defined]
         except RuntimeError as e:
             # No fused kernel took the input after all (their checks are private), or it ran out
             # of memory: the tiles take everything, within the budget.

@@ -21,7 +21,8 @@ from torch._C import _functorch
 
 from . import _engine
 from ._inputs import Inputs
-from ._kernels import Grads, KernelRefused, probe_captured, reduce_to
+from ._callbacks import probe_captured
+from ._tiles import Grads, KernelRefused, reduce_to
 from ._planner import matmul_backward_tiles
 
 

@@ -11,7 +11,7 @@ import torch
 
 def _info(args: argparse.Namespace) -> int:
     import subquad
-    from subquad._kernels import cpu_flash_unavailable_reason
+    from subquad._paths import cpu_flash_unavailable_reason
     from subquad._planner import format_bytes, free_memory_bytes
 
     device = torch.device(args.device)

@@ -2,7 +2,7 @@
 
 For each block of ``q_chunk`` query rows the engine lists the key segments that can contribute
 (causal tiles above the diagonal and tiles that a ``mask_mod`` hides everywhere are skipped, never
-computed) and hands them to a chunk kernel (:mod:`subquad._kernels`). The output is written into a
+computed) and hands them to a path (:mod:`subquad._paths`). The output is written into a
 preallocated tensor block by block, so peak memory is one block's working set whatever the number
 of blocks.
 """
@@ -12,19 +12,18 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from typing import Callable, Iterator, Optional, Tuple, Union
+from typing import Callable, Iterator, Optional, Tuple
 
 import torch
 from torch import Tensor
 
 from ._inputs import Inputs
-from ._kernels import FusedCPUKernel, Grads, MatmulKernel, Segment, call_user, eval_mask_mod
+from ._callbacks import call_user, eval_mask_mod
+from ._paths import BACKENDS
+from ._tiles import Grads, Segment
 
 log = logging.getLogger("subquad")
 
-Kernel = Union[MatmulKernel, FusedCPUKernel]
-
-KERNELS = {"matmul": MatmulKernel(), "fused": FusedCPUKernel()}
 
 
 class TileCounter:
@@ -156,7 +155,7 @@ def forward(
     An interrupt (Ctrl-C) between tiles leaves nothing behind: the output is returned only once
     every tile is done.
     """
-    kernel = KERNELS[kernel_name]
+    kernel = BACKENDS[kernel_name]
     q_chunk, kv_chunk = chunk
     B, Hq, Lq = inp.B, inp.Hq, inp.Lq
     lse = torch.empty((B, Hq, Lq), dtype=inp.stats_dtype, device=inp.device) if need_lse else None
@@ -166,7 +165,7 @@ def forward(
             lse.fill_(float("-inf"))
         return torch.zeros((B, Hq, Lq, inp.Ev), dtype=inp.dtype, device=inp.device), lse
     coalesce = kernel_name == "fused"
-    if isinstance(kernel, FusedCPUKernel) and q_chunk >= Lq:
+    if kernel.returns_rows and q_chunk >= Lq:
         # One block of rows: the kernel's own output is the result, no copy.
         segs = _nonempty(kv_segments(inp, 0, Lq, kv_chunk, coalesce))
         if segs is not None:
@@ -210,7 +209,7 @@ def backward(
     """
     if inp.empty or inp.Lk == 0:
         return
-    kernel = KERNELS[kernel_name]
+    kernel = BACKENDS[kernel_name]
     q_chunk, kv_chunk = chunk
     progress = Progress("backward", -(-inp.Lq // q_chunk), predicted_s)
     for i, (qs, qe) in enumerate(_row_blocks(inp.Lq, q_chunk)):
@@ -232,4 +231,4 @@ def whole_fused_backward(
     segs = list(kv_segments(inp, 0, inp.Lq, chunk[1], coalesce=False))
     if len(segs) != 1 or (segs[0].ks, segs[0].ke) != (0, inp.Lk):
         return None
-    return KERNELS["fused"].segment_backward(inp, 0, inp.Lq, segs[0], grad_out, out, lse)
+    return BACKENDS["fused"].segment_backward(inp, 0, inp.Lq, segs[0], grad_out, out, lse)

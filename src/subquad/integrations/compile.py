@@ -52,7 +52,7 @@ def _chunk_arg(chunk_size: Union[int, Sequence[int], None]) -> Optional[List[int
 
 
 def _backend_arg(backend: str) -> str:
-    from subquad._planner import BACKEND_NAMES
+    from subquad._paths import BACKEND_NAMES
 
     if not isinstance(backend, str) or (backend != "auto" and backend not in BACKEND_NAMES):
         raise ValueError(f"Unknown backend={backend!r}; expected 'auto' or one of {', '.join(map(repr, BACKEND_NAMES))}.")

@@ -1,0 +1,296 @@
+"""The ``fused`` path: PyTorch's fused CPU flash kernel per tile, merged by log-sum-exp.
+
+``aten._scaled_dot_product_flash_attention_for_cpu`` (a private op, probed once at run time)
+returns each tile's lse, so tiles over disjoint key segments merge exactly. Masks, the causal part
+it cannot express and additive ``score_mod``s reach it as a float bias tile.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable, List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from .._callbacks import call_user, index_grids
+from .._inputs import Inputs
+from .._tiles import NEG_INF, Grads, Segment, EMPTY_CHECK_ELEMENTS, add_into, call_kernel, empty_rows, tile_bias
+from .base import Backend, Options, _bh, _generated_causal, _strided, _threads
+
+
+def _cpu_flash_ops() -> Tuple[Optional[Callable[..., Tuple[Tensor, Tensor]]], Optional[Callable[..., Tuple[Tensor, Tensor, Tensor]]]]:
+    ops = torch.ops.aten
+    fwd = getattr(ops, "_scaled_dot_product_flash_attention_for_cpu", None)
+    bwd = getattr(ops, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+    return fwd, bwd
+
+
+def _probe_cpu_flash() -> Optional[str]:
+    """Run the private CPU flash kernel once on a tiny input; ``None`` if it works, else why not."""
+    fwd, bwd = _cpu_flash_ops()
+    if fwd is None:
+        return "this PyTorch build has no aten._scaled_dot_product_flash_attention_for_cpu"
+    try:
+        g = torch.Generator().manual_seed(0)
+        q = torch.randn(1, 2, 3, 4, generator=g, dtype=torch.float64)
+        k = torch.randn(1, 1, 5, 4, generator=g, dtype=torch.float64)
+        v = torch.randn(1, 1, 5, 4, generator=g, dtype=torch.float64)
+        mask = torch.zeros(3, 5, dtype=torch.float64)
+        mask[1, 2:] = NEG_INF
+        o, lse = fwd(q, k, v, 0.0, False, attn_mask=mask, scale=0.5)
+        s = (q @ k.transpose(-1, -2)) * 0.5 + mask
+        ref_lse = torch.logsumexp(s, dim=-1)
+        ref = torch.softmax(s, dim=-1) @ v
+        if o.shape != ref.shape or lse.shape != ref_lse.shape:
+            return "the private CPU flash kernel returned unexpected shapes (GQA or lse layout changed)"
+        if not (torch.allclose(o, ref, atol=1e-10) and torch.allclose(lse.to(torch.float64), ref_lse, atol=1e-10)):
+            return "the private CPU flash kernel failed its self-check"
+        if bwd is None:
+            return "this PyTorch build has no aten._scaled_dot_product_flash_attention_for_cpu_backward"
+    except Exception as e:  # a changed private signature surfaces as any error
+        return f"the private CPU flash kernel failed its self-check ({type(e).__name__}: {e})"
+    return None
+
+
+_CPU_FLASH_PROBE: List[Optional[str]] = []
+
+
+def cpu_flash_unavailable_reason() -> Optional[str]:
+    if not _CPU_FLASH_PROBE:
+        _CPU_FLASH_PROBE.append(_probe_cpu_flash())
+    return _CPU_FLASH_PROBE[0]
+
+
+def _as_kernel_mask(bias: Optional[Tensor]) -> Optional[Tensor]:
+    """The kernel takes 2-D or 4-D masks (it broadcasts their size-1 dims itself)."""
+    if bias is None or bias.dim() in (2, 4):
+        return bias
+    while bias.dim() < 4:
+        bias = bias.unsqueeze(0)
+    return bias
+
+
+def _unit_stride(t: Tensor) -> Tensor:
+    # The fused kernel reads the last dim as contiguous (SDPA checks this before calling it).
+    return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
+
+
+class FusedCPU(Backend):
+    """PyTorch's fused CPU flash kernel, per block of rows and key segment, merged by lse."""
+
+    name = "fused"
+    devices = ("cpu",)
+    returns_rows = True
+    # The kernel's own working set per thread: a qSplit x kvSplit score block (256 x 512 at most),
+    # its reduced-precision copy, and qSplit rows of accumulator.
+    _Q_SPLIT, _KV_SPLIT = 256, 512
+
+    def not_supported_reasons(self, inp: Inputs, opts: Options) -> List[str]:
+        reasons = super().not_supported_reasons(inp, opts)
+        if reasons:
+            return reasons
+        why = cpu_flash_unavailable_reason()
+        if why:
+            reasons.append(why)
+        if inp.Ev != inp.E:
+            reasons.append(f"the CPU flash kernel needs value's head dim Ev == E, got Ev={inp.Ev}, E={inp.E}")
+        if inp.dropout_p > 0:
+            reasons.append("the CPU flash kernel does not support dropout")
+        if inp.score_mod is not None and getattr(inp.score_mod, "additive_bias", None) is None:
+            reasons.append("score_mod is a general callback (only additive built-ins such as mods.alibi run fused)")
+        return reasons
+
+    def backward_kernel(self, inp: Inputs, opts: Options) -> str:
+        # The fused backward returns dQ, dK, dV only: a learnable mask or tensors captured by
+        # score_mod take the matmul backward (it starts from the same saved out and lse).
+        mask_grad = inp.attn_mask is not None and inp.attn_mask.requires_grad
+        return "matmul" if mask_grad or opts.captured_requires_grad else "fused"
+
+    def _kernel_bytes(self, inp: Inputs, qc: int, kc: int) -> int:
+        qs, ks = min(self._Q_SPLIT, qc), min(self._KV_SPLIT, kc)
+        per_thread = qs * ks * (4 + inp.itemsize) + qs * (inp.Ev + 2) * 4
+        n = _threads() * per_thread
+        if inp.dtype in (torch.float16, torch.bfloat16):
+            n += inp.B * inp.Hk * kc * (inp.E + inp.Ev) * inp.itemsize  # packed K/V on CPUs that pack
+        # Inputs whose last dim is strided are copied per tile (the kernel needs unit stride).
+        if _strided(inp.query) and inp.E > 1:
+            n += inp.B * inp.Hq * qc * inp.E * inp.itemsize
+        for t in (inp.key, inp.value):
+            if _strided(t) and t.shape[-1] > 1:
+                n += inp.B * inp.Hk * kc * t.shape[-1] * inp.itemsize
+        return n
+
+    def _bias_bytes(self, inp: Inputs, qc: int, kc: int) -> int:
+        """The float bias tile fed to the kernel: a converted mask, generated masks, callback biases."""
+        parts = []  # elements of each part, in its own broadcast shape
+        if inp.attn_mask is not None:
+            parts.append(inp.mask_tile_elements(qc, kc))
+        if inp.is_causal and _generated_causal(inp, qc, kc):
+            parts.append(qc * kc)
+        if inp.mask_mod is not None:
+            parts.append(inp.B * inp.Hq * qc * kc)
+        if inp.score_mod is not None:
+            parts.append(inp.Hq * qc * kc)
+        mask_as_is = inp.attn_mask is not None and inp.attn_mask.dtype == inp.bias_dtype
+        if not parts or (parts == [inp.mask_tile_elements(qc, kc)] and mask_as_is and not inp.is_causal):
+            return 0  # no bias, or the caller's float mask passed through as a view
+        size = torch.tensor([], dtype=inp.bias_dtype).element_size()
+        n = sum(parts) * (size + 1)  # each part, its bool/-inf temporaries
+        if len(parts) > 1:
+            n += inp.B * inp.Hq * qc * kc * size  # their broadcast sum
+        if inp.score_mod is not None:
+            n += 2 * qc * kc * 8  # int64 distances of the index grids
+        if inp.attn_mask is not None or inp.is_causal or inp.mask_mod is not None:
+            # The empty-row check: the rows' maximum, or (diagonal tiles) visibility in blocks of rows.
+            n += min(max(parts), EMPTY_CHECK_ELEMENTS) * 2 + inp.B * inp.Hq * qc * 8 * 2
+        return n
+
+    def tile_bytes(self, inp: Inputs, qc: int, kc: int) -> int:
+        return self._bias_bytes(inp, min(qc, max(inp.Lq, 1)), min(kc, max(inp.Lk, 1)))
+
+    def forward_bytes(self, inp: Inputs, qc: int, kc: int, need_lse: bool) -> int:
+        qc, kc = min(qc, max(inp.Lq, 1)), min(kc, max(inp.Lk, 1))
+        bh, st = _bh(inp), inp.stats_itemsize
+        n = self._kernel_bytes(inp, qc, kc) + self._bias_bytes(inp, qc, kc)
+        n += bh * qc * 4 * 2  # the kernel's lse rows and their masked copy
+        if qc < inp.Lq:
+            n += bh * qc * inp.Ev * inp.itemsize  # the block's output before it is copied into place
+        split_rows = kc < inp.Lk and (
+            inp.has_callbacks or inp.is_causal or (inp.attn_mask is not None and inp.attn_mask.dtype != inp.dtype)
+        )
+        if split_rows or (inp.is_causal and qc < inp.Lq):
+            n += bh * qc * (inp.Ev * st * 2 + 4 * st)  # lse merge: accumulator and a weighted copy
+        if need_lse:
+            n += inp.lse_bytes()
+        return n + 256 * 1024
+
+    def backward_bytes(self, inp: Inputs, qc: int, kc: int, opts: Options) -> int:
+        qc, kc = min(qc, max(inp.Lq, 1)), min(kc, max(inp.Lk, 1))
+        bh = _bh(inp)
+        n = self._kernel_bytes(inp, qc, kc) * 2 + self._bias_bytes(inp, qc, kc)
+        n += bh * qc * 4  # lse rows
+        # The kernel returns dQ, dK, dV for its tile (float32 accumulators inside for half inputs).
+        n += (bh * qc * inp.E + inp.B * inp.Hk * kc * (inp.E + inp.Ev)) * (inp.itemsize + 4)
+        return n + 256 * 1024
+
+    @staticmethod
+    def causal_in_kernel(inp: Inputs, seg: Segment) -> bool:
+        # The kernel's own causal flag is top-left within the tile (a diagonal tile). With
+        # scale <= 0 it returns NaN (it scales the masked -inf scores), so the mask goes into
+        # the bias then.
+        return seg.causal == "diag" and inp.scale > 0
+
+    def bias(self, inp: Inputs, qs: int, qe: int, seg: Segment) -> Optional[Tensor]:
+        """The tile's float bias for the kernel (masks, generated causal part, additive ``score_mod``)."""
+        dtype = inp.bias_dtype
+        bias = tile_bias(inp, qs, qe, seg, dtype, causal_in_kernel=self.causal_in_kernel(inp, seg))
+        if inp.score_mod is not None:
+            add = inp.score_mod.additive_bias  # type: ignore[attr-defined]
+            b, h, qi, ki = index_grids(inp, qs, qe, seg.ks, seg.ke)
+            extra = call_user(add, b, h, qi, ki).to(dtype)
+            bias = extra if bias is None else bias + extra
+        return bias
+
+    @staticmethod
+    def _may_mask(inp: Inputs, seg: Segment) -> bool:
+        # An additive score_mod alone never masks a whole row: no empty-row check then.
+        return inp.attn_mask is not None or seg.causal != "none" or seg.mask_mod
+
+    def _segment(self, inp: Inputs, qs: int, qe: int, seg: Segment) -> Tuple[Tensor, Tensor]:
+        fwd, _ = _cpu_flash_ops()
+        assert fwd is not None
+        causal = self.causal_in_kernel(inp, seg)
+        bias = self.bias(inp, qs, qe, seg)
+        o_t, lse_t = call_kernel(
+            fwd,
+            _unit_stride(inp.q[:, :, qs:qe]),
+            _unit_stride(inp.k[:, :, seg.ks : seg.ke]),
+            _unit_stride(inp.v[:, :, seg.ks : seg.ke]),
+            0.0,
+            causal,
+            attn_mask=_as_kernel_mask(bias),
+            scale=inp.scale,
+        )
+        if bias is not None and self._may_mask(inp, seg):
+            empty = empty_rows(bias, causal, qe - qs)
+            if bool(empty.any()):
+                # Rows without a visible key weigh nothing in the merge, and give output 0.
+                lse_t = lse_t.masked_fill(empty, NEG_INF)
+                o_t = o_t.masked_fill(empty.unsqueeze(-1), 0.0)
+        return o_t, lse_t
+
+    def forward_rows(
+        self, inp: Inputs, qs: int, qe: int, segments: Iterable[Segment], out: Optional[Tensor], seed: int
+    ) -> Tuple[Tensor, Tensor]:
+        """Returns ``(rows_out, lse)``; ``rows_out`` is also written into ``out`` when one is given."""
+        sdt = inp.stats_dtype
+        first: Optional[Tuple[Tensor, Tensor]] = None
+        acc: Optional[Tensor] = None
+        lse = torch.empty(0)
+        for seg in segments:
+            o_t, lse_t = self._segment(inp, qs, qe, seg)
+            if first is None:
+                first = (o_t, lse_t)
+                continue
+            if acc is None:
+                acc, lse = first[0].to(sdt), first[1].to(sdt)
+            # Exact merge of two partial softmaxes over disjoint keys.
+            lse_t = lse_t.to(sdt)
+            lse_new = torch.logaddexp(lse, lse_t)
+            lse_ref = lse_new.masked_fill(lse_new == NEG_INF, 0.0)
+            acc.mul_(torch.exp(lse - lse_ref).unsqueeze(-1))
+            acc.add_(o_t.to(sdt).mul_(torch.exp(lse_t - lse_ref).unsqueeze(-1)))
+            lse = lse_new
+        assert first is not None, "forward_rows needs at least one segment"
+        rows, lse = (first[0], first[1]) if acc is None else (acc, lse)
+        if out is not None:
+            out[:, :, qs:qe].copy_(rows)
+        return rows, lse
+
+    def backward_rows(
+        self,
+        inp: Inputs,
+        qs: int,
+        qe: int,
+        segments: Iterable[Segment],
+        grad_out: Tensor,
+        out: Tensor,
+        lse: Tensor,
+        seed: int,
+        grads: Grads,
+        grad_lse: Optional[Tensor] = None,
+    ) -> None:
+        """The fused CPU backward per segment, fed the *global* out and lse of these rows."""
+        if grad_lse is not None:
+            raise NotImplementedError("the fused CPU backward cannot take a gradient of the lse; use the matmul kernel")
+        for seg in segments:
+            gq, gk, gv = self.segment_backward(inp, qs, qe, seg, grad_out, out, lse)
+            if grads.dq is not None:
+                add_into(grads.dq[:, :, qs:qe], gq)
+            if grads.dk is not None:
+                add_into(grads.dk[:, :, seg.ks : seg.ke], gk)
+            if grads.dv is not None:
+                add_into(grads.dv[:, :, seg.ks : seg.ke], gv)
+
+    def segment_backward(
+        self, inp: Inputs, qs: int, qe: int, seg: Segment, grad_out: Tensor, out: Tensor, lse: Tensor
+    ) -> Tuple[Tensor, Tensor, Tensor]:
+        """dQ of rows ``[qs, qe)`` and dK, dV of keys ``[ks, ke)`` from this segment alone (batch ``B``)."""
+        _, bwd = _cpu_flash_ops()
+        assert bwd is not None
+        # The kernel's own convention for fully masked rows is lse = 0 (their P is 0 either way).
+        lse_t = lse[:, :, qs:qe]
+        lse_t = lse_t.masked_fill(lse_t == NEG_INF, 0.0).to(torch.float64 if inp.dtype == torch.float64 else torch.float32)
+        return call_kernel(
+            bwd,
+            _unit_stride(grad_out[:, :, qs:qe]),
+            _unit_stride(inp.q[:, :, qs:qe]),
+            _unit_stride(inp.k[:, :, seg.ks : seg.ke]),
+            _unit_stride(inp.v[:, :, seg.ks : seg.ke]),
+            _unit_stride(out[:, :, qs:qe]),
+            lse_t,
+            0.0,
+            self.causal_in_kernel(inp, seg),
+            attn_mask=_as_kernel_mask(self.bias(inp, qs, qe, seg)),
+            scale=inp.scale,
+        )

@@ -1,0 +1,98 @@
+"""The ``sdpa`` path: ``torch.nn.functional.scaled_dot_product_attention`` on the whole input.
+
+Restricted to torch's fused kernels (flash, efficient, cuDNN) so that it can never fall back to
+the math path, which materializes ``B·H·Lq·Lk`` scores.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import List, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .._inputs import Inputs
+from .base import Backend, Options, _bh
+from .fused import FusedCPU
+
+# The original SDPA, saved before anything (such as subquad.patch_sdpa) can replace it.
+TORCH_SDPA = F.scaled_dot_product_attention
+
+MiB = 1 << 20
+
+
+class Sdpa(Backend):
+    """``torch.nn.functional.scaled_dot_product_attention`` on the whole input, fused kernels only.
+
+    The math fallback (which materializes ``B·H·Lq·Lk`` scores) is never allowed to run here.
+    """
+
+    name = "sdpa"
+    tiled = False
+    devices = ("cuda", "cpu", "mps")
+
+    def not_supported_reasons(self, inp: Inputs, opts: Options) -> List[str]:
+        reasons = super().not_supported_reasons(inp, opts)
+        if inp.has_callbacks:
+            reasons.append("score_mod/mask_mod are not supported by torch's SDPA")
+        if opts.return_lse:
+            reasons.append("return_lse=True: torch's SDPA does not return the log-sum-exp")
+        if opts.chunk_size is not None:
+            reasons.append("chunk_size asks for tiles; SDPA runs the whole input")
+        if inp.attn_mask is not None and inp.attn_mask.requires_grad and torch.is_grad_enabled():
+            reasons.append("attn_mask requires grad: SDPA would take its math path (Lq x Lk memory)")
+        if inp.is_causal and inp.causal_offset != 0:
+            reasons.append("bottom-right causal: torch's SDPA takes it only as a CausalBias, which may materialize it")
+        if inp.is_causal and inp.scale <= 0:
+            reasons.append(f"is_causal with scale={inp.scale:g} <= 0: torch's fused kernels return NaN")
+        if inp.n_groups > 1 or inp.kv_broadcast or inp.query.shape[0] != inp.B:
+            reasons.append("batch dims broadcast between query, key and value: SDPA may expand them in memory")
+        if inp.device.type == "cpu":
+            if inp.Ev != inp.E:
+                reasons.append(f"on CPU SDPA's fused kernel needs Ev == E, got Ev={inp.Ev}, E={inp.E}")
+            if inp.dropout_p > 0:
+                reasons.append("on CPU SDPA's fused kernel does not support dropout")
+            if inp.G > 1:
+                reasons.append("on CPU SDPA takes its math path for grouped-query attention")
+        if inp.device.type == "cuda" and inp.dtype == torch.float64:
+            reasons.append("no fused CUDA kernel takes float64")
+        return reasons
+
+    def forward_bytes(self, inp: Inputs, qc: int, kc: int, need_lse: bool) -> int:
+        bh = _bh(inp)
+        n = bh * inp.Lq * 4 * 2  # the kernel's lse / softmax statistics
+        if inp.attn_mask is not None:
+            # Bool masks become float masks; the efficient kernel pads Lk to a multiple of 16.
+            n += inp.mask_tile_elements(inp.Lq, inp.Lk + 16) * inp.itemsize * 2
+        if inp.device.type == "mps":
+            n += bh * inp.Lq * inp.Lk * 4 * 2  # MPS materializes the scores
+        if inp.device.type == "cpu":
+            n += FusedCPU()._kernel_bytes(inp, inp.Lq, inp.Lk)
+        return n + 1 * MiB
+
+    def backward_bytes(self, inp: Inputs, qc: int, kc: int, opts: Options) -> int:
+        bh = _bh(inp)
+        n = self.forward_bytes(inp, qc, kc, True)
+        n += (bh * inp.Lq * inp.E + inp.B * inp.Hk * inp.Lk * (inp.E + inp.Ev)) * 4  # float32 accumulators
+        if inp.device.type == "mps":
+            n += bh * inp.Lq * inp.Lk * 4 * 2
+        return n
+
+    def run_whole(
+        self, query: Tensor, key: Tensor, value: Tensor, inp: Inputs, attn_mask: Optional[Tensor], enable_gqa: bool
+    ) -> Tensor:
+        """The caller's tensors through torch's SDPA, fused kernels only."""
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        kwargs = dict(attn_mask=attn_mask, dropout_p=inp.dropout_p, is_causal=inp.is_causal, scale=inp.scale)
+        if enable_gqa:
+            kwargs["enable_gqa"] = True
+        if query.device.type == "mps":
+            return TORCH_SDPA(query, key, value, **kwargs)
+        fused = [getattr(SDPBackend, n) for n in ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION") if hasattr(SDPBackend, n)]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # SDPA warns about every kernel it declines
+            with sdpa_kernel(fused):
+                return TORCH_SDPA(query, key, value, **kwargs)

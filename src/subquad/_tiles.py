@@ -1,0 +1,182 @@
+"""What every tiled path shares: key segments, row state, gradient accumulators, generated masks.
+
+A tile is a block of query rows ``[qs, qe)`` against a key segment ``[ks, ke)``. Paths compute
+tiles (:mod:`subquad._paths`); the engine (:mod:`subquad._engine`) decides which tiles exist.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, NamedTuple, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from ._callbacks import eval_mask_mod, from_callback, index_grids
+from ._inputs import Inputs
+
+NEG_INF = float("-inf")
+
+
+class KernelRefused(RuntimeError):
+    """A fused kernel refused an input the planner expected it to take (its message is the kernel's)."""
+
+
+def is_oom(e: BaseException) -> bool:
+    """A real allocator out-of-memory error (not one raised by a user callback)."""
+    if from_callback(e):
+        return False
+    if isinstance(e, MemoryError) and type(e).__name__ != "MemoryBudgetError":
+        return True
+    oom_type = getattr(torch, "OutOfMemoryError", None)
+    if oom_type is not None and isinstance(e, oom_type):
+        return True
+    msg = str(e).lower()
+    return isinstance(e, RuntimeError) and (
+        "out of memory" in msg or "can't allocate memory" in msg or "not enough memory" in msg
+    )
+
+
+def call_kernel(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """A private fused kernel; its refusals (not its out-of-memory errors) become :class:`KernelRefused`."""
+    try:
+        return fn(*args, **kwargs)
+    except RuntimeError as e:
+        if is_oom(e):
+            raise
+        raise KernelRefused(str(e)) from e
+
+
+class Segment(NamedTuple):
+    """A run of keys ``[ks, ke)`` for one block of query rows ``[qs, qe)``.
+
+    ``causal``: ``"none"`` (no key is in the future of any query row), ``"diag"`` (``ks == qs``: the
+    top-left causal mask of the tile is the global one) or ``"partial"`` (needs a generated mask).
+    ``mask_mod``: whether ``mask_mod`` must be evaluated on this tile (False when the tile is known
+    to be fully visible).
+    """
+
+    ks: int
+    ke: int
+    causal: str = "none"
+    mask_mod: bool = False
+    keep: Optional[Tensor] = None  # mask_mod already evaluated on this tile, if it was
+
+
+class RowState(NamedTuple):
+    """Online-softmax state of a block of query rows, updated in place tile by tile."""
+
+    m: Tensor  # running max of the scores, (BHk, G*qn)
+    l: Tensor  # running sum of exp(score - m)
+    acc: Tensor  # running sum of exp(score - m) @ V, (BHk, G*qn, Ev)
+
+
+class Grads(NamedTuple):
+    """Gradient accumulators of one backward (``None`` where no gradient is wanted).
+
+    ``proxies`` maps each captured tensor (by ``id``) to the detached leaf that stands for it
+    inside ``score_mod`` during the backward; ``dcaptured`` accumulates their gradients, in order.
+    """
+
+    dq: Optional[Tensor]
+    dk: Optional[Tensor]
+    dv: Optional[Tensor]
+    dmask: Optional[Tensor]
+    proxies: Dict[int, Tensor] = {}
+    dcaptured: Sequence[Tensor] = ()
+
+
+def _hash32(x: Tensor) -> Tensor:
+    # A 32-bit integer mix (two multiply-xorshift rounds); int64 arithmetic never overflows here
+    # because x < 2**32 and the multiplier < 2**27.
+    x = ((x >> 16) ^ x) * 0x45D9F3B & 0xFFFFFFFF
+    x = ((x >> 16) ^ x) * 0x45D9F3B & 0xFFFFFFFF
+    return (x >> 16) ^ x
+
+
+def dropout_scale(inp: Inputs, seed: int, qs: int, qe: int, ks: int, ke: int, dtype: torch.dtype) -> Tensor:
+    """Dropout multipliers of a tile: 0 or 1/(1-p), a pure function of (seed, b, h, q, kv).
+
+    Counter-based, so forward and backward regenerate the same mask whatever the tiling.
+    ``dropout_p = 1`` drops everything (SDPA's output is then 0, as here).
+    """
+    b, h, qi, ki = index_grids(inp, qs, qe, ks, ke)
+    x = _hash32((b * inp.Hq + h + seed) & 0xFFFFFFFF)
+    x = _hash32(x ^ qi)
+    x = _hash32(x ^ (ki * 0x9E3779B1 & 0xFFFFFFFF))
+    threshold = int(inp.dropout_p * 4294967296.0)  # p * 2**32
+    keep = x >= threshold
+    return keep.to(dtype) * (1.0 / (1.0 - inp.dropout_p) if inp.dropout_p < 1.0 else 0.0)
+
+
+def reduce_to(t: Tensor, shape: Sequence[int]) -> Tensor:
+    """``t`` summed over the dims where ``shape`` is 1: the gradient of a broadcast input."""
+    dims = [i for i, (want, got) in enumerate(zip(shape, t.shape)) if want == 1 and got != 1]
+    return t.sum(dim=dims, keepdim=True) if dims else t
+
+
+def add_into(target: Tensor, value: Tensor) -> None:
+    """``target += value``, summing ``value`` over the dims where ``target`` is broadcast."""
+    target += reduce_to(value, target.shape).to(target.dtype)
+
+
+def tile_bias(
+    inp: Inputs, qs: int, qe: int, seg: Segment, dtype: torch.dtype, causal_in_kernel: bool = False
+) -> Optional[Tensor]:
+    """Everything added to a tile's scores as one tensor: ``attn_mask``, causal and ``mask_mod``.
+
+    Broadcastable to ``(B, Hq, qn, kn)``; masked entries are ``-inf``. ``None`` when nothing is
+    added.
+    """
+    ks, ke = seg.ks, seg.ke
+    bias: Optional[Tensor] = None
+    if inp.attn_mask is not None:
+        m = inp.mask_tile(qs, qe, ks, ke)
+        if m.dtype == torch.bool:
+            bias = torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill_(m.logical_not(), NEG_INF)
+        else:
+            bias = m.to(dtype)
+    keep: Optional[Tensor] = None
+    if seg.causal == "partial" or (seg.causal == "diag" and not causal_in_kernel):
+        keep = inp.causal_visible(qs, qe, ks, ke)
+    if seg.mask_mod:
+        mm = seg.keep if seg.keep is not None else eval_mask_mod(inp, qs, qe, ks, ke)
+        keep = mm if keep is None else keep & mm
+    if keep is not None:
+        if bias is None:
+            bias = torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill_(keep.logical_not(), NEG_INF)
+        else:
+            bias = bias.masked_fill(keep.logical_not(), NEG_INF)
+    return bias
+
+
+EMPTY_CHECK_ELEMENTS = 1 << 20
+"""Bounds the temporaries of the empty-row check of a diagonal tile (about 2 bytes each)."""
+
+
+def empty_rows(bias: Tensor, causal_in_kernel: bool, qn: int) -> Tensor:
+    """Rows of a tile that see no key, broadcastable to ``(B, Hq, qn)``.
+
+    A fused kernel reports lse = 0 for them, and when it applies the causal mask itself its
+    check ignores that part, so the rows are found here from the bias: a row ``i`` of a diagonal
+    tile (top-left causal within the tile) is empty when none of its keys ``0..i`` is visible.
+    That check runs over blocks of rows, so its temporaries stay small.
+    """
+    if not causal_in_kernel:
+        return bias.amax(dim=-1) == NEG_INF
+    if bias.shape[-2] == 1:
+        return _first_visible(bias) > torch.arange(qn, device=bias.device)
+    per_row = max(1, bias.numel() // bias.shape[-2])
+    step = max(1, EMPTY_CHECK_ELEMENTS // per_row)
+    parts = []
+    for r0 in range(0, qn, step):
+        r1 = min(r0 + step, qn)
+        rows = bias[..., r0:r1, :r1] if bias.shape[-1] != 1 else bias[..., r0:r1, :]
+        parts.append(_first_visible(rows) > torch.arange(r0, r1, device=bias.device))
+    return torch.cat(parts, dim=-1)
+
+
+def _first_visible(bias: Tensor) -> Tensor:
+    """Index of the first visible key of each row (int64 max for a row with none)."""
+    visible = bias > NEG_INF
+    never = torch.iinfo(torch.int64).max
+    return torch.where(visible.any(dim=-1), visible.to(torch.uint8).argmax(dim=-1), never)
