@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import math
+import os
 from typing import Optional
+
+# Compiling FlexAttention costs seconds per new callback: the suite runs the tiles by default, and
+# the tests of the compiled path (tests/test_flex.py) opt in with allow_compile=True.
+os.environ.setdefault("SUBQUAD_COMPILE", "0")
 
 import pytest
 import torch

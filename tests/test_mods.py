@@ -558,7 +558,7 @@ def test_mask_mod_wrong_shape():
 
 def test_general_score_mod_cannot_be_forced_fused():
     q, k, v = _qkv(1, 2, 9, 12)
-    with pytest.raises(NotImplementedError, match="score_mod is a general callback"):
+    with pytest.raises(NotImplementedError, match=r"score_mod is not score \+ bias \(the score goes through aten.mul.Tensor\)"):
         subquad.attention(q, k, v, score_mod=lambda s, b, h, q_idx, kv_idx: s * 2, backend="fused")
 
 
@@ -634,11 +634,22 @@ def test_gradient_reaches_a_module_level_tensor():
     assert_close_to_golden(got, want, name="dtable", floor=1e-11)
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.float64])
-def test_score_mod_of_the_wrong_float_dtype_raises(dtype):
+@pytest.mark.parametrize("backend", ["auto", "matmul"])
+def test_score_mod_that_promotes_the_dtype_is_cast_back(backend):
+    # A float64 table captured with float32 inputs promotes the scores; FlexAttention casts back.
+    q, k, v = _qkv(1, 2, 9, 11, dtype=torch.float32)
+    table = torch.randn(9, 11, dtype=f64)
+    mod = lambda s, b, h, qi, ki: s + table[qi, ki]  # noqa: E731
+    out = subquad.attention(q, k, v, score_mod=mod, backend=backend)
+    golden = naive_attention(*to64(q, k, v), score_mod=mod)
+    assert out.dtype == torch.float32
+    assert_close_to_golden(out, golden, naive_attention(q, k, v, score_mod=lambda s, b, h, qi, ki: s + table.float()[qi, ki]))
+
+
+def test_score_mod_returning_integers_raises():
     q, k, v = _qkv(1, 2, 9, 9, dtype=torch.float32)
-    with pytest.raises(TypeError, match=rf"score_mod must return scores of the dtype it was given \(torch.float32\), got {dtype}"):
-        subquad.attention(q, k, v, score_mod=lambda s, b, h, qi, ki: s.to(dtype), backend="matmul")
+    with pytest.raises(TypeError, match=r"score_mod must return floating-point scores .* got torch.int64"):
+        subquad.attention(q, k, v, score_mod=lambda s, b, h, qi, ki: s.long(), backend="matmul")
 
 
 # ----------------------------------------------------------------------------- captured tensors, every idiom

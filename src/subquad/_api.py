@@ -21,8 +21,9 @@ from ._inputs import (
     make_inputs,
     parse_chunk_size,
 )
-from ._callbacks import from_callback
-from ._paths import BACKEND_NAMES, BACKENDS, Options
+from . import mods
+from ._callbacks import ScoreModAsMask, TracedScoreMod, from_callback, score_mod_structure
+from ._paths import BACKEND_NAMES, BACKENDS, FlexUnavailable, Options, compile_allowed
 from ._tiles import KernelRefused, is_oom
 from ._planner import (
     Plan,
@@ -55,22 +56,63 @@ def _prepare(
     chunk_size: object,
     backend: str,
     return_lse: bool,
+    allow_compile: Optional[bool] = None,
     estimate_time: bool = False,
 ) -> Tuple[Inputs, Options, int, Plan, Sequence[Tensor]]:
     if not isinstance(backend, str) or (backend != "auto" and backend not in BACKEND_NAMES):
         raise ArgumentError(f"Unknown backend={backend!r}; expected 'auto' or one of {', '.join(map(repr, BACKEND_NAMES))}.")
     check_bool("return_lse", return_lse)
     chunk = parse_chunk_size(chunk_size)
-    inp = _causal_mask_mod_as_flag(make_inputs(
+    inp = make_inputs(
         query, key, value,
         attn_mask=attn_mask, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
         dropout_p=dropout_p, score_mod=score_mod, mask_mod=mask_mod,
-    ))
+    )
+    inp, note = _traced_score_mod(inp)
+    inp = _causal_mask_mod_as_flag(inp)
     captured = captured_tensors(inp)
-    opts = Options(return_lse=return_lse, chunk_size=chunk, captured_requires_grad=bool(captured))
+    if allow_compile is not None:
+        check_bool("allow_compile", allow_compile)
+    opts = Options(
+        return_lse=return_lse, chunk_size=chunk, captured_requires_grad=bool(captured),
+        allow_compile=compile_allowed(allow_compile),
+    )
     budget = resolve_budget(memory_budget, inp.device)
     plan = make_plan(inp, opts, budget, backend, estimate_time=estimate_time)
+    if note:
+        plan.notes.append(note)
+    if plan.backend == "flex":
+        plan.notes.append(BACKENDS["flex"].compile_note(inp))  # type: ignore[attr-defined]
     return inp, opts, budget, plan, captured
+
+
+def _traced_score_mod(inp: Inputs) -> Tuple[Inputs, Optional[str]]:
+    """A user ``score_mod`` as what its traced structure shows it is (``explain()`` says which).
+
+    ``score + bias`` gets ``additive_bias`` (so it runs as a bias tile on the fused kernel),
+    ``where(cond, score, -inf)`` becomes a ``mask_mod`` (empty tiles are skipped), the identity is
+    dropped; anything else runs as is on the generic tiles.
+    """
+    fn = inp.score_mod
+    if fn is None or getattr(fn, "additive_bias", None) is not None:
+        return inp, None
+    found = score_mod_structure(fn, inp.stats_dtype, inp.device)
+    if found.kind == "identity":
+        return dataclasses.replace(inp, score_mod=None), "score_mod returns the score unchanged (traced): it is left out"
+    if found.kind == "mask":
+        mask = ScoreModAsMask(fn, inp.stats_dtype)
+        mask_mod = mask if inp.mask_mod is None else mods.and_masks(inp.mask_mod, mask)
+        note = "score_mod is where(cond, score, -inf) (traced): it runs as a mask_mod, empty tiles skipped"
+        return dataclasses.replace(inp, score_mod=None, mask_mod=mask_mod), note
+    traced = TracedScoreMod(fn, found, inp.stats_dtype)
+    if found.kind == "general":
+        return dataclasses.replace(inp, score_mod=traced), f"score_mod is not additive: {found.reason}"
+    mask_mod = inp.mask_mod
+    if found.masks:  # its -inf part also skips empty tiles
+        mask = ScoreModAsMask(fn, inp.stats_dtype)
+        mask_mod = mask if mask_mod is None else mods.and_masks(mask_mod, mask)
+    note = "score_mod is score + bias (traced): the bias is evaluated per tile"
+    return dataclasses.replace(inp, score_mod=traced, mask_mod=mask_mod), note
 
 
 def _causal_mask_mod_as_flag(inp: Inputs) -> Inputs:
@@ -198,6 +240,7 @@ def attention(
     chunk_size: Union[int, Tuple[int, int], None] = None,
     backend: str = "auto",
     return_lse: bool = False,
+    allow_compile: Optional[bool] = None,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     r"""Exact scaled dot-product attention in bounded memory.
 
@@ -247,6 +290,9 @@ def attention(
             :class:`MemoryBudgetError` (pass a larger ``memory_budget`` to run them).
         backend: ``"auto"`` (the planner), ``"sdpa"``, ``"fused"`` or ``"matmul"``.
         return_lse: also return the log-sum-exp per row (float32; float64 for float64 inputs).
+        allow_compile: whether the planner may compile code for the call (FlexAttention for
+            callbacks); ``None``: yes unless the environment variable ``SUBQUAD_COMPILE=0``. The
+            first call of a new signature then pays the compile (seconds; ``explain()`` says so).
 
     Raises:
         TypeError / ValueError: invalid arguments, naming the argument and showing the values.
@@ -265,9 +311,22 @@ def attention(
         )
     inp, opts, budget, plan, captured = _prepare(
         query, key, value, attn_mask, is_causal, score_mod, mask_mod, scale, enable_gqa,
-        dropout_p, memory_budget, chunk_size, backend, return_lse,
+        dropout_p, memory_budget, chunk_size, backend, return_lse, allow_compile,
     )
     _warn_if_long(plan)
+    if plan.backend == "flex":
+        try:
+            return BACKENDS["flex"].run_whole(inp).reshape(inp.output_shape)  # type: ignore[attr-defined]
+        except FlexUnavailable as e:
+            if backend == "flex":
+                raise
+            warnings.warn(
+                f"subquad: FlexAttention could not compile this call ({e}); running the tiles instead.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            opts = dataclasses.replace(opts, allow_compile=False)
+            plan = make_plan(inp, opts, budget, backend)
     if plan.backend == "sdpa":
         try:
             sdpa_path = BACKENDS["sdpa"]
@@ -340,6 +399,7 @@ def explain(
     chunk_size: Union[int, Tuple[int, int], None] = None,
     backend: str = "auto",
     return_lse: bool = False,
+    allow_compile: Optional[bool] = None,
 ) -> Plan:
     """What :func:`attention` would run for these arguments, without running it.
 
@@ -349,5 +409,5 @@ def explain(
     """
     return _prepare(
         query, key, value, attn_mask, is_causal, score_mod, mask_mod, scale, enable_gqa,
-        dropout_p, memory_budget, chunk_size, backend, return_lse, estimate_time=True,
+        dropout_p, memory_budget, chunk_size, backend, return_lse, allow_compile, estimate_time=True,
     )[3]

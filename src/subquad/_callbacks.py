@@ -8,7 +8,15 @@ and stand in as detached leaves during the backward (:class:`CapturedAsLeaves`).
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import functools
+import inspect
+import threading
+import types
+import warnings
+import weakref
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -82,10 +90,10 @@ def apply_score_mod(
                 f"score_mod returned shape {tuple(new.shape)}, expected the score tile's shape {tuple(s4.shape)}."
             ) from None
     if new.dtype != s4.dtype:
-        raise TypeError(
-            f"score_mod must return scores of the dtype it was given ({s4.dtype}), got {new.dtype}; "
-            f"cast captured tensors, e.g. table.to(score.dtype)."
-        )
+        if not new.is_floating_point():
+            raise TypeError(f"score_mod must return floating-point scores (it was given {s4.dtype}), got {new.dtype}.")
+        # A captured float64 table promotes the scores; cast back, as FlexAttention does.
+        new = new.to(s4.dtype)
     return new
 
 
@@ -172,3 +180,275 @@ class CapturedAsLeaves(TorchFunctionMode):
             if isinstance(t, Tensor):
                 self.known[id(t)] = t
         return out
+
+
+# ------------------------------------------------------------------ what a score_mod is, from its structure
+@dataclass(frozen=True)
+class Structure:
+    """What a traced ``score_mod`` does to the score.
+
+    ``kind``: ``"additive"`` (``score + bias(b, h, q, kv)``, where ``bias`` may be ``-inf``:
+    ``masks``), ``"mask"`` (``where(cond(b, h, q, kv), score, -inf)``), ``"identity"`` or
+    ``"general"`` (anything else; ``reason`` says why).
+    """
+
+    kind: str
+    masks: bool = False
+    reason: str = ""
+
+
+_STRUCTURES: "collections.OrderedDict[Any, Tuple[Structure, List[weakref.ref]]]" = collections.OrderedDict()
+_STRUCTURE_CACHE_SIZE = 256
+_STRUCTURE_LOCK = threading.Lock()
+
+
+def score_mod_structure(fn: Callable[..., Tensor], dtype: torch.dtype, device: torch.device) -> Structure:
+    """Classify ``fn`` from the graph it traces to, never from numbers it returns.
+
+    The callback is traced once on a small tile of fake tensors (``make_fx``, fake mode): data
+    never flows, so a check such as ``score.clamp(max=50)`` cannot pass for additive on random
+    scores, and Python control flow on tensor values makes the trace fail (the callback is then
+    ``"general"`` and runs as is). The result is cached per callback (by its code and what it
+    captures, tensors by dtype and rank).
+    """
+    refs: List[weakref.ref] = []
+    key = _key(fn, refs, 0)
+    if key is not None:
+        key = (key, dtype, device.type)
+        with _STRUCTURE_LOCK:
+            hit = _STRUCTURES.get(key)
+            if hit is not None and all(r() is not None for r in hit[1]):
+                _STRUCTURES.move_to_end(key)
+                return hit[0]
+    found = _trace_structure(fn, dtype, device)
+    if key is not None:
+        with _STRUCTURE_LOCK:
+            _STRUCTURES[key] = (found, refs)
+            while len(_STRUCTURES) > _STRUCTURE_CACHE_SIZE:
+                _STRUCTURES.popitem(last=False)
+    return found
+
+
+def _key(x: Any, refs: List[weakref.ref], depth: int, values: bool = False) -> Any:
+    """A hashable key for what decides a callback's structure; ``None`` when there is none.
+
+    Functions by code, closure, defaults and the globals they read; tensors by dtype and rank (a
+    new tensor of the same kind traces the same way) or, with ``values``, by identity and version
+    (what a mask computed from them depends on); other objects by identity, checked alive through
+    a weak reference (an ``id`` may be reused after an object dies), and with ``values`` by the
+    tensors among their attributes too.
+    """
+    if depth > 4:
+        return None
+    if x is None or isinstance(x, (bool, int, float, str, complex, torch.dtype, torch.device)):
+        return (type(x), x)
+    if isinstance(x, Tensor):
+        if values:
+            refs.append(weakref.ref(x))
+            return ("tensor", id(x), x._version)
+        return ("tensor", x.dtype, x.dim(), x.device.type)
+    if isinstance(x, types.ModuleType):
+        return ("module", x.__name__)
+    def sub(y: Any) -> Any:
+        return _key(y, refs, depth + 1, values)
+
+    if isinstance(x, (tuple, list)) and len(x) <= 16:
+        items = tuple(sub(i) for i in x)
+        return None if any(i is None for i in items) else (type(x), items)
+    if inspect.ismethod(x):
+        func, owner = sub(x.__func__), sub(x.__self__)
+        return None if func is None or owner is None else ("method", func, owner)
+    if isinstance(x, functools.partial):
+        parts = (sub(x.func), sub(x.args), sub(tuple(sorted(x.keywords.items()))))
+        return None if any(p is None for p in parts) else ("partial", parts)
+    if inspect.isfunction(x):
+        cells = tuple(sub(c.cell_contents) if _cell_full(c) else ("empty",) for c in x.__closure__ or ())
+        defaults = sub(tuple(x.__defaults__ or ()))
+        read = tuple((n, sub(x.__globals__[n])) for n in x.__code__.co_names if n in x.__globals__)
+        parts = (*cells, defaults, *(k for _, k in read))
+        return None if any(p is None for p in parts) else ("function", x.__code__, cells, defaults, read)
+    try:
+        refs.append(weakref.ref(x))
+    except TypeError:
+        return None  # cannot tell whether a later object with this id is the same one
+    if values and hasattr(x, "__dict__"):
+        attrs = tuple((n, sub(a)) for n, a in sorted(vars(x).items()) if isinstance(a, (Tensor, int, float, bool)))
+        if any(k is None for _, k in attrs):
+            return None
+        return ("object", type(x), id(x), attrs)
+    return ("object", type(x), id(x))
+
+
+def value_key(x: Any, refs: List[weakref.ref], depth: int = 0) -> Any:
+    """Like the structure key, but tensors count by identity and version: for what their values decide."""
+    return _key(x, refs, depth, values=True)
+
+
+def _cell_full(cell: Any) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:
+        return False
+    return True
+
+
+def _trace_structure(fn: Callable[..., Tensor], dtype: torch.dtype, device: torch.device) -> Structure:
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    # A tile of distinct sizes, so that no broadcast hides a dimension.
+    shape = (1, 2, 3, 4)
+    example = (
+        torch.zeros(shape, dtype=dtype, device=device),
+        torch.arange(1, device=device).view(-1, 1, 1, 1),
+        torch.arange(2, device=device).view(1, -1, 1, 1),
+        torch.arange(3, device=device).view(1, 1, -1, 1),
+        torch.arange(4, device=device).view(1, 1, 1, -1),
+    )
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            graph = make_fx(
+                lambda s, b, h, q, k: fn(s, b, h, q, k), tracing_mode="fake", _allow_non_fake_inputs=True
+            )(*example)
+    except Exception as e:  # noqa: BLE001 - anything untraceable still runs, on the generic path
+        first = (str(e).strip().splitlines() or [""])[0][:120]
+        return Structure("general", reason=f"it could not be traced ({type(e).__name__}: {first})")
+    return _classify(graph)
+
+
+_SHAPE_ONLY = {
+    "aten.full_like.default", "aten.zeros_like.default", "aten.ones_like.default", "aten.empty_like.default",
+    "aten.new_full.default", "aten.new_zeros.default", "aten.new_ones.default", "aten.new_empty.default",
+    "aten.sym_size.int", "aten.sym_numel.default", "aten.sym_stride.int",
+}
+_PASS_THROUGH = {"aten.clone.default", "aten.alias.default", "aten.detach.default", "aten.lift_fresh_copy.default"}
+_SAME_SHAPE = {"aten.view.default", "aten.reshape.default", "aten.expand.default", "aten._unsafe_view.default"}
+
+
+def _classify(graph: Any) -> Structure:
+    nodes = list(graph.graph.nodes)
+    score = next(n for n in nodes if n.op == "placeholder")
+    dep = {score}
+    for n in nodes:
+        if n.op == "call_function" and str(n.target) not in _SHAPE_ONLY and any(a in dep for a in _node_args(n)):
+            dep.add(n)
+    out = next(n for n in nodes if n.op == "output").args[0]
+    if isinstance(out, (tuple, list)):
+        out = out[0] if len(out) == 1 else None
+    if out not in dep:
+        return Structure("general", reason="its result does not depend on the score")
+    chain, adds, masks, cur = {score}, False, False, out
+    while cur is not score:
+        chain.add(cur)
+        target, args = str(cur.target), cur.args
+        nxt = None
+        if target == "aten.add.Tensor":
+            x, y = args[0], args[1]
+            if x in dep and y not in dep:
+                nxt = x
+            elif y in dep and x not in dep and cur.kwargs.get("alpha", 1) == 1:
+                nxt = y
+            adds = True
+        elif target == "aten.sub.Tensor" and args[0] in dep and args[1] not in dep:
+            nxt, adds = args[0], True
+        elif target in ("aten.add.Scalar", "aten.sub.Scalar") and args[0] in dep:
+            nxt, adds = args[0], True
+        elif target in ("aten.where.self", "aten.where.ScalarOther", "aten.where.ScalarSelf"):
+            cond, x, y = args[0], args[1], args[2]
+            if cond not in dep and x in dep and y not in dep and _is_neg_inf(graph, y):
+                nxt, masks = x, True
+            elif cond not in dep and y in dep and x not in dep and _is_neg_inf(graph, x):
+                nxt, masks = y, True
+        elif target in ("aten.masked_fill.Scalar", "aten.masked_fill.Tensor"):
+            if args[0] in dep and args[1] not in dep and args[2] not in dep and _is_neg_inf(graph, args[2]):
+                nxt, masks = args[0], True
+        elif target in _PASS_THROUGH or (target in _SAME_SHAPE and _same_shape(cur, args[0])):
+            nxt = args[0]
+        elif target == "aten._to_copy.default" and _same_dtype(cur, args[0]):
+            nxt = args[0]
+        if nxt is None or nxt not in dep:
+            return Structure("general", reason=f"the score goes through {target}")
+        cur = nxt
+    if dep - chain:
+        used = sorted({str(n.target) for n in dep - chain})
+        return Structure("general", reason=f"the score is also used by {', '.join(used)}")
+    if adds:
+        return Structure("additive", masks=masks)
+    return Structure("mask") if masks else Structure("identity")
+
+
+def _node_args(n: Any) -> List[Any]:
+    flat, _ = tree_flatten((n.args, n.kwargs))
+    return flat
+
+
+def _is_neg_inf(graph: Any, x: Any) -> bool:
+    if isinstance(x, (int, float)):
+        return x == float("-inf")
+    if not hasattr(x, "op"):
+        return False
+    if x.op == "call_function" and str(x.target) in ("aten.scalar_tensor.default", "aten.full.default", "aten.full_like.default"):
+        value = x.args[0] if str(x.target) == "aten.scalar_tensor.default" else x.args[1]
+        return isinstance(value, (int, float)) and value == float("-inf")
+    if x.op == "call_function" and str(x.target) in _PASS_THROUGH | _SAME_SHAPE | {"aten._to_copy.default"}:
+        return _is_neg_inf(graph, x.args[0])
+    if x.op == "get_attr":
+        const = getattr(graph, x.target, None)
+        return isinstance(const, Tensor) and const.numel() > 0 and bool(torch.isneginf(const).all())
+    return False
+
+
+def _same_shape(node: Any, source: Any) -> bool:
+    a, b = node.meta.get("val"), getattr(source, "meta", {}).get("val")
+    return isinstance(a, Tensor) and isinstance(b, Tensor) and tuple(a.shape) == tuple(b.shape)
+
+
+def _same_dtype(node: Any, source: Any) -> bool:
+    a, b = node.meta.get("val"), getattr(source, "meta", {}).get("val")
+    return isinstance(a, Tensor) and isinstance(b, Tensor) and a.dtype == b.dtype and tuple(a.shape) == tuple(b.shape)
+
+
+class TracedScoreMod:
+    """A user ``score_mod`` with what tracing found out about it.
+
+    Called as the score_mod itself. ``additive_bias(b, h, q_idx, kv_idx)`` (only for the
+    additive kind) is the callback on a zero score: exactly its bias (``-inf`` where it masks), the
+    float tile a fused kernel adds to its scores. ``not_additive`` says why a general one is not.
+    """
+
+    def __init__(self, fn: Callable[..., Tensor], structure: Structure, dtype: torch.dtype) -> None:
+        self.fn, self.structure, self.dtype = fn, structure, dtype
+        self.may_mask = structure.masks
+        if structure.kind == "general":
+            self.not_additive = structure.reason
+
+    def __call__(self, score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return self.fn(score, b, h, q_idx, kv_idx)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "additive_bias" and self.structure.kind == "additive":
+            return self._bias
+        raise AttributeError(name)
+
+    def _bias(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        shape = (b.shape[0], h.shape[1], q_idx.shape[2], kv_idx.shape[3])
+        zero = torch.zeros((), dtype=self.dtype, device=q_idx.device).expand(shape)
+        return self.fn(zero, b, h, q_idx, kv_idx)
+
+    def __repr__(self) -> str:
+        return f"{self.structure.kind} score_mod {self.fn!r}"
+
+
+class ScoreModAsMask:
+    """A ``score_mod`` of the form ``where(cond, score, -inf)`` as the ``mask_mod`` ``cond``."""
+
+    def __init__(self, fn: Callable[..., Tensor], dtype: torch.dtype) -> None:
+        self.fn, self.dtype = fn, dtype
+
+    def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        shape = (b.shape[0], h.shape[1], q_idx.shape[2], kv_idx.shape[3])
+        zero = torch.zeros((), dtype=self.dtype, device=q_idx.device).expand(shape)
+        return self.fn(zero, b, h, q_idx, kv_idx) > float("-inf")
+
+    def __repr__(self) -> str:
+        return f"mask from score_mod {self.fn!r}"

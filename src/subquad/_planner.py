@@ -206,8 +206,9 @@ MIN_KV_CHUNK = 32
 def _tile_options(inp: Inputs, backend: Backend) -> List[Tuple[int, int]]:
     """Tile sizes to try, best first: large tiles, whole key rows preferred."""
     qcs, kcs = _candidates(inp.Lq), _candidates(inp.Lk, MIN_KV_CHUNK)
-    if inp.is_causal or (backend.name == "fused" and inp.mask_mod is not None):
-        # Square, aligned tiles let whole tiles above the diagonal be skipped.
+    if inp.is_causal or inp.mask_mod is not None:
+        # Square, aligned tiles let whole tiles above the diagonal, or outside the mask's blocks,
+        # be skipped (whole key rows would compute every tile of a row).
         pairs = [(qc, qc) for qc in _candidates(min(max(inp.Lq, 1), max(inp.Lk, 1)), 8)]
         pairs.insert(0, (max(inp.Lq, 1), max(inp.Lk, 1)))
     else:

@@ -24,6 +24,7 @@ class Options:
     return_lse: bool = False
     chunk_size: Optional[Tuple[int, int]] = None
     captured_requires_grad: bool = False
+    allow_compile: bool = True
 
 
 def _threads() -> int:

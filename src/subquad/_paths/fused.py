@@ -12,7 +12,7 @@ from typing import Callable, Iterable, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from .._callbacks import call_user, index_grids
+from .._callbacks import TracedScoreMod, call_user, index_grids
 from .._inputs import Inputs
 from .._tiles import NEG_INF, Grads, Segment, EMPTY_CHECK_ELEMENTS, add_into, call_kernel, empty_rows, tile_bias
 from .base import Backend, Options, _bh, _generated_causal, _strided, _threads
@@ -97,7 +97,8 @@ class FusedCPU(Backend):
         if inp.dropout_p > 0:
             reasons.append("the CPU flash kernel does not support dropout")
         if inp.score_mod is not None and getattr(inp.score_mod, "additive_bias", None) is None:
-            reasons.append("score_mod is a general callback (only additive built-ins such as mods.alibi run fused)")
+            why = getattr(inp.score_mod, "not_additive", "a general callback")
+            reasons.append(f"score_mod is not score + bias ({why}); the fused kernel only adds a bias tile")
         return reasons
 
     def backward_kernel(self, inp: Inputs, opts: Options) -> str:
@@ -130,7 +131,10 @@ class FusedCPU(Backend):
         if inp.mask_mod is not None:
             parts.append(inp.B * inp.Hq * qc * kc)
         if inp.score_mod is not None:
-            parts.append(inp.Hq * qc * kc)
+            # A traced bias is the callback on a zero score tile: full (B, Hq, qc, kc), with its
+            # intermediates; a built-in declares a (1, Hq, qc, kc) tile.
+            traced = isinstance(inp.score_mod, TracedScoreMod)
+            parts.append((3 * inp.B if traced else 1) * inp.Hq * qc * kc)
         mask_as_is = inp.attn_mask is not None and inp.attn_mask.dtype == inp.bias_dtype
         if not parts or (parts == [inp.mask_tile_elements(qc, kc)] and mask_as_is and not inp.is_causal):
             return 0  # no bias, or the caller's float mask passed through as a view
@@ -193,8 +197,11 @@ class FusedCPU(Backend):
 
     @staticmethod
     def _may_mask(inp: Inputs, seg: Segment) -> bool:
-        # An additive score_mod alone never masks a whole row: no empty-row check then.
-        return inp.attn_mask is not None or seg.causal != "none" or seg.mask_mod
+        # An additive score_mod without -inf never masks a whole row: no empty-row check then.
+        return (
+            inp.attn_mask is not None or seg.causal != "none" or seg.mask_mod
+            or bool(getattr(inp.score_mod, "may_mask", False))
+        )
 
     def _segment(self, inp: Inputs, qs: int, qe: int, seg: Segment) -> Tuple[Tensor, Tensor]:
         fwd, _ = _cpu_flash_ops()

@@ -18,7 +18,7 @@ ORIGINAL_SDPA: Callable[..., Any] = F.scaled_dot_product_attention
 # The keyword-only options of ``subquad.attention`` that make sense for every SDPA call.
 # ``return_lse`` is left out: it changes what the function returns, and callers of SDPA expect
 # one tensor.
-PATCH_OPTIONS = ("score_mod", "mask_mod", "memory_budget", "chunk_size", "backend")
+PATCH_OPTIONS = ("score_mod", "mask_mod", "memory_budget", "chunk_size", "backend", "allow_compile")
 
 
 def check_options(options: Dict[str, Any], allowed: tuple = PATCH_OPTIONS, where: str = "patch_sdpa") -> Dict[str, Any]:

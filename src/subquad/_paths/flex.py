@@ -1,0 +1,312 @@
+"""The ``flex`` path: PyTorch's FlexAttention, compiled, for calls with callbacks.
+
+``torch.compile(flex_attention)`` turns ``score_mod``/``mask_mod`` into one fused kernel (on CPU an
+inductor C++ template, on CUDA a Triton kernel): scores, the callback, the mask and the online
+softmax in one loop, with no tile ever materialized. subquad hands it:
+
+* a ``BlockMask`` built from subquad's own tile states (causal analytically, built-in masks by
+  their ``block_state``, other ``mask_mod``\\ s evaluated one block row at a time), never from an
+  ``Lq x Lk`` evaluation, and cached per (mask, shapes);
+* the call's ``score_mod`` and a ``mask_mod`` that combines the causal flag and the caller's mask.
+
+Compiling costs seconds on the first call of a signature (``explain()`` says so); torch
+recompiles for new shapes at most once more (then with dynamic shapes). A call that cannot be
+compiled (no C++ compiler, an untraceable callback, torch's recompile limit) runs the tiles
+instead, with a warning naming the reason. ``allow_compile=False`` or ``SUBQUAD_COMPILE=0``
+turn this path off. Inference only: FlexAttention has no CPU backward, and on CUDA its backward
+is not wired into subquad's budget yet, so calls that need gradients run the tiles.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import threading
+import time
+import warnings
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from .._callbacks import _key, value_key
+from .._inputs import Inputs
+from .base import Backend, Options, _threads
+
+BLOCK = 128
+"""FlexAttention's block size (queries and keys); the BlockMask says which blocks to compute."""
+
+MIN_SCORES = 1 << 20
+"""Calls with fewer scores run the tiles: compiling cannot pay off there."""
+
+# One block row of a mask_mod is evaluated over at most this many keys at a time.
+_EVAL_KEYS = 8192
+
+_COMPILED: List[Any] = []
+_LOCK = threading.Lock()
+_FAILED: Dict[Any, str] = {}  # signature -> why compiling failed; None key: for every call
+_COMPILE_SECONDS: Dict[Any, float] = {}  # signature -> measured first-call time
+_BLOCK_MASKS: "collections.OrderedDict[Any, Tuple[Any, Tuple[int, int], List[Any]]]" = collections.OrderedDict()
+_BLOCK_MASK_CACHE_SIZE = 16
+
+
+class FlexUnavailable(RuntimeError):
+    """FlexAttention could not run this call (compiling failed); the tiles run it instead."""
+
+
+def compile_allowed(allow_compile: Optional[bool]) -> bool:
+    """``allow_compile`` if given, else the ``SUBQUAD_COMPILE`` environment variable (default on)."""
+    if allow_compile is not None:
+        return allow_compile
+    return os.environ.get("SUBQUAD_COMPILE", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def _flex_unavailable_reason() -> Optional[str]:
+    if None in _FAILED:
+        return _FAILED[None]
+    try:
+        import torch.nn.attention.flex_attention  # noqa: F401
+    except ImportError:
+        return "this PyTorch has no torch.nn.attention.flex_attention"
+    return None
+
+
+class Flex(Backend):
+    """``torch.compile(flex_attention)`` on the whole input, with a BlockMask from subquad's tile states."""
+
+    name = "flex"
+    tiled = False
+    devices = ("cpu", "cuda")
+
+    def not_supported_reasons(self, inp: Inputs, opts: Options) -> List[str]:
+        reasons = super().not_supported_reasons(inp, opts)
+        if not opts.allow_compile:
+            reasons.append("compiling is off (allow_compile=False or SUBQUAD_COMPILE=0)")
+            return reasons
+        why = _flex_unavailable_reason()
+        if why:
+            return reasons + [why]
+        if not inp.has_callbacks:
+            reasons.append("no score_mod or mask_mod: the fused kernels need no compiling")
+        if inp.B * inp.Hq * inp.Lq * inp.Lk < MIN_SCORES:
+            reasons.append(f"fewer than {MIN_SCORES:,} scores: compiling would cost more than it saves")
+        if inp.requires_grad or opts.captured_requires_grad:
+            reasons.append("gradients: FlexAttention has no CPU backward (and subquad does not plan its CUDA one yet)")
+        if opts.return_lse:
+            reasons.append("return_lse: FlexAttention on CPU does not return the lse")
+        if inp.attn_mask is not None:
+            reasons.append("attn_mask: FlexAttention takes masks as mask_mod only")
+        if inp.dropout_p > 0:
+            reasons.append("FlexAttention does not support dropout")
+        if inp.device.type == "cpu" and inp.dtype == torch.float64:
+            reasons.append("FlexAttention on CPU takes float32, float16 and bfloat16 only")
+        if inp.n_groups > 1 or inp.kv_broadcast or inp.query.shape[0] != inp.B:
+            reasons.append("batch dims broadcast between query, key and value")
+        if inp.empty or inp.Lk == 0:
+            reasons.append("an empty input")
+        traced = getattr(inp.score_mod, "structure", None)
+        if traced is not None and traced.reason.startswith("it could not be traced"):
+            reasons.append(f"score_mod cannot be compiled: {traced.reason}")
+        if _signature(inp) in _FAILED:
+            reasons.append(f"compiling this signature failed before ({_FAILED[_signature(inp)]})")
+        return reasons
+
+    def forward_bytes(self, inp: Inputs, qc: int, kc: int, need_lse: bool) -> int:
+        nq, nk = -(-max(inp.Lq, 1) // BLOCK), -(-max(inp.Lk, 1) // BLOCK)
+        heads = inp.B * inp.Hq
+        # The kernel's per-thread block of scores and accumulator rows (measured: 1x4x8192x64 fp32
+        # peaked at its output alone, the buffers being reused).
+        n = _threads() * (BLOCK * 512 * (4 + inp.itemsize) + BLOCK * (inp.Ev + 2) * 4)
+        # The BlockMask: block states (int8), partial and full indices (int32), their transposes.
+        n += heads * nq * nk * (1 + 4 * 4 + 8)
+        if inp.mask_mod is not None and getattr(inp.mask_mod, "block_state", None) is None:
+            # One block row of the mask evaluated at a time, with the callback's intermediates.
+            n += heads * BLOCK * min(inp.Lk, _EVAL_KEYS) * (1 + 2 * 8)
+        return n + (1 << 20)
+
+    def backward_bytes(self, inp: Inputs, qc: int, kc: int, opts: Options) -> int:
+        raise NotImplementedError("the flex path runs inference only")
+
+    # ------------------------------------------------------------- compute
+    def run_whole(self, inp: Inputs) -> Tensor:
+        """``out (B, Hq, Lq, Ev)`` of the call through compiled FlexAttention.
+
+        Raises :class:`FlexUnavailable` when compiling fails (the caller then runs the tiles).
+        """
+        signature = _signature(inp)
+        block_mask, (computed, skipped) = self.block_mask(inp)
+        from .._engine import TILES
+
+        TILES.computed += computed
+        TILES.skipped += skipped
+        flex = _compiled()
+        start = time.perf_counter()
+        try:
+            import torch._dynamo
+
+            # Distinct float constants specialize (a dynamic float trips inductor's flex lowering);
+            # a recompile limit that is hit raises instead of running FlexAttention eagerly,
+            # which would materialize the scores.
+            with torch._dynamo.config.patch(specialize_float=True, recompile_limit=64, fail_on_recompile_limit_hit=True):
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    out = flex(
+                        inp.q, inp.k, inp.v, score_mod=_score_mod(inp), block_mask=block_mask, scale=inp.scale,
+                        enable_gqa=inp.G > 1,
+                    )
+        except Exception as e:  # noqa: BLE001 - any failure to compile hands the call to the tiles
+            reason = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:160]}"
+            with _LOCK:
+                _FAILED[None if _environmental(e) else signature] = reason
+            raise FlexUnavailable(reason) from e
+        with _LOCK:
+            _COMPILE_SECONDS.setdefault(signature, time.perf_counter() - start)
+        return out
+
+    def block_mask(self, inp: Inputs) -> Tuple[Any, Tuple[int, int]]:
+        """The call's BlockMask and its (computed, skipped) block counts, cached per (mask, shapes)."""
+        refs: List[Any] = []
+        mask_key = value_key(inp.mask_mod, refs, 0)
+        key = None
+        if mask_key is not None:
+            key = (mask_key, inp.is_causal, inp.causal_offset, inp.B, inp.Hq, inp.Lq, inp.Lk, inp.device)
+            with _LOCK:
+                hit = _BLOCK_MASKS.get(key)
+                if hit is not None and all(r() is not None for r in hit[2]):
+                    _BLOCK_MASKS.move_to_end(key)
+                    return hit[0], hit[1]
+        built = _build_block_mask(inp)
+        if key is not None:
+            with _LOCK:
+                _BLOCK_MASKS[key] = (built[0], built[1], refs)
+                while len(_BLOCK_MASKS) > _BLOCK_MASK_CACHE_SIZE:
+                    _BLOCK_MASKS.popitem(last=False)
+        return built
+
+    def compile_note(self, inp: Inputs) -> str:
+        seconds = _COMPILE_SECONDS.get(_signature(inp))
+        if seconds is not None:
+            return f"flex: compiled for this signature already (its first call took {seconds:.1f} s)"
+        return "flex: the first call of this signature compiles FlexAttention (seconds; later calls reuse it)"
+
+
+def _compiled() -> Callable[..., Tensor]:
+    with _LOCK:
+        if not _COMPILED:
+            from torch.nn.attention.flex_attention import flex_attention
+
+            _COMPILED.append(torch.compile(flex_attention, dynamic=None))
+        return _COMPILED[0]
+
+
+def _environmental(e: BaseException) -> bool:
+    """A failure that no call can avoid (no working C++ compiler): turn the path off for the process."""
+    text = f"{type(e).__name__} {e}".lower()
+    return any(word in text for word in ("cppcompileerror", "invalidcxxcompiler", "c++ compiler", "no such file or directory: 'g++'"))
+
+
+def _signature(inp: Inputs) -> Any:
+    """What a compiled FlexAttention kernel depends on, approximately (torch keeps the real guards)."""
+    refs: List[Any] = []
+    return (
+        _key(_unwrapped(inp.score_mod), refs, 0), _key(inp.mask_mod, refs, 0), inp.is_causal, inp.dtype,
+        inp.device.type, inp.E, inp.Ev, inp.G > 1,
+    )
+
+
+def _unwrapped(fn: Any) -> Any:
+    return getattr(fn, "fn", fn)
+
+
+def _score_mod(inp: Inputs) -> Optional[Callable[..., Tensor]]:
+    return inp.score_mod
+
+
+def _flex_mask_mod(inp: Inputs) -> Optional[Callable[..., Tensor]]:
+    """The mask FlexAttention applies inside partial blocks: causal (with its offset) and ``mask_mod``."""
+    mask_mod, off = inp.mask_mod, inp.causal_offset
+    if inp.is_causal and mask_mod is not None:
+        return lambda b, h, q, kv: (kv <= q + off) & mask_mod(b, h, q, kv)
+    if inp.is_causal:
+        return lambda b, h, q, kv: kv <= q + off
+    return mask_mod
+
+
+def _causal_states(inp: Inputs, nq: int, nk: int) -> Tensor:
+    """Block states of the causal mask, ``(nq, nk)``: 0 empty, 1 full, 2 partial."""
+    qs = torch.arange(nq) * BLOCK
+    qe = torch.clamp(qs + BLOCK, max=inp.Lq)
+    ks = torch.arange(nk) * BLOCK
+    ke = torch.clamp(ks + BLOCK, max=inp.Lk)
+    off = inp.causal_offset
+    empty = ks.view(1, -1) > (qe - 1 + off).view(-1, 1)
+    full = (ke - 1).view(1, -1) <= (qs + off).view(-1, 1)
+    return torch.where(empty, 0, torch.where(full, 1, 2)).to(torch.int8)
+
+
+def _build_block_mask(inp: Inputs) -> Tuple[Any, Tuple[int, int]]:
+    from torch.nn.attention.flex_attention import BlockMask
+
+    from .._engine import EMPTY, FULL, PARTIAL, _mask_mod_state  # noqa: F401 (FULL: the default state)
+
+    nq, nk = -(-inp.Lq // BLOCK), -(-inp.Lk // BLOCK)
+    states = torch.full((1, 1, nq, nk), FULL, dtype=torch.int8)
+    if inp.is_causal:
+        states[0, 0] = _causal_states(inp, nq, nk)
+    if inp.mask_mod is not None:
+        declared = getattr(inp.mask_mod, "block_state", None)
+        for i in range(nq):
+            qs, qe = i * BLOCK, min((i + 1) * BLOCK, inp.Lq)
+            live = (states[:, :, i] != EMPTY).flatten(0, 1).any(dim=0).nonzero().flatten().tolist()
+            if not live:
+                continue
+            if declared is None:
+                states = _evaluated_row(inp, states, i, qs, qe, live[0], live[-1] + 1)
+                continue
+            for j in live:
+                state, _ = _mask_mod_state(inp, qs, qe, j * BLOCK, min((j + 1) * BLOCK, inp.Lk))
+                states[:, :, i, j] = _combine(states[:, :, i, j], torch.tensor(state, dtype=torch.int8))
+    partial = states == PARTIAL
+    full = states == FULL
+    kv_num = partial.sum(dim=-1, dtype=torch.int32)
+    kv_idx = torch.sort((~partial).to(torch.int8), dim=-1, stable=True).indices.to(torch.int32)
+    full_num = full.sum(dim=-1, dtype=torch.int32)
+    full_idx = torch.sort((~full).to(torch.int8), dim=-1, stable=True).indices.to(torch.int32)
+    dev = inp.device
+    mask = BlockMask.from_kv_blocks(
+        kv_num.to(dev), kv_idx.to(dev), full_num.to(dev), full_idx.to(dev), BLOCK_SIZE=BLOCK,
+        mask_mod=_flex_mask_mod(inp), seq_lengths=(inp.Lq, inp.Lk),
+    )
+    used = (states != EMPTY).flatten(0, 1).any(dim=0)
+    computed = int(used.sum())
+    return mask, (computed, nq * nk - computed)
+
+
+def _combine(a: Tensor, b: Tensor) -> Tensor:
+    """Block states of the intersection of two masks (EMPTY 0, FULL 1, PARTIAL 2)."""
+    return torch.where((a == 0) | (b == 0), 0, torch.where((a == 1) & (b == 1), 1, 2)).to(torch.int8)
+
+
+def _evaluated_row(inp: Inputs, states: Tensor, i: int, qs: int, qe: int, j0: int, j1: int) -> Tensor:
+    """Block row ``i`` of a ``mask_mod`` without declared block states, evaluated over key blocks
+    ``[j0, j1)`` a few thousand keys at a time; ``states`` grows batch/head dims if the mask has them."""
+    from .._callbacks import eval_mask_mod
+    from .._engine import EMPTY, PARTIAL
+
+    step = max(1, _EVAL_KEYS // BLOCK)
+    for c0 in range(j0, j1, step):
+        c1 = min(c0 + step, j1)
+        ks, ke = c0 * BLOCK, min(c1 * BLOCK, inp.Lk)
+        keep = eval_mask_mod(inp, qs, qe, ks, ke)  # (B or 1, Hq or 1, qn or 1, kn or 1)
+        keep = keep.expand(keep.shape[0], keep.shape[1], qe - qs, ke - ks)
+        pad = (c1 - c0) * BLOCK - (ke - ks)
+        any_ = torch.nn.functional.pad(keep, (0, pad), value=False).unflatten(-1, (c1 - c0, BLOCK)).any(dim=-1).any(dim=-2)
+        all_ = torch.nn.functional.pad(keep, (0, pad), value=True).unflatten(-1, (c1 - c0, BLOCK)).all(dim=-1).all(dim=-2)
+        mask_states = torch.where(~any_, EMPTY, torch.where(all_, 1, PARTIAL)).to(torch.int8)
+        if mask_states.shape[:2] != states.shape[:2]:
+            states = states.expand(
+                max(states.shape[0], mask_states.shape[0]), max(states.shape[1], mask_states.shape[1]), *states.shape[2:]
+            ).clone()
+        combined = _combine(states[:, :, i, c0:c1], mask_states)
+        states[:, :, i, c0:c1] = combined
+    return states
