@@ -162,12 +162,39 @@ def test_too_big_for_a_cpu_is_skipped_unless_asked():
 
 
 @pytest.mark.parametrize("mask", cases.MASKS)
-@pytest.mark.parametrize("name", ["naive", "sdpa-math", "sdpa-flash"])
+@pytest.mark.parametrize("name", ["naive", "sdpa-math", "sdpa-flash", "subquad-user"])
 def test_real_implementations_match_the_sampled_reference(name, mask):
     case = Case(2, 3, 37, 53, 16, dtype="fp32", mask=mask, backward=True)
     result = measure.run_case(impls.IMPLS[name], case, ONCE)
+    if name.startswith("sdpa") and mask == "softcap":  # a score transformation: no SDPA mask says it
+        assert result.status == "unsupported" and "no softcap mask support" in result.reason
+        return
     assert result.status == "ok", result.reason
     assert result.rel_err < 1e-5 and result.rel_err_grad < 1e-5
+
+
+def test_flex_compiled_matches_the_sampled_reference():
+    case = Case(1, 2, 256, 384, 16, dtype="fp32", mask="alibi")
+    result = measure.run_case(impls.IMPLS["flex-compiled"], case, ONCE)
+    assert result.status == "ok", result.reason
+    assert result.rel_err < 1e-5
+    assert result.first_call_ms is not None
+    backward = measure.run_case(impls.IMPLS["flex-compiled"], Case(1, 2, 256, 384, 16, dtype="fp32", mask="alibi", backward=True), ONCE)
+    assert backward.status == "unsupported" and "no backward on CPU" in backward.reason
+
+
+def test_verdict_names_the_fastest_and_the_planners_choice():
+    rows = []
+    for impl, ms in (("sdpa-flash", 4.0), ("subquad", 5.0), ("naive", 9.0)):
+        r = measure.Result(impl=impl, case="1x1x8x8x8 fp32 causal", mode="fwd", median_ms=ms, peak_bytes=1 << 20)
+        if impl == "subquad":
+            r.plan = {"backend": "fused"}
+        rows.append(r)
+    rows.append(measure.Result(impl="sdpa-math", case="1x1x8x8x8 fp32 causal", mode="fwd", status="oom"))
+    (line,) = report.verdicts(rows)
+    assert line.startswith("1x1x8x8x8 fp32 causal fwd: fastest sdpa-flash 4.00 ms")
+    assert "subquad's planner picked fused: 5.00 ms (1.25x)" in line
+    assert "verdict:" in report.render_plain(rows)
 
 
 @pytest.mark.parametrize("mask", cases.MASKS)

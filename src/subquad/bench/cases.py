@@ -26,12 +26,18 @@ _DTYPE_ALIASES = {
     "float64": "fp64", "double": "fp64",
 }
 
-MASKS = ("none", "causal", "key-padding", "alibi")
+MASKS = ("none", "causal", "key-padding", "alibi", "softcap", "window", "document")
 """``causal`` is top-left aligned like SDPA's ``is_causal``; ``key-padding`` hides the last 25% of
 the keys of every batch entry; ``alibi`` is causal attention plus an ALiBi bias
-``slope_h * (kv_idx - q_idx)``, the way ALiBi language models use it."""
+``slope_h * (kv_idx - q_idx)``, the way ALiBi language models use it; ``softcap`` is causal
+attention with Gemma 2's soft-cap ``50·tanh(score / 50)`` on the scaled scores; ``window`` is
+causal attention over the last 512 keys (Mistral's sliding window); ``document`` is 4 packed
+documents of equal length, each query seeing the keys of its own document."""
 
 PADDED_FRACTION = 0.25
+SOFTCAP = 50.0
+WINDOW = 512
+DOCUMENTS = 4
 
 
 def parse_dtype(name: str) -> str:
@@ -96,7 +102,19 @@ class Case:
 
     @property
     def causal(self) -> bool:
-        return self.mask in ("causal", "alibi")
+        return self.mask in ("causal", "alibi", "softcap", "window")
+
+    @property
+    def density(self) -> float:
+        """The fraction of the ``Lq x Lk`` scores the mask leaves visible (top-left aligned)."""
+        lq, lk = self.q_len, self.kv_len
+        if self.mask == "window":
+            seen = sum(min(i, lk - 1) - max(0, i - WINDOW) + 1 for i in range(min(lq, lk)))
+            seen += max(0, lq - lk) * (WINDOW + 1)
+            return seen / (lq * lk)
+        if self.mask == "document":
+            return 1.0 / DOCUMENTS
+        return 0.5 if self.causal else 1.0
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -115,10 +133,9 @@ class Case:
 
     @property
     def flops(self) -> float:
-        """4·B·H·Lq·Lk·E (two matmuls), halved when causal, ×3.5 for forward+backward."""
-        flops = 4.0 * self.score_elements * self.head_dim
-        if self.causal:
-            flops /= 2
+        """4·B·H·Lq·Lk·E (two matmuls) times the visible fraction (½ causal, less for windows and
+        documents), ×3.5 for forward+backward."""
+        flops = 4.0 * self.score_elements * self.head_dim * self.density
         if self.backward:
             flops *= 3.5
         return flops
@@ -201,6 +218,23 @@ PRESETS: dict[str, Preset] = {
             "Training step, forward+backward: 4x16x4096x64 bf16.",
             _cases([(4, 16, 4096, 4096, 64)], dtype="bf16", backward=True),
         ),
+        Preset(
+            "callbacks",
+            "score_mod/mask_mod: causal + ALiBi 1x4x8192x64, causal + soft-cap 1x4x4096x64, a causal "
+            "sliding window of 512 and 4 documents at 1x4x8192x64; fp32 and bf16, forward and "
+            "forward+backward. subquad with its built-ins and with user-written lambdas, against SDPA "
+            "with the materialized mask and torch.compile(flex_attention) with a reused BlockMask.",
+            tuple(
+                case
+                for dtype in ("fp32", "bf16")
+                for backward in (False, True)
+                for case in _cases([(1, 4, 8192, 8192, 64)], dtype=dtype, masks=("alibi",), backward=backward)
+                + _cases([(1, 4, 4096, 4096, 64)], dtype=dtype, masks=("softcap",), backward=backward)
+                + _cases([(1, 4, 8192, 8192, 64)], dtype=dtype, masks=("window", "document"), backward=backward)
+            ),
+            impls=("sdpa-flash", "sdpa-math", "naive", "flex-compiled", "subquad", "subquad-user"),
+            timing=Timing(warmup_s=0.1, target_s=0.5, min_reps=3, max_reps=10),
+        ),
     )
 }
 
@@ -269,6 +303,7 @@ class BenchInputs:
     kv_lengths: Optional[torch.Tensor] = None
     pad_mask: Optional[torch.Tensor] = None
     slopes: Optional[torch.Tensor] = None
+    doc_ids: Optional[torch.Tensor] = None  # (L,) document of each position (document only)
 
 
 def alibi_slopes(num_heads: int) -> torch.Tensor:
@@ -308,7 +343,24 @@ def make_inputs(case: Case, seed: int = 0) -> BenchInputs:
         inputs.pad_mask = inputs.pad_mask.contiguous().to(device)
     if case.mask == "alibi":
         inputs.slopes = alibi_slopes(h).to(device)
+    if case.mask == "document":
+        inputs.doc_ids = (torch.arange(max(lq, lk)) * DOCUMENTS // max(lq, lk)).to(device)
     return inputs
+
+
+def dense_keep(inputs: BenchInputs) -> torch.Tensor:
+    """The mask of a window/document/causal case as a ``(Lq, Lk)`` bool tensor (True = attend):
+    what SDPA and naive attention need to be given."""
+    case = inputs.case
+    device = inputs.query.device
+    i = torch.arange(case.q_len, device=device).view(-1, 1)
+    j = torch.arange(case.kv_len, device=device).view(1, -1)
+    if case.mask == "document":
+        return inputs.doc_ids[: case.q_len].view(-1, 1) == inputs.doc_ids[: case.kv_len].view(1, -1)
+    keep = j <= i
+    if case.mask == "window":
+        keep &= j >= i - WINDOW
+    return keep
 
 
 def alibi_bias(inputs: BenchInputs) -> torch.Tensor:

@@ -19,7 +19,7 @@ from typing import Callable, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from .cases import MASKS, BenchInputs, Case, alibi_bias
+from .cases import MASKS, SOFTCAP, WINDOW, BenchInputs, Case, alibi_bias, dense_keep
 
 Forward = Callable[[], torch.Tensor]
 Prepared = Tuple[Forward, dict]  # the timed call, and facts worth recording (a subquad plan)
@@ -98,6 +98,9 @@ def _available_ram() -> Optional[int]:
 
 # ------------------------------------------------------------------------------ SDPA
 
+# A soft-cap transforms the scores: no mask expresses it.
+SDPA_MASKS = tuple(m for m in MASKS if m != "softcap")
+
 
 def _sdpa_mask_args(inputs: BenchInputs) -> dict:
     """SDPA's mask arguments; an ALiBi bias is materialized here, inside the timed call."""
@@ -109,6 +112,8 @@ def _sdpa_mask_args(inputs: BenchInputs) -> dict:
     if mask == "alibi":
         # SDPA refuses attn_mask together with is_causal, so the causal part is in the bias.
         return {"attn_mask": alibi_bias(inputs)}
+    if mask in ("window", "document"):
+        return {"attn_mask": dense_keep(inputs)}
     return {}
 
 
@@ -146,6 +151,11 @@ def _naive(inputs: BenchInputs) -> Prepared:
             scores = scores.masked_fill(~inputs.pad_mask, float("-inf"))
         elif case.mask == "alibi":
             scores = scores + alibi_bias(inputs)
+        elif case.mask == "softcap":
+            above = torch.ones(case.q_len, case.kv_len, dtype=torch.bool, device=q.device).triu_(1)
+            scores = (SOFTCAP * torch.tanh(scores / SOFTCAP)).masked_fill(above, float("-inf"))
+        elif case.mask in ("window", "document"):
+            scores = scores.masked_fill(~dense_keep(inputs), float("-inf"))
         return scores.softmax(dim=-1) @ v
 
     return forward, {}
@@ -209,6 +219,39 @@ def _flash_attn_reasons(case: Case) -> list[str]:
     return []
 
 
+# ---------------------------------------------------------------------- FlexAttention
+
+_FLEX: list = []
+
+
+def _flex(inputs: BenchInputs) -> Prepared:
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    if not _FLEX:
+        _FLEX.append(torch.compile(flex_attention))
+    compiled = _FLEX[0]
+    case = inputs.case
+    callbacks = user_callbacks(inputs)
+    mask_mod = callbacks.get("mask_mod")
+    block_mask = None
+    if mask_mod is not None:
+        # Built once here, outside the timed call, and reused: how FlexAttention is meant to be used.
+        batch = case.batch if case.mask == "key-padding" else None
+        block_mask = create_block_mask(mask_mod, batch, None, case.q_len, case.kv_len, device=inputs.query.device)
+    q, k, v = inputs.query, inputs.key, inputs.value
+
+    def forward():
+        return compiled(q, k, v, score_mod=callbacks.get("score_mod"), block_mask=block_mask, scale=inputs.scale)
+
+    return forward, {}
+
+
+def _flex_reasons(case: Case) -> list[str]:
+    if case.backward and torch.device(case.device).type == "cpu":
+        return ["FlexAttention has no backward on CPU"]
+    return []
+
+
 # --------------------------------------------------------------------------- subquad
 
 
@@ -223,15 +266,49 @@ def _subquad_call_kwargs(inputs: BenchInputs, backend: str) -> dict:
         kwargs["is_causal"] = True
     if case.mask == "key-padding":
         kwargs["attn_mask"] = inputs.pad_mask
+    mods = getattr(subquad, "mods", None)
+    if case.mask in ("alibi", "window", "document") and mods is None:
+        raise Unsupported("subquad.mods is not available in this subquad")
     if case.mask == "alibi":
-        mods = getattr(subquad, "mods", None)
-        if mods is None or not hasattr(mods, "alibi"):
-            raise Unsupported("subquad.mods.alibi is not available in this subquad")
         kwargs["score_mod"] = mods.alibi(inputs.slopes)
+    if case.mask == "softcap":
+        kwargs["score_mod"] = _softcap  # no built-in: the user-written callback
+    if case.mask == "window":
+        kwargs.pop("is_causal")
+        kwargs["mask_mod"] = mods.sliding_window(WINDOW, causal=True)
+    if case.mask == "document":
+        kwargs["mask_mod"] = mods.document(inputs.doc_ids)
     return kwargs
 
 
-def _subquad(backend: str) -> Callable[[BenchInputs], Prepared]:
+def _softcap(score, b, h, q_idx, kv_idx):
+    return SOFTCAP * torch.tanh(score / SOFTCAP)
+
+
+def user_callbacks(inputs: BenchInputs) -> dict:
+    """The case's masking written as a user would, FlexAttention-style: ``score_mod`` and
+    ``mask_mod`` lambdas (the same functions the ``flex-compiled`` implementation gets)."""
+    case = inputs.case
+    slopes, ids = inputs.slopes, inputs.doc_ids
+    causal = lambda b, h, q_idx, kv_idx: kv_idx <= q_idx  # noqa: E731
+    if case.mask in ("causal", "alibi", "softcap"):
+        out = {"mask_mod": causal}
+        if case.mask == "alibi":
+            out["score_mod"] = lambda score, b, h, q_idx, kv_idx: score + slopes[h] * (kv_idx - q_idx)
+        if case.mask == "softcap":
+            out["score_mod"] = _softcap
+        return out
+    if case.mask == "window":
+        return {"mask_mod": lambda b, h, q_idx, kv_idx: (kv_idx <= q_idx) & (q_idx - kv_idx <= WINDOW)}
+    if case.mask == "document":
+        return {"mask_mod": lambda b, h, q_idx, kv_idx: ids[q_idx] == ids[kv_idx]}
+    if case.mask == "key-padding":
+        lengths = inputs.kv_lengths.to(inputs.query.device)
+        return {"mask_mod": lambda b, h, q_idx, kv_idx: kv_idx < lengths[b]}
+    return {}
+
+
+def _subquad(backend: str, user_written: bool = False) -> Callable[[BenchInputs], Prepared]:
     def prepare(inputs: BenchInputs) -> Prepared:
         try:
             import subquad
@@ -242,7 +319,12 @@ def _subquad(backend: str) -> Callable[[BenchInputs], Prepared]:
         if backend != "auto" and backend not in getattr(subquad, "BACKENDS", ()):
             raise Unsupported(f"subquad has no backend {backend!r}")
         q, k, v = inputs.query, inputs.key, inputs.value
-        kwargs = _subquad_call_kwargs(inputs, backend)
+        if user_written:
+            kwargs = {"scale": inputs.scale, "backend": backend, **user_callbacks(inputs)}
+            if inputs.case.budget is not None:
+                kwargs["memory_budget"] = inputs.case.budget
+        else:
+            kwargs = _subquad_call_kwargs(inputs, backend)
         info = {}
         explain = getattr(subquad, "explain", None)
         if explain is not None:
@@ -283,7 +365,9 @@ def _subquad_impls() -> list[Impl]:
         filter(None, [getattr(subquad, "MemoryBudgetError", None)])
     )
     out = [Impl("subquad", "subquad.attention, backend chosen by the planner", _subquad("auto"),
-                refusals=refusals)]
+                refusals=refusals),
+           Impl("subquad-user", "subquad.attention with the masking as user-written score_mod/mask_mod "
+                "lambdas, planner's choice", _subquad("auto", user_written=True), refusals=refusals)]
     for name in backends:
         out.append(Impl(f"subquad-{name}", f"subquad.attention(backend={name!r}), forced",
                         _subquad(name), refusals=refusals))
@@ -297,21 +381,26 @@ def _registry() -> list[Impl]:
     sdpa_cuda_only = ("cuda",)
     return [
         Impl("sdpa-flash", "SDPA, FLASH_ATTENTION backend (on CPU: the fused CPU kernel)",
-             _sdpa("FLASH_ATTENTION"), devices=("cpu", "cuda")),
+             _sdpa("FLASH_ATTENTION"), devices=("cpu", "cuda"), masks=SDPA_MASKS),
         Impl("sdpa-efficient", "SDPA, EFFICIENT_ATTENTION backend (memory-efficient kernel)",
-             _sdpa("EFFICIENT_ATTENTION"), devices=sdpa_cuda_only),
+             _sdpa("EFFICIENT_ATTENTION"), devices=sdpa_cuda_only, masks=SDPA_MASKS),
         Impl("sdpa-cudnn", "SDPA, CUDNN_ATTENTION backend", _sdpa("CUDNN_ATTENTION"),
-             devices=sdpa_cuda_only),
+             devices=sdpa_cuda_only, masks=SDPA_MASKS),
         Impl("sdpa-math", "SDPA, MATH backend (materializes the scores; on MPS: MPS's kernel)",
-             _sdpa("MATH"), materializes_scores=True),
+             _sdpa("MATH"), materializes_scores=True, masks=SDPA_MASKS),
         Impl("xformers", "xformers.ops.memory_efficient_attention", _xformers,
-             devices=("cuda", "cpu"), module="xformers", install="pip install xformers"),
+             devices=("cuda", "cpu"), masks=("none", "causal", "key-padding", "alibi"), module="xformers",
+             install="pip install xformers"),
         Impl("flash-attn", "flash_attn.flash_attn_func (FlashAttention-2)", _flash_attn,
              devices=("cuda",), dtypes=("fp16", "bf16"), masks=("none", "causal", "alibi"),
              module="flash_attn", install="pip install flash-attn",
              extra_reasons=_flash_attn_reasons),
         Impl("naive", "softmax(q kᵀ · scale + mask) v, materialized in the input dtype", _naive,
              materializes_scores=True),
+        Impl("flex-compiled", "torch.compile(flex_attention), the callbacks as lambdas, its BlockMask "
+             "built once outside the timed call", _flex, devices=("cpu", "cuda"), dtypes=("fp16", "bf16", "fp32"),
+             masks=("none", "causal", "key-padding", "alibi", "softcap", "window", "document"),
+             module="torch.nn.attention.flex_attention", extra_reasons=_flex_reasons),
         *_subquad_impls(),
     ]
 

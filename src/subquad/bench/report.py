@@ -80,9 +80,35 @@ def plan_summary(plan: dict) -> str:
     text = str(plan.get("backend", "?"))
     tiles = plan.get("chunk_size")
     text += f" {tiles[0]}x{tiles[1]}" if isinstance(tiles, list) and len(tiles) == 2 else " whole"
+    if isinstance(plan.get("tiles"), list):
+        text += f", tiles {plan['tiles'][0]} run / {plan['tiles'][1]} skipped"
     if plan.get("predicted_peak_bytes") is not None:
         text += f", predicted {format_bytes(plan['predicted_peak_bytes'])} + out"
     return text
+
+
+def verdicts(results: list[Result]) -> list[str]:
+    """One line per case: the fastest implementation that ran (within memory: out-of-memory and
+    skipped runs do not count), and what subquad's planner picked, with its time against it."""
+    groups: dict[str, list[Result]] = {}
+    for r in results:
+        groups.setdefault(f"{r.case} {r.mode}", []).append(r)
+    lines = []
+    for title, rows in groups.items():
+        ok = [r for r in rows if r.status == "ok" and r.median_ms]
+        if not ok:
+            continue
+        best = min(ok, key=lambda r: r.median_ms)
+        line = f"{title}: fastest {best.impl} {format_ms(best.median_ms)} ms, peak {format_bytes(best.peak_bytes)}"
+        planner = next((r for r in ok if r.impl == "subquad"), None)
+        if planner is not None:
+            line += (f"; subquad's planner picked {planner.plan.get('backend', '?')}: "
+                     f"{format_ms(planner.median_ms)} ms ({planner.median_ms / best.median_ms:.2f}x), "
+                     f"peak {format_bytes(planner.peak_bytes)}")
+            if planner.first_call_ms is not None and planner.first_call_ms > 2 * planner.median_ms:
+                line += f", first call {format_ms(planner.first_call_ms)} ms"
+        lines.append(line)
+    return lines
 
 
 def table_sections(results: list[Result]) -> tuple[list[tuple[str, list[list[str]]]], dict]:
@@ -123,6 +149,9 @@ def render_plain(results: list[Result]) -> str:
         lines.append("")
     for impl, reason in footer.items():
         lines.append(f"not run: {impl}: {reason}")
+    found = verdicts(results)
+    if found:
+        lines += ["", "verdict:"] + [f"  {line}" for line in found]
     return "\n".join(lines).rstrip() + "\n"
 
 
@@ -154,6 +183,11 @@ def print_table(results: list[Result], *, plain: bool = False, file: TextIO = No
         console.print()
     for impl, reason in footer.items():
         console.print(f"[dim]not run: {impl}: {reason}[/dim]", highlight=False)
+    found = verdicts(results)
+    if found:
+        console.print("\nverdict:", highlight=False)
+        for line in found:
+            console.print(f"  {line}", highlight=False, soft_wrap=True)
 
 
 class Progress:
