@@ -6,7 +6,9 @@ A case is a dict: ``shape`` ``[B, H, Lq, Lk, E]`` (or ``batch`` for several lead
 e.g. ``[2, 4]``), ``budget``, and optionally ``dtype``, ``backend``, ``grad``, ``chunk``, and
 ``mask``: ``"bool"``, ``"float"``, ``"causal"`` or ``"bool-batch"`` (a bool mask that varies
 along the first batch dim only, broadcast over the others), ``score_mod``: ``"module-method"``
-(a bound method of a module that also holds a large unused layer; its table is learnable).
+(a bound method of a module that also holds a large unused layer; its table is learnable),
+``callbacks``: ``"user-alibi-causal"`` or ``"user-softcap-causal"`` (user-written lambdas, as
+FlexAttention users write them), ``allow_compile`` (the compiled path; off unless given).
 """
 
 from __future__ import annotations
@@ -62,6 +64,14 @@ def run(case: dict) -> dict:
         kw["attn_mask"] = torch.randn(1, H, Lq, Lk, generator=g, dtype=dt)
     elif mask == "causal":
         kw["is_causal"] = True
+    kw["allow_compile"] = case.get("allow_compile", False)
+    slopes = torch.tensor([2.0 ** (-8 * (i + 1) / H) for i in range(H)])
+    if case.get("callbacks") == "user-alibi-causal":
+        kw["score_mod"] = lambda s, b, h, qi, ki: s - slopes[h] * (qi - ki)
+        kw["mask_mod"] = lambda b, h, qi, ki: ki <= qi
+    elif case.get("callbacks") == "user-softcap-causal":
+        kw["score_mod"] = lambda s, b, h, qi, ki: 30 * torch.tanh(s / 30)
+        kw["mask_mod"] = lambda b, h, qi, ki: ki <= qi
     module = None
     if case.get("score_mod") == "module-method":
         module = RelativeBias(H, max(Lq, Lk))

@@ -173,3 +173,25 @@ def test_a_missing_compiler_turns_the_path_off_for_every_call(monkeypatch):
         subquad.attention(q, k, v, score_mod=softcap, allow_compile=True)
     plan = subquad.explain(q, k, v, score_mod=alibi, mask_mod=window, allow_compile=True)  # another signature
     assert plan.backend != "flex" and "No working C++ compiler" in plan.rejected["flex"][0]
+
+
+def test_flex_never_runs_uncompiled(monkeypatch):
+    # If torch.compile hands back plain Python (dynamo disabled, a frame skipped after a recompile
+    # limit), FlexAttention would materialize the scores: subquad refuses and runs the tiles.
+    monkeypatch.setattr(flex, "_compiled", lambda: flex._flex_call)
+    monkeypatch.setattr(flex, "_FAILED", {})
+    q, k, v = _qkv()
+    with torch.no_grad(), pytest.warns(RuntimeWarning, match="torch.compile did not compile this call"):
+        out = subquad.attention(q, k, v, score_mod=softcap, mask_mod=causal, allow_compile=True)
+    assert_close_to_golden(out, naive_attention(*to64(q, k, v), score_mod=softcap, mask_mod=causal),
+                           naive_attention(q, k, v, score_mod=softcap, mask_mod=causal))
+    assert "did not compile" in subquad.explain(q, k, v, score_mod=alibi, allow_compile=True).rejected["flex"][0]
+
+
+def test_dynamo_disabled_means_no_flex():
+    import torch._dynamo
+
+    q, k, v = _qkv()
+    with torch._dynamo.config.patch(disable=True):
+        plan = subquad.explain(q, k, v, score_mod=softcap, allow_compile=True)
+    assert plan.backend == "matmul" and "torch.compile is disabled" in plan.rejected["flex"][0]

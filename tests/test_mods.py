@@ -750,3 +750,79 @@ def test_a_tensor_read_only_on_later_tiles_raises_instead_of_dropping_its_gradie
 
     with pytest.raises(UncapturedGradientError, match="probe of the callback"):
         out.sum().backward()
+
+
+# ----------------------------------------------------------------------------- user-written callbacks, by structure
+SLOPES4 = mods.alibi_slopes(4, f64)
+
+
+def _user_alibi(score, b, h, q_idx, kv_idx):
+    return score - SLOPES4[h] * (q_idx - kv_idx)
+
+
+@pytest.mark.parametrize(
+    "name,score_mod,kind",
+    [
+        ("alibi", _user_alibi, "score + bias"),
+        ("table", lambda s, b, h, qi, ki: s + 0.01 * (qi - ki).abs().to(s.dtype), "score + bias"),
+        ("where-mask", lambda s, b, h, qi, ki: torch.where(ki <= qi, s, float("-inf")), "where(cond, score, -inf)"),
+        ("masked-where-bias", lambda s, b, h, qi, ki: torch.where(ki <= qi, s - 0.1 * (qi - ki), float("-inf")), "score + bias"),
+        ("clamp", lambda s, b, h, qi, ki: s.clamp(max=0.5), "not additive: the score goes through aten.clamp"),
+        ("data-dependent", lambda s, b, h, qi, ki: s + 1 if bool(s.max() > 0) else s, "not additive: it could not be traced"),
+        ("identity", lambda s, b, h, qi, ki: s, "returns the score unchanged"),
+    ],
+    ids=lambda x: x if isinstance(x, str) else "",
+)
+def test_user_score_mods_run_as_what_their_structure_is(name, score_mod, kind):
+    q, k, v = _qkv(1, 4, 40, 37)
+    plan = subquad.explain(q, k, v, score_mod=score_mod, chunk_size=(8, 8))
+    assert any(kind in n for n in plan.notes), plan.notes
+    fused = "not additive" not in kind
+    assert plan.backend == ("fused" if fused else "matmul")
+    TILES.reset()
+    out = subquad.attention(q, k, v, score_mod=score_mod, chunk_size=(8, 8))
+    assert_close_to_golden(out, naive_attention(q, k, v, score_mod=score_mod))
+    if "where" in name:  # the mask part skips tiles above the diagonal
+        assert TILES.skipped == sum(range(5))
+
+
+def test_user_additive_score_mod_with_learnable_tensors_trains_exactly():
+    q, k, v = (t.requires_grad_() for t in _qkv(1, 4, 33, 33))
+    slopes = mods.alibi_slopes(4, f64).requires_grad_()
+    mod = lambda s, b, h, qi, ki: s - slopes[h] * (qi - ki).abs()  # noqa: E731
+    plan = subquad.explain(q, k, v, score_mod=mod, is_causal=True, chunk_size=(8, 8))
+    assert (plan.backend, plan.backward_backend) == ("fused", "matmul")
+    got = _grads(subquad.attention(q, k, v, score_mod=mod, is_causal=True, chunk_size=(8, 8)), (q, k, v, slopes))
+    want = _grads(naive_attention(q, k, v, score_mod=mod, is_causal=True), (q, k, v, slopes))
+    for g, w, what in zip(got, want, ("dq", "dk", "dv", "dslopes")):
+        assert_close_to_golden(g, w, name=what, floor=1e-11)
+
+
+def test_structure_is_traced_once_per_callback(monkeypatch):
+    from subquad import _callbacks
+
+    calls = []
+    real = _callbacks._trace_structure
+    monkeypatch.setattr(_callbacks, "_trace_structure", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(_callbacks, "_STRUCTURES", type(_callbacks._STRUCTURES)())
+    q, k, v = _qkv(1, 4, 16, 16)
+    for scale in (0.1, 0.1, 0.2):  # a new lambda each time, as in a model's forward
+        table = torch.randn(16, 16, dtype=f64)  # a new tensor of the same kind each time
+        subquad.attention(q, k, v, score_mod=lambda s, b, h, qi, ki: s + scale * table[qi, ki])
+    # The same code with a new tensor of the same dtype and rank is the same structure; the
+    # float it captured is part of the key (it could steer Python control flow).
+    assert len(calls) == 2
+
+
+@pytest.mark.parametrize("backend", ["matmul", "fused"])
+def test_user_mask_mods_get_square_tiles_that_skip(backend):
+    q, k, v = _qkv(1, 2, 2048, 2048, dtype=torch.float32)
+    mask = lambda b, h, qi, ki: (ki <= qi) & (qi - ki <= 40)  # noqa: E731
+    plan = subquad.explain(q, k, v, mask_mod=mask, backend=backend)
+    qc, kc = plan.chunk_size
+    assert qc == kc < 2048, plan  # whole key rows would compute every tile of a row
+    TILES.reset()
+    out = subquad.attention(q, k, v, mask_mod=mask, backend=backend)
+    n = 2048 // qc
+    assert (TILES.computed, TILES.skipped) == (2 * n - 1, n * n - (2 * n - 1))
+    assert_close_to_golden(out, naive_attention(*to64(q, k, v), mask_mod=mask), naive_attention(q, k, v, mask_mod=mask))

@@ -20,6 +20,7 @@ is not wired into subquad's budget yet, so calls that need gradients run the til
 from __future__ import annotations
 
 import collections
+import importlib.util
 import os
 import threading
 import time
@@ -39,8 +40,15 @@ BLOCK = 128
 MIN_SCORES = 1 << 20
 """Calls with fewer scores run the tiles: compiling cannot pay off there."""
 
-# One block row of a mask_mod is evaluated over at most this many keys at a time.
-_EVAL_KEYS = 8192
+# A mask_mod without declared block states is evaluated one block row at a time, over as many
+# keys as keep its result (bool, per batch entry and head) and two int64 intermediates (per
+# position) near this size.
+_EVAL_BYTES = 2 << 20
+
+
+def _eval_keys(inp: Inputs) -> int:
+    per_key = BLOCK * (inp.B * inp.Hq * 2 + 2 * 8)
+    return max(BLOCK, _EVAL_BYTES // per_key // BLOCK * BLOCK)
 
 _COMPILED: List[Any] = []
 _LOCK = threading.Lock()
@@ -62,12 +70,15 @@ def compile_allowed(allow_compile: Optional[bool]) -> bool:
 
 
 def _flex_unavailable_reason() -> Optional[str]:
+    """Why no call can take this path in this process (imports torch._dynamo: ask last)."""
     if None in _FAILED:
         return _FAILED[None]
-    try:
-        import torch.nn.attention.flex_attention  # noqa: F401
-    except ImportError:
+    if importlib.util.find_spec("torch.nn.attention.flex_attention") is None:
         return "this PyTorch has no torch.nn.attention.flex_attention"
+    import torch._dynamo
+
+    if torch._dynamo.config.disable:
+        return "torch.compile is disabled (torch._dynamo.config.disable)"
     return None
 
 
@@ -81,11 +92,7 @@ class Flex(Backend):
     def not_supported_reasons(self, inp: Inputs, opts: Options) -> List[str]:
         reasons = super().not_supported_reasons(inp, opts)
         if not opts.allow_compile:
-            reasons.append("compiling is off (allow_compile=False or SUBQUAD_COMPILE=0)")
-            return reasons
-        why = _flex_unavailable_reason()
-        if why:
-            return reasons + [why]
+            return reasons + ["compiling is off (allow_compile=False or SUBQUAD_COMPILE=0)"]
         if not inp.has_callbacks:
             reasons.append("no score_mod or mask_mod: the fused kernels need no compiling")
         if inp.B * inp.Hq * inp.Lq * inp.Lk < MIN_SCORES:
@@ -107,9 +114,12 @@ class Flex(Backend):
         traced = getattr(inp.score_mod, "structure", None)
         if traced is not None and traced.reason.startswith("it could not be traced"):
             reasons.append(f"score_mod cannot be compiled: {traced.reason}")
+        if reasons:
+            return reasons
         if _signature(inp) in _FAILED:
-            reasons.append(f"compiling this signature failed before ({_FAILED[_signature(inp)]})")
-        return reasons
+            return [f"compiling this signature failed before ({_FAILED[_signature(inp)]})"]
+        why = _flex_unavailable_reason()
+        return [why] if why else []
 
     def forward_bytes(self, inp: Inputs, qc: int, kc: int, need_lse: bool) -> int:
         nq, nk = -(-max(inp.Lq, 1) // BLOCK), -(-max(inp.Lk, 1) // BLOCK)
@@ -121,7 +131,7 @@ class Flex(Backend):
         n += heads * nq * nk * (1 + 4 * 4 + 8)
         if inp.mask_mod is not None and getattr(inp.mask_mod, "block_state", None) is None:
             # One block row of the mask evaluated at a time, with the callback's intermediates.
-            n += heads * BLOCK * min(inp.Lk, _EVAL_KEYS) * (1 + 2 * 8)
+            n += BLOCK * min(inp.Lk, _eval_keys(inp)) * (inp.B * inp.Hq * 2 + 2 * 8)
         return n + (1 << 20)
 
     def backward_bytes(self, inp: Inputs, qc: int, kc: int, opts: Options) -> int:
@@ -142,18 +152,13 @@ class Flex(Backend):
         flex = _compiled()
         start = time.perf_counter()
         try:
-            import torch._dynamo
-
             # Distinct float constants specialize (a dynamic float trips inductor's flex lowering);
             # a recompile limit that is hit raises instead of running FlexAttention eagerly,
             # which would materialize the scores.
             with torch._dynamo.config.patch(specialize_float=True, recompile_limit=64, fail_on_recompile_limit_hit=True):
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
-                    out = flex(
-                        inp.q, inp.k, inp.v, score_mod=_score_mod(inp), block_mask=block_mask, scale=inp.scale,
-                        enable_gqa=inp.G > 1,
-                    )
+                    out = flex(inp.q, inp.k, inp.v, _score_mod(inp), block_mask, inp.scale, inp.G > 1)
         except Exception as e:  # noqa: BLE001 - any failure to compile hands the call to the tiles
             reason = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:160]}"
             with _LOCK:
@@ -190,19 +195,39 @@ class Flex(Backend):
         return "flex: the first call of this signature compiles FlexAttention (seconds; later calls reuse it)"
 
 
+def _flex_call(
+    q: Tensor, k: Tensor, v: Tensor, score_mod: Any, block_mask: Any, scale: float, enable_gqa: bool
+) -> Tensor:
+    # Traced by torch.compile, where is_compiling() is True and this check folds away. Run as
+    # plain Python instead (dynamo disabled, this frame skipped after a recompile limit, ...),
+    # FlexAttention would materialize the scores: refuse before it allocates anything.
+    if not torch.compiler.is_compiling():
+        raise FlexUnavailable(
+            "torch.compile did not compile this call (dynamo disabled, or a recompile limit hit); "
+            "FlexAttention would materialize the scores"
+        )
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)
+
+
 def _compiled() -> Callable[..., Tensor]:
+    """subquad's own compiled entry point: its own code object, so its compile cache and
+    recompile limit are not shared with other uses of ``flex_attention`` in the process."""
     with _LOCK:
         if not _COMPILED:
-            from torch.nn.attention.flex_attention import flex_attention
-
-            _COMPILED.append(torch.compile(flex_attention, dynamic=None))
+            _COMPILED.append(torch.compile(_flex_call, dynamic=None, fullgraph=True))
         return _COMPILED[0]
 
 
 def _environmental(e: BaseException) -> bool:
-    """A failure that no call can avoid (no working C++ compiler): turn the path off for the process."""
+    """A failure that no call can avoid (no working C++ compiler, torch.compile not compiling
+    subquad's entry point any more): turn the path off for the process."""
+    if isinstance(e, FlexUnavailable):
+        return True
+    # (A C++ compile *error* is not one of these: it can be one signature's, or a passing fault.)
     text = f"{type(e).__name__} {e}".lower()
-    return any(word in text for word in ("cppcompileerror", "invalidcxxcompiler", "c++ compiler", "no such file or directory: 'g++'"))
+    return any(word in text for word in ("invalidcxxcompiler", "no working c++ compiler", "no such file or directory: 'g++'"))
 
 
 def _signature(inp: Inputs) -> Any:
@@ -293,7 +318,7 @@ def _evaluated_row(inp: Inputs, states: Tensor, i: int, qs: int, qe: int, j0: in
     from .._callbacks import eval_mask_mod
     from .._engine import EMPTY, PARTIAL
 
-    step = max(1, _EVAL_KEYS // BLOCK)
+    step = max(1, _eval_keys(inp) // BLOCK)
     for c0 in range(j0, j1, step):
         c1 = min(c0 + step, j1)
         ks, ke = c0 * BLOCK, min(c1 * BLOCK, inp.Lk)
