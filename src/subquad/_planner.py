@@ -173,7 +173,8 @@ class Plan:
             f"of a {format_bytes(self.budget_bytes)} budget (extra beyond inputs and output)"
         )
         if self.predicted_seconds is not None:
-            lines.append(f"  time:      about {format_seconds(self.predicted_seconds)} ({self.tiles:,} tiles; an order of magnitude)")
+            calls = "one kernel call" if self.tiles == 1 else f"{self.tiles:,} tiles"
+            lines.append(f"  time:      about {format_seconds(self.predicted_seconds)} ({calls}; an order of magnitude)")
         for note in self.notes:
             lines.append(f"  note:      {note}")
         for name, reasons in self.rejected.items():
