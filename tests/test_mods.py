@@ -826,3 +826,34 @@ def test_user_mask_mods_get_square_tiles_that_skip(backend):
     n = 2048 // qc
     assert (TILES.computed, TILES.skipped) == (2 * n - 1, n * n - (2 * n - 1))
     assert_close_to_golden(out, naive_attention(*to64(q, k, v), mask_mod=mask), naive_attention(q, k, v, mask_mod=mask))
+
+
+@pytest.mark.parametrize(
+    "mask,builtin",
+    [
+        (lambda b, h, qi, ki: ki <= qi, mods.causal()),
+        (lambda b, h, qi, ki: qi >= ki + 0, mods.causal()),
+        (lambda b, h, qi, ki: (ki <= qi) & (qi - ki <= 9), mods.sliding_window(9, causal=True)),
+        (lambda b, h, qi, ki: (qi - ki).abs() <= 9, mods.sliding_window(9)),
+        (lambda b, h, qi, ki: (ki < 5) | (ki <= qi), mods.prefix_lm(5)),
+        (lambda b, h, qi, ki: ki <= qi + 7, mods.causal_lower_right(30, 37)),
+    ],
+    ids=["causal", "causal-ge", "causal-window", "abs-window", "prefix", "offset"],
+)
+def test_user_mask_mods_of_positions_get_the_builtins_block_states(mask, builtin):
+    q, k, v = _qkv(1, 2, 30, 37)
+    calls = []
+    counted = lambda b, h, qi, ki: calls.append(1) or mask(b, h, qi, ki)  # noqa: E731
+    for fn in (counted, builtin):
+        TILES.reset()
+        out = subquad.attention(q, k, v, mask_mod=fn, chunk_size=(4, 4))
+        assert_close_to_golden(out, naive_attention(q, k, v, mask_mod=builtin))
+        if fn is counted:
+            user_tiles, evaluated = (TILES.computed, TILES.skipped), len(calls)
+        else:
+            assert user_tiles == (TILES.computed, TILES.skipped)
+    # Evaluated only on tiles the formula leaves partial (and once when traced): never on
+    # tiles it knows are empty or full.
+    assert evaluated < user_tiles[0]
+    if "causal" in repr(subquad.explain(q, k, v, mask_mod=builtin).shape):
+        assert "causal" in subquad.explain(q, k, v, mask_mod=counted).shape

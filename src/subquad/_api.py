@@ -22,7 +22,14 @@ from ._inputs import (
     parse_chunk_size,
 )
 from . import mods
-from ._callbacks import ScoreModAsMask, TracedScoreMod, from_callback, score_mod_structure
+from ._callbacks import (
+    ScoreModAsMask,
+    TracedMask,
+    TracedScoreMod,
+    from_callback,
+    mask_mod_structure,
+    score_mod_structure,
+)
 from ._paths import BACKEND_NAMES, BACKENDS, FlexUnavailable, Options, compile_allowed
 from ._tiles import KernelRefused, is_oom
 from ._planner import (
@@ -69,6 +76,7 @@ def _prepare(
         dropout_p=dropout_p, score_mod=score_mod, mask_mod=mask_mod,
     )
     inp, note = _traced_score_mod(inp)
+    inp = _traced_mask_mod(inp)
     inp = _causal_mask_mod_as_flag(inp)
     captured = captured_tensors(inp)
     if allow_compile is not None:
@@ -113,6 +121,19 @@ def _traced_score_mod(inp: Inputs) -> Tuple[Inputs, Optional[str]]:
         mask_mod = mask if mask_mod is None else mods.and_masks(mask_mod, mask)
     note = "score_mod is score + bias (traced): the bias is evaluated per tile"
     return dataclasses.replace(inp, score_mod=traced, mask_mod=mask_mod), note
+
+
+def _traced_mask_mod(inp: Inputs) -> Inputs:
+    """A hand-written ``mask_mod`` that is a formula of comparisons of the positions (``kv <= q``,
+    a window, a prefix) gets exact block states from its traced formula, and the causal one runs
+    as the causal flag, as the built-ins do; others are evaluated per tile."""
+    fn = inp.mask_mod
+    if fn is None or hasattr(fn, "block_state") or isinstance(fn, (ScoreModAsMask, TracedMask)):
+        return inp
+    found = mask_mod_structure(fn, inp.device)
+    if found.kind == "general":
+        return inp
+    return dataclasses.replace(inp, mask_mod=TracedMask(fn, found))
 
 
 def _causal_mask_mod_as_flag(inp: Inputs) -> Inputs:

@@ -17,7 +17,7 @@ import types
 import warnings
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -202,6 +202,25 @@ _STRUCTURE_CACHE_SIZE = 256
 _STRUCTURE_LOCK = threading.Lock()
 
 
+def _cached(kind: str, fn: Callable[..., Any], dtype: torch.dtype, device: torch.device, trace: Callable[[], Any]) -> Any:
+    refs: List[weakref.ref] = []
+    key = _key(fn, refs, 0)
+    if key is not None:
+        key = (kind, key, dtype, device.type)
+        with _STRUCTURE_LOCK:
+            hit = _STRUCTURES.get(key)
+            if hit is not None and all(r() is not None for r in hit[1]):
+                _STRUCTURES.move_to_end(key)
+                return hit[0]
+    found = trace()
+    if key is not None:
+        with _STRUCTURE_LOCK:
+            _STRUCTURES[key] = (found, refs)
+            while len(_STRUCTURES) > _STRUCTURE_CACHE_SIZE:
+                _STRUCTURES.popitem(last=False)
+    return found
+
+
 def score_mod_structure(fn: Callable[..., Tensor], dtype: torch.dtype, device: torch.device) -> Structure:
     """Classify ``fn`` from the graph it traces to, never from numbers it returns.
 
@@ -211,22 +230,7 @@ def score_mod_structure(fn: Callable[..., Tensor], dtype: torch.dtype, device: t
     ``"general"`` and runs as is). The result is cached per callback (by its code and what it
     captures, tensors by dtype and rank).
     """
-    refs: List[weakref.ref] = []
-    key = _key(fn, refs, 0)
-    if key is not None:
-        key = (key, dtype, device.type)
-        with _STRUCTURE_LOCK:
-            hit = _STRUCTURES.get(key)
-            if hit is not None and all(r() is not None for r in hit[1]):
-                _STRUCTURES.move_to_end(key)
-                return hit[0]
-    found = _trace_structure(fn, dtype, device)
-    if key is not None:
-        with _STRUCTURE_LOCK:
-            _STRUCTURES[key] = (found, refs)
-            while len(_STRUCTURES) > _STRUCTURE_CACHE_SIZE:
-                _STRUCTURES.popitem(last=False)
-    return found
+    return _cached("score", fn, dtype, device, lambda: _trace_structure(fn, dtype, device))
 
 
 def _key(x: Any, refs: List[weakref.ref], depth: int, values: bool = False) -> Any:
@@ -252,6 +256,9 @@ def _key(x: Any, refs: List[weakref.ref], depth: int, values: bool = False) -> A
     def sub(y: Any) -> Any:
         return _key(y, refs, depth + 1, values)
 
+    if isinstance(x, (TracedScoreMod, ScoreModAsMask, TracedMask)):
+        inner = sub(x.fn)  # subquad's wrappers, made anew for every call: what they wrap
+        return None if inner is None else ("wrapped", type(x).__name__, inner)
     if isinstance(x, (tuple, list)) and len(x) <= 16:
         items = tuple(sub(i) for i in x)
         return None if any(i is None for i in items) else (type(x), items)
@@ -452,3 +459,179 @@ class ScoreModAsMask:
 
     def __repr__(self) -> str:
         return f"mask from score_mod {self.fn!r}"
+
+
+# ------------------------------------------------------------------ what a mask_mod is, from its structure
+class Affine(NamedTuple):
+    """``a·q_idx + c·kv_idx + d`` with integer coefficients."""
+
+    a: int
+    c: int
+    d: int
+
+    def __add__(self, o: "Affine") -> "Affine":  # type: ignore[override]
+        return Affine(self.a + o.a, self.c + o.c, self.d + o.d)
+
+    def scaled(self, k: int) -> "Affine":
+        return Affine(self.a * k, self.c * k, self.d * k)
+
+    def bounds(self, qs: int, qe: int, ks: int, ke: int) -> Tuple[int, int]:
+        """Its minimum and maximum over the integer rectangle ``[qs, qe) x [ks, ke)``."""
+        qa = (self.a * qs, self.a * (qe - 1))
+        kc = (self.c * ks, self.c * (ke - 1))
+        return min(qa) + min(kc) + self.d, max(qa) + max(kc) + self.d
+
+
+# A formula is ("ge0", Affine) -- true where the affine form is >= 0 -- or ("and" | "or", f, g)
+# or ("not", f). Tile states: 0 EMPTY, 1 FULL, 2 PARTIAL (those of subquad._engine).
+Formula = Tuple[Any, ...]
+
+
+def tile_state(f: Formula, qs: int, qe: int, ks: int, ke: int) -> int:
+    """The state of a formula on a tile, exact for EMPTY and FULL (affine forms reach their
+    extremes at the rectangle's corners; ``and``/``or`` of partial parts stay PARTIAL, which is
+    always safe)."""
+    op = f[0]
+    if op == "ge0":
+        lo, hi = f[1].bounds(qs, qe, ks, ke)
+        return 1 if lo >= 0 else 0 if hi < 0 else 2
+    if op == "not":
+        st = tile_state(f[1], qs, qe, ks, ke)
+        return {0: 1, 1: 0, 2: 2}[st]
+    a, b = tile_state(f[1], qs, qe, ks, ke), tile_state(f[2], qs, qe, ks, ke)
+    if op == "and":
+        return 0 if 0 in (a, b) else 1 if a == b == 1 else 2
+    return 1 if 1 in (a, b) else 0 if a == b == 0 else 2
+
+
+class MaskStructure(NamedTuple):
+    """``kind``: ``"causal"`` (``kv_idx <= q_idx + offset``), ``"affine"`` (a boolean formula of
+    comparisons between integer affine forms of the positions: ``formula``) or ``"general"``."""
+
+    kind: str
+    offset: int = 0
+    formula: Optional[Formula] = None
+    reason: str = ""
+
+
+def mask_mod_structure(fn: Callable[..., Tensor], device: torch.device) -> MaskStructure:
+    """Classify a ``mask_mod`` from its traced graph (fake tensors, cached like score_mods)."""
+    return _cached("mask", fn, torch.bool, device, lambda: _trace_mask(fn, device))
+
+
+def _trace_mask(fn: Callable[..., Tensor], device: torch.device) -> MaskStructure:
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    example = (
+        torch.arange(1, device=device).view(-1, 1, 1, 1),
+        torch.arange(2, device=device).view(1, -1, 1, 1),
+        torch.arange(3, device=device).view(1, 1, -1, 1),
+        torch.arange(4, device=device).view(1, 1, 1, -1),
+    )
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            graph = make_fx(lambda b, h, q, k: fn(b, h, q, k), tracing_mode="fake", _allow_non_fake_inputs=True)(*example)
+    except Exception as e:  # noqa: BLE001 - evaluated per tile instead
+        return MaskStructure("general", reason=f"it could not be traced ({type(e).__name__})")
+    nodes = list(graph.graph.nodes)
+    places = [n for n in nodes if n.op == "placeholder"]
+    values: Dict[Any, Any] = {places[2]: ("affine", Affine(1, 0, 0)), places[3]: ("affine", Affine(0, 1, 0))}
+    for n in nodes:
+        if n.op == "call_function":
+            values[n] = _mask_value(str(n.target), [_value(values, a) for a in n.args])
+    out = next(n for n in nodes if n.op == "output").args[0]
+    if isinstance(out, (tuple, list)):
+        out = out[0] if len(out) == 1 else None
+    found = values.get(out)
+    if found is None or found[0] != "bool":
+        return MaskStructure("general", reason="not a formula of comparisons of q_idx and kv_idx")
+    formula = found[1]
+    if formula[0] == "ge0" and formula[1].a == 1 and formula[1].c == -1:
+        return MaskStructure("causal", offset=formula[1].d)  # q - kv + d >= 0: kv <= q + d
+    return MaskStructure("affine", formula=formula)
+
+
+def _value(values: Dict[Any, Any], a: Any) -> Any:
+    if isinstance(a, bool):
+        return None
+    if isinstance(a, int):
+        return ("affine", Affine(0, 0, a))
+    return values.get(a) if hasattr(a, "op") else None
+
+
+def _mask_value(target: str, args: List[Any]) -> Any:
+    """The symbolic value of one aten op of a mask_mod graph, or ``None`` if outside the fragment."""
+    if any(a is None for a in args[:2]) and target not in ("aten.bitwise_not.default", "aten.logical_not.default", "aten.neg.default", "aten.abs.default"):
+        return None
+    kind = lambda i: args[i][0]  # noqa: E731
+    if target in ("aten.add.Tensor", "aten.sub.Tensor", "aten.add.Scalar", "aten.sub.Scalar"):
+        if kind(0) != "affine" or kind(1) != "affine":
+            return None
+        other = args[1][1] if target.startswith("aten.add") else args[1][1].scaled(-1)
+        return ("affine", args[0][1] + other)
+    if target in ("aten.mul.Tensor", "aten.mul.Scalar"):
+        (x, y) = args[0], args[1]
+        if x[0] == y[0] == "affine" and (y[1].a, y[1].c) == (0, 0):
+            return ("affine", x[1].scaled(y[1].d))
+        if x[0] == y[0] == "affine" and (x[1].a, x[1].c) == (0, 0):
+            return ("affine", y[1].scaled(x[1].d))
+        return None
+    if target == "aten.neg.default":
+        return ("affine", args[0][1].scaled(-1)) if args[0] is not None and args[0][0] == "affine" else None
+    if target == "aten.abs.default":
+        return ("abs", args[0][1]) if args[0] is not None and args[0][0] == "affine" else None
+    if target in ("aten.bitwise_not.default", "aten.logical_not.default"):
+        return ("bool", ("not", args[0][1])) if args[0] is not None and args[0][0] == "bool" else None
+    if target in ("aten.bitwise_and.Tensor", "aten.logical_and.default", "aten.bitwise_or.Tensor", "aten.logical_or.default"):
+        if kind(0) != "bool" or kind(1) != "bool":
+            return None
+        return ("bool", ("and" if "and" in target else "or", args[0][1], args[1][1]))
+    for op in ("le", "lt", "ge", "gt", "eq", "ne"):
+        if target in (f"aten.{op}.Tensor", f"aten.{op}.Scalar"):
+            return _compare(op, args[0], args[1])
+    return None
+
+
+def _compare(op: str, x: Any, y: Any) -> Any:
+    """``x op y`` as a formula; ``x`` and ``y`` affine, or one of them ``abs`` of an affine form
+    against an affine form (``|e| <= c`` is ``e <= c and -e <= c``)."""
+    if op in ("ge", "gt"):  # x >= y is y <= x
+        return _compare("le" if op == "ge" else "lt", y, x)
+    if op in ("eq", "ne"):
+        if x[0] != "affine" or y[0] != "affine":
+            return None
+        both = ("and", ("ge0", y[1] + x[1].scaled(-1)), ("ge0", x[1] + y[1].scaled(-1)))
+        return ("bool", both if op == "eq" else ("not", both))
+    strict = 1 if op == "lt" else 0  # integers: x < y is x <= y - 1
+    if x[0] == "affine" and y[0] == "affine":
+        return ("bool", ("ge0", y[1] + x[1].scaled(-1) + Affine(0, 0, -strict)))
+    if x[0] == "abs" and y[0] == "affine":  # |e| <= c: e <= c and -e <= c
+        e, c = x[1], y[1] + Affine(0, 0, -strict)
+        return ("bool", ("and", ("ge0", c + e.scaled(-1)), ("ge0", c + e)))
+    if x[0] == "affine" and y[0] == "abs":  # c <= |e|: e >= c or -e >= c
+        e, c = y[1], x[1] + Affine(0, 0, strict)
+        return ("bool", ("or", ("ge0", e + c.scaled(-1)), ("ge0", e.scaled(-1) + c.scaled(-1))))
+    return None
+
+
+class TracedMask:
+    """A user ``mask_mod`` whose block states (and causal offset) come from its traced formula."""
+
+    def __init__(self, fn: Callable[..., Tensor], structure: MaskStructure) -> None:
+        self.fn, self.structure = fn, structure
+
+    def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return self.fn(b, h, q_idx, kv_idx)
+
+    def block_state(self, qs: int, qe: int, ks: int, ke: int) -> int:
+        if self.structure.kind == "causal":
+            return tile_state(("ge0", Affine(1, -1, self.structure.offset)), qs, qe, ks, ke)
+        assert self.structure.formula is not None
+        return tile_state(self.structure.formula, qs, qe, ks, ke)
+
+    def causal_offset(self, q_len: int, kv_len: int) -> Optional[int]:
+        return self.structure.offset if self.structure.kind == "causal" else None
+
+    def __repr__(self) -> str:
+        return f"{self.structure.kind} mask_mod {self.fn!r}"
