@@ -21,7 +21,7 @@ from ._inputs import (
     make_inputs,
     parse_chunk_size,
 )
-from . import mods
+from . import _fast, mods
 from ._callbacks import (
     ScoreModAsMask,
     TracedMask,
@@ -330,10 +330,19 @@ def attention(
             query, key, value, attn_mask=attn_mask, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
             memory_budget=memory_budget, chunk_size=chunk_size, backend=backend, return_lse=return_lse,
         )
+    fast_key = _fast.key(
+        query, key, value, attn_mask, is_causal, score_mod, mask_mod, scale, enable_gqa, dropout_p, memory_budget,
+        chunk_size, backend, return_lse, allow_compile,
+    )
+    if fast_key is not None:
+        result = _fast.run(fast_key, query, key, value, attn_mask, is_causal, scale, enable_gqa, return_lse)
+        if result is not None:
+            return result
     inp, opts, budget, plan, captured = _prepare(
         query, key, value, attn_mask, is_causal, score_mod, mask_mod, scale, enable_gqa,
         dropout_p, memory_budget, chunk_size, backend, return_lse, allow_compile,
     )
+    _fast.remember(fast_key, inp, plan, memory_budget)
     _warn_if_long(plan)
     if plan.backend == "flex":
         try:

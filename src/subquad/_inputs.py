@@ -47,7 +47,7 @@ class _BatchGroups:
     split: int
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False)
 class Inputs:
     """A validated attention call (or one batch group of it) in the engine's canonical layout.
 

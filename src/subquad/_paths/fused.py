@@ -7,7 +7,7 @@ it cannot express and additive ``score_mod``s reach it as a float bias tile.
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, List, Optional, Tuple
+from typing import Any, Callable, Iterable, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -18,11 +18,16 @@ from .._tiles import NEG_INF, Grads, Segment, EMPTY_CHECK_ELEMENTS, add_into, ca
 from .base import Backend, Options, _bh, _generated_causal, _strided, _threads
 
 
+_OPS: List[Tuple[Any, Any]] = []
+
+
 def _cpu_flash_ops() -> Tuple[Optional[Callable[..., Tuple[Tensor, Tensor]]], Optional[Callable[..., Tuple[Tensor, Tensor, Tensor]]]]:
-    ops = torch.ops.aten
-    fwd = getattr(ops, "_scaled_dot_product_flash_attention_for_cpu", None)
-    bwd = getattr(ops, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
-    return fwd, bwd
+    if not _OPS:  # looked up once: the attribute lookups cost a microsecond per call
+        ops = torch.ops.aten
+        fwd = getattr(ops, "_scaled_dot_product_flash_attention_for_cpu", None)
+        bwd = getattr(ops, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+        _OPS.append((getattr(fwd, "default", fwd), getattr(bwd, "default", bwd)))
+    return _OPS[0]
 
 
 def _probe_cpu_flash() -> Optional[str]:
@@ -109,20 +114,22 @@ class FusedCPU(Backend):
 
     def _kernel_bytes(self, inp: Inputs, qc: int, kc: int) -> int:
         qs, ks = min(self._Q_SPLIT, qc), min(self._KV_SPLIT, kc)
-        per_thread = qs * ks * (4 + inp.itemsize) + qs * (inp.Ev + 2) * 4
-        n = _threads() * per_thread
-        if inp.dtype in (torch.float16, torch.bfloat16):
-            n += inp.B * inp.Hk * kc * (inp.E + inp.Ev) * inp.itemsize  # packed K/V on CPUs that pack
+        size, B, E, Ev = inp.itemsize, inp.B, inp.E, inp.Ev
+        n = _threads() * (qs * ks * (4 + size) + qs * (Ev + 2) * 4)
+        if size == 2:
+            n += B * inp.Hk * kc * (E + Ev) * size  # packed K/V on CPUs that pack (half precision)
         # Inputs whose last dim is strided are copied per tile (the kernel needs unit stride).
-        if _strided(inp.query) and inp.E > 1:
-            n += inp.B * inp.Hq * qc * inp.E * inp.itemsize
+        if E > 1 and _strided(inp.query):
+            n += B * inp.Hq * qc * E * size
         for t in (inp.key, inp.value):
-            if _strided(t) and t.shape[-1] > 1:
-                n += inp.B * inp.Hk * kc * t.shape[-1] * inp.itemsize
+            if t.shape[-1] > 1 and _strided(t):
+                n += B * inp.Hk * kc * t.shape[-1] * size
         return n
 
     def _bias_bytes(self, inp: Inputs, qc: int, kc: int) -> int:
         """The float bias tile fed to the kernel: a converted mask, generated masks, callback biases."""
+        if inp.attn_mask is None and not inp.is_causal and inp.mask_mod is None and inp.score_mod is None:
+            return 0
         parts = []  # elements of each part, in its own broadcast shape
         if inp.attn_mask is not None:
             parts.append(inp.mask_tile_elements(qc, kc))
@@ -225,6 +232,12 @@ class FusedCPU(Backend):
                 lse_t = lse_t.masked_fill(empty, NEG_INF)
                 o_t = o_t.masked_fill(empty.unsqueeze(-1), 0.0)
         return o_t, lse_t
+
+    def whole(self, inp: Inputs) -> Tuple[Tensor, Tensor]:
+        """``(out, lse)`` of one kernel call on the whole input: no mask, causal top-left (the fast path)."""
+        fwd, _ = _cpu_flash_ops()
+        assert fwd is not None
+        return call_kernel(fwd, inp.q, inp.k, inp.v, 0.0, inp.is_causal, attn_mask=None, scale=inp.scale)
 
     def forward_rows(
         self, inp: Inputs, qs: int, qe: int, segments: Iterable[Segment], out: Optional[Tensor], seed: int
