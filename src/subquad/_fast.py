@@ -29,6 +29,7 @@ from torch import Tensor
 
 from ._inputs import Inputs
 from ._paths import BACKENDS, TORCH_SDPA
+from ._paths.fused import cpu_flash_forward
 from ._planner import TARGET_TILE_BYTES, Plan, resolve_budget
 
 SMALL_SCORES = 1 << 16
@@ -48,17 +49,24 @@ class Entry:
     without a new check (a decode step adds one key at a time).
     """
 
-    __slots__ = ("backend", "budget", "direct", "fits")
+    __slots__ = ("backend", "budget", "direct", "plain", "scale", "gqa", "fits")
 
-    def __init__(self, backend: str, budget: Optional[int], direct: bool) -> None:
+    def __init__(self, backend: str, budget: Optional[int], direct: bool, plain: bool, scale: float, gqa: bool) -> None:
         self.backend = backend  # "fused" or "sdpa"
         self.budget = budget  # an explicit budget in bytes; None: half the free memory, read per call
         self.direct = direct  # one call of the fused CPU kernel, without the engine
-        self.fits: Tuple[int, int, int] = (-1, -1, 0)  # (Lq, Lk, budget) last checked
+        self.plain = plain  # direct, and the caller's tensors are the kernel's (4-D, one batch size)
+        self.scale = scale
+        self.gqa = gqa
+        self.fits: Tuple[int, int, int] = (-1, -1, 0)  # (Lq, Lk_max, need) last checked
+
+
+def _budget(entry: Entry, device: torch.device) -> int:
+    return entry.budget if entry.budget is not None else resolve_budget(None, device)
 
 
 def _fits(entry: Entry, inp: Inputs, Lq: int, Lk: int, need_lse: bool) -> bool:
-    budget = entry.budget if entry.budget is not None else resolve_budget(None, inp.device)
+    budget = _budget(entry, inp.device)
     fq, fk, fb = entry.fits
     if fq == Lq and Lk <= fk and budget >= fb:
         return True
@@ -150,7 +158,10 @@ def remember(k: Optional[Tuple[Any, ...]], inp: Inputs, plan: Plan, memory_budge
         plan.backend == "fused" and inp.attn_mask is None and inp.E == inp.Ev and inp.scale > 0
         and inp.query.stride(-1) == 1 and inp.key.stride(-1) == 1 and inp.value.stride(-1) == 1
     )
-    entry = Entry(plan.backend, None if memory_budget is None else plan.budget_bytes, direct)
+    plain = direct and len(inp.batch_shape) == 1 and not inp.kv_broadcast and inp.query.shape[0] == inp.B
+    entry = Entry(
+        plan.backend, None if memory_budget is None else plan.budget_bytes, direct, plain, inp.scale, inp.G > 1
+    )
     with _LOCK:
         while _CACHE and len(_CACHE) >= CACHE_SIZE:
             _CACHE.pop(next(iter(_CACHE)))
@@ -168,6 +179,8 @@ def run(k: Tuple[Any, ...], query: Tensor, key_: Tensor, value: Tensor, attn_mas
         return None
     if attn_mask is not None and (attn_mask.shape[-2] not in (1, Lq) or attn_mask.shape[-1] not in (1, Lk)):
         return None
+    if entry.plain:
+        return _run_plain(entry, query, key_, value, is_causal, scale, return_lse, Lq, Lk)
     inp = _inputs(query, key_, value, attn_mask, is_causal, scale)
     if inp.empty or not _fits(entry, inp, Lq, Lk, return_lse):
         return None
@@ -175,14 +188,6 @@ def run(k: Tuple[Any, ...], query: Tensor, key_: Tensor, value: Tensor, attn_mas
     try:
         if entry.backend == "sdpa":
             return path.run_whole(query, key_, value, inp, attn_mask, enable_gqa)  # type: ignore[attr-defined]
-        if (
-            entry.direct and not return_lse and inp.G == 1 and query.dim() == 4 and not inp.kv_broadcast
-            and query.shape[0] == inp.B and inp.B * inp.Hq * Lq * Lk <= SMALL_SCORES
-        ):
-            # torch's SDPA runs this very kernel on such a call (4-D, no mask, no GQA, no batch
-            # broadcasting) with less dispatch overhead; the call is small enough that even its
-            # math path would fit any budget.
-            return TORCH_SDPA(query, key_, value, is_causal=is_causal, scale=inp.scale)
         if entry.direct:
             out, lse = path.whole(inp)  # type: ignore[attr-defined]
         else:
@@ -195,6 +200,28 @@ def run(k: Tuple[Any, ...], query: Tensor, key_: Tensor, value: Tensor, attn_mas
     if return_lse:
         assert lse is not None
         return out, lse.reshape(inp.output_shape[:-1]).to(inp.stats_dtype)
+    return out
+
+
+def _run_plain(entry: Entry, query: Tensor, key_: Tensor, value: Tensor, is_causal: bool, scale: Optional[float],
+               return_lse: bool, Lq: int, Lk: int) -> Optional[Any]:
+    """One fused kernel call on the caller's own tensors; Inputs are built only to re-check the fit."""
+    fq, fk, fb = entry.fits
+    if not (fq == Lq and Lk <= fk and _budget(entry, query.device) >= fb):
+        inp = _inputs(query, key_, value, None, is_causal, scale)
+        if inp.empty or not _fits(entry, inp, Lq, Lk, return_lse):
+            return None
+    try:
+        if not return_lse and not entry.gqa and query.shape[0] * query.shape[1] * Lq * Lk <= SMALL_SCORES:
+            # torch's SDPA runs this very kernel on such a call (4-D, no mask, no GQA, no batch
+            # broadcasting) with less dispatch overhead; the call is small enough that even its
+            # math path would fit any budget.
+            return TORCH_SDPA(query, key_, value, is_causal=is_causal, scale=entry.scale)
+        out, lse = cpu_flash_forward()(query, key_, value, 0.0, is_causal, attn_mask=None, scale=entry.scale)
+    except Exception:  # noqa: BLE001 - the full path recovers (or raises) as it always does
+        return None
+    if return_lse:
+        return out, lse.to(torch.float64 if out.dtype == torch.float64 else torch.float32)
     return out
 
 

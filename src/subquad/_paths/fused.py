@@ -30,6 +30,12 @@ def _cpu_flash_ops() -> Tuple[Optional[Callable[..., Tuple[Tensor, Tensor]]], Op
     return _OPS[0]
 
 
+def cpu_flash_forward() -> Callable[..., Tuple[Tensor, Tensor]]:
+    fwd = _cpu_flash_ops()[0]
+    assert fwd is not None
+    return fwd
+
+
 def _probe_cpu_flash() -> Optional[str]:
     """Run the private CPU flash kernel once on a tiny input; ``None`` if it works, else why not."""
     fwd, bwd = _cpu_flash_ops()
