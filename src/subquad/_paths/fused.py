@@ -132,8 +132,12 @@ class FusedCPU(Backend):
                 n += B * inp.Hk * kc * t.shape[-1] * size
         return n
 
-    def _bias_bytes(self, inp: Inputs, qc: int, kc: int) -> int:
-        """The float bias tile fed to the kernel: a converted mask, generated masks, callback biases."""
+    def _bias_bytes(self, inp: Inputs, qc: int, kc: int, traced_tiles: int = 3) -> int:
+        """The float bias tile fed to the kernel: a converted mask, generated masks, callback biases.
+
+        A traced ``score_mod``'s bias counts ``traced_tiles`` full tiles: its intermediates are
+        unknown, so the memory model assumes three; the planner's speed preference, one.
+        """
         if inp.attn_mask is None and not inp.is_causal and inp.mask_mod is None and inp.score_mod is None:
             return 0
         parts = []  # elements of each part, in its own broadcast shape
@@ -147,7 +151,7 @@ class FusedCPU(Backend):
             # A traced bias is the callback on a zero score tile: full (B, Hq, qc, kc), with its
             # intermediates; a built-in declares a (1, Hq, qc, kc) tile.
             traced = isinstance(inp.score_mod, TracedScoreMod)
-            parts.append((3 * inp.B if traced else 1) * inp.Hq * qc * kc)
+            parts.append((traced_tiles * inp.B if traced else 1) * inp.Hq * qc * kc)
         mask_as_is = inp.attn_mask is not None and inp.attn_mask.dtype == inp.bias_dtype
         if not parts or (parts == [inp.mask_tile_elements(qc, kc)] and mask_as_is and not inp.is_causal):
             return 0  # no bias, or the caller's float mask passed through as a view
@@ -163,7 +167,7 @@ class FusedCPU(Backend):
         return n
 
     def tile_bytes(self, inp: Inputs, qc: int, kc: int) -> int:
-        return self._bias_bytes(inp, min(qc, max(inp.Lq, 1)), min(kc, max(inp.Lk, 1)))
+        return self._bias_bytes(inp, min(qc, max(inp.Lq, 1)), min(kc, max(inp.Lk, 1)), traced_tiles=1)
 
     def forward_bytes(self, inp: Inputs, qc: int, kc: int, need_lse: bool) -> int:
         qc, kc = min(qc, max(inp.Lq, 1)), min(kc, max(inp.Lk, 1))

@@ -352,7 +352,9 @@ def run_case(impl: Impl, case: Case, timing: Timing = Timing(), *, seed: int = 0
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             inputs = _inputs(case, seed)
-            forward, result.plan = impl.prepare(inputs)
+            forward, plan = impl.prepare(inputs)
+            # Keep what the worker's memory call recorded (the tiles it ran) next to the plan.
+            result.plan = {**plan, **{k: v for k, v in result.plan.items() if k == "tiles"}}
             step = _step(forward, inputs)
             # A call already seen to take longer than the target needs no warm-up to be timed
             # (the worker's memory call showed it); one-time costs are noise at that length.
