@@ -6,6 +6,7 @@ Compiling costs seconds per new callback, so these tests share a few module-leve
 
 from __future__ import annotations
 
+import warnings
 
 import pytest
 import torch
@@ -110,7 +111,7 @@ def test_a_failed_compile_falls_back_to_the_tiles_with_a_warning(monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("lowering failed (simulated)")
 
-    monkeypatch.setattr(flex, "_compiled", lambda: broken)
+    monkeypatch.setattr(flex, "_compiled", lambda static=False: broken)
     monkeypatch.setattr(flex, "_FAILED", {})
     q, k, v = _qkv()
 
@@ -166,7 +167,7 @@ def test_a_missing_compiler_turns_the_path_off_for_every_call(monkeypatch):
     def no_compiler(*args, **kwargs):
         raise RuntimeError("InvalidCxxCompiler: No working C++ compiler found (simulated)")
 
-    monkeypatch.setattr(flex, "_compiled", lambda: no_compiler)
+    monkeypatch.setattr(flex, "_compiled", lambda static=False: no_compiler)
     monkeypatch.setattr(flex, "_FAILED", {})
     q, k, v = _qkv()
     with torch.no_grad(), pytest.warns(RuntimeWarning, match="No working C\\+\\+ compiler"):
@@ -178,7 +179,7 @@ def test_a_missing_compiler_turns_the_path_off_for_every_call(monkeypatch):
 def test_flex_never_runs_uncompiled(monkeypatch):
     # If torch.compile hands back plain Python (dynamo disabled, a frame skipped after a recompile
     # limit), FlexAttention would materialize the scores: subquad refuses and runs the tiles.
-    monkeypatch.setattr(flex, "_compiled", lambda: flex._flex_call)
+    monkeypatch.setattr(flex, "_compiled", lambda static=False: flex._flex_call)
     monkeypatch.setattr(flex, "_FAILED", {})
     q, k, v = _qkv()
     with torch.no_grad(), pytest.warns(RuntimeWarning, match="torch.compile did not compile this call"):
@@ -195,3 +196,26 @@ def test_dynamo_disabled_means_no_flex():
     with torch._dynamo.config.patch(disable=True):
         plan = subquad.explain(q, k, v, score_mod=softcap, allow_compile=True)
     assert plan.backend == "matmul" and "torch.compile is disabled" in plan.rejected["flex"][0]
+
+
+def test_a_kernel_that_compiles_only_with_static_shapes(monkeypatch):
+    # Inductor compiles some FlexAttention kernels only without dynamic shapes: the static entry
+    # point takes over, and later calls of the signature go to it directly.
+    calls = []
+
+    def dynamic(*args):
+        calls.append("dynamic")
+        raise RuntimeError("CppCompileError: C++ compile error (simulated)")
+
+    real = flex._compiled
+    monkeypatch.setattr(flex, "_FAILED", {})
+    monkeypatch.setattr(flex, "_STATIC_ONLY", set())
+    monkeypatch.setattr(flex, "_compiled", lambda static=False: (lambda *a: (calls.append("static"), real(static=True)(*a))[1]) if static else dynamic)
+    q, k, v = _qkv()
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(2):
+            out = subquad.attention(q, k, v, score_mod=softcap, mask_mod=window, allow_compile=True)
+    assert calls == ["dynamic", "static", "static"]
+    ref = naive_attention(*to64(q, k, v), score_mod=softcap, mask_mod=window)
+    assert_close_to_golden(out, ref, naive_attention(q, k, v, score_mod=softcap, mask_mod=window))

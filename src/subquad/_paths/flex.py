@@ -53,6 +53,7 @@ def _eval_keys(inp: Inputs) -> int:
 _COMPILED: List[Any] = []
 _LOCK = threading.Lock()
 _FAILED: Dict[Any, str] = {}  # signature -> why compiling failed; None key: for every call
+_STATIC_ONLY: set = set()  # signatures that compile only with static shapes
 _COMPILE_SECONDS: Dict[Any, float] = {}  # signature -> measured first-call time
 _BLOCK_MASKS: "collections.OrderedDict[Any, Tuple[Any, Tuple[int, int], List[Any]]]" = collections.OrderedDict()
 _BLOCK_MASK_CACHE_SIZE = 16
@@ -149,16 +150,19 @@ class Flex(Backend):
 
         TILES.computed += computed
         TILES.skipped += skipped
-        flex = _compiled()
         start = time.perf_counter()
         try:
-            # Distinct float constants specialize (a dynamic float trips inductor's flex lowering);
-            # a recompile limit that is hit raises instead of running FlexAttention eagerly,
-            # which would materialize the scores.
-            with torch._dynamo.config.patch(specialize_float=True, recompile_limit=64, fail_on_recompile_limit_hit=True):
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")
-                    out = flex(inp.q, inp.k, inp.v, _score_mod(inp), block_mask, inp.scale, inp.G > 1)
+            if signature in _STATIC_ONLY:
+                out = _call(_compiled(static=True), inp, block_mask)
+            else:
+                try:
+                    out = _call(_compiled(), inp, block_mask)
+                except FlexUnavailable:
+                    raise
+                except Exception:  # noqa: BLE001 - some kernels compile only with static shapes
+                    out = _call(_compiled(static=True), inp, block_mask)
+                    with _LOCK:
+                        _STATIC_ONLY.add(signature)
         except Exception as e:  # noqa: BLE001 - any failure to compile hands the call to the tiles
             reason = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:160]}"
             with _LOCK:
@@ -211,13 +215,35 @@ def _flex_call(
     return flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)
 
 
-def _compiled() -> Callable[..., Tensor]:
-    """subquad's own compiled entry point: its own code object, so its compile cache and
-    recompile limit are not shared with other uses of ``flex_attention`` in the process."""
+def _flex_call_static(
+    q: Tensor, k: Tensor, v: Tensor, score_mod: Any, block_mask: Any, scale: float, enable_gqa: bool
+) -> Tensor:
+    # A second entry point (its own code object, so its own compile cache) compiled with static
+    # shapes: inductor compiles some FlexAttention kernels only without dynamic shapes.
+    return _flex_call(q, k, v, score_mod, block_mask, scale, enable_gqa)
+
+
+def _compiled(static: bool = False) -> Callable[..., Tensor]:
+    """subquad's own compiled entry points: their own code objects, so their compile caches and
+    recompile limits are not shared with other uses of ``flex_attention`` in the process. The
+    first takes torch's automatic dynamic shapes (one recompile for a new length, then none)."""
     with _LOCK:
         if not _COMPILED:
             _COMPILED.append(torch.compile(_flex_call, dynamic=None, fullgraph=True))
-        return _COMPILED[0]
+            _COMPILED.append(torch.compile(_flex_call_static, dynamic=False, fullgraph=True))
+        return _COMPILED[1 if static else 0]
+
+
+def _call(flex: Callable[..., Tensor], inp: Inputs, block_mask: Any) -> Tensor:
+    import torch._dynamo
+
+    # Distinct float constants specialize (a dynamic float trips inductor's flex lowering); a
+    # recompile limit that is hit raises instead of running FlexAttention eagerly, which would
+    # materialize the scores.
+    with torch._dynamo.config.patch(specialize_float=True, recompile_limit=64, fail_on_recompile_limit_hit=True):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return flex(inp.q, inp.k, inp.v, _score_mod(inp), block_mask, inp.scale, inp.G > 1)
 
 
 def _environmental(e: BaseException) -> bool:
