@@ -299,24 +299,28 @@ def _cell_full(cell: Any) -> bool:
     return True
 
 
-def _trace_structure(fn: Callable[..., Tensor], dtype: torch.dtype, device: torch.device) -> Structure:
+def _trace_on_tile(fn: Callable[..., Tensor], device: torch.device, score_dtype: Optional[torch.dtype]) -> Any:
+    """Trace ``fn`` with fake tensors on a (1, 2, 3, 4) tile: (score,) b, h, q_idx, kv_idx.
+
+    The tile's dimensions are all distinct, so that no broadcast hides one. Raises whatever
+    tracing raises; callers fall back to evaluating the callback per tile.
+    """
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    # A tile of distinct sizes, so that no broadcast hides a dimension.
     shape = (1, 2, 3, 4)
-    example = (
-        torch.zeros(shape, dtype=dtype, device=device),
-        torch.arange(1, device=device).view(-1, 1, 1, 1),
-        torch.arange(2, device=device).view(1, -1, 1, 1),
-        torch.arange(3, device=device).view(1, 1, -1, 1),
-        torch.arange(4, device=device).view(1, 1, 1, -1),
+    example = tuple(
+        torch.arange(n, device=device).view([n if i == d else 1 for i in range(4)]) for d, n in enumerate(shape)
     )
+    if score_dtype is not None:
+        example = (torch.zeros(shape, dtype=score_dtype, device=device),) + example
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return make_fx(lambda *args: fn(*args), tracing_mode="fake", _allow_non_fake_inputs=True)(*example)
+
+
+def _trace_structure(fn: Callable[..., Tensor], dtype: torch.dtype, device: torch.device) -> Structure:
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            graph = make_fx(
-                lambda s, b, h, q, k: fn(s, b, h, q, k), tracing_mode="fake", _allow_non_fake_inputs=True
-            )(*example)
+        graph = _trace_on_tile(fn, device, dtype)
     except Exception as e:  # noqa: BLE001 - anything untraceable still runs, on the generic path
         first = (str(e).strip().splitlines() or [""])[0][:120]
         return Structure("general", reason=f"it could not be traced ({type(e).__name__}: {first})")
@@ -520,18 +524,8 @@ def mask_mod_structure(fn: Callable[..., Tensor], device: torch.device) -> MaskS
 
 
 def _trace_mask(fn: Callable[..., Tensor], device: torch.device) -> MaskStructure:
-    from torch.fx.experimental.proxy_tensor import make_fx
-
-    example = (
-        torch.arange(1, device=device).view(-1, 1, 1, 1),
-        torch.arange(2, device=device).view(1, -1, 1, 1),
-        torch.arange(3, device=device).view(1, 1, -1, 1),
-        torch.arange(4, device=device).view(1, 1, 1, -1),
-    )
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            graph = make_fx(lambda b, h, q, k: fn(b, h, q, k), tracing_mode="fake", _allow_non_fake_inputs=True)(*example)
+        graph = _trace_on_tile(fn, device, None)
     except Exception as e:  # noqa: BLE001 - evaluated per tile instead
         return MaskStructure("general", reason=f"it could not be traced ({type(e).__name__})")
     nodes = list(graph.graph.nodes)
