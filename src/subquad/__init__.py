@@ -9,7 +9,7 @@ from ._api import attention, explain, sdpa
 from ._paths import BACKEND_NAMES as BACKENDS
 from ._planner import MemoryBudgetError, Plan
 
-__all__ = ["attention", "sdpa", "explain", "Plan", "MemoryBudgetError", "BACKENDS", "mods", "patch_sdpa", "integrations"]
+__all__ = ["attention", "sdpa", "explain", "Plan", "MemoryBudgetError", "BACKENDS", "mods", "patch_sdpa", "integrations", "distributed"]
 __version__ = "0.1.0"
 
 
@@ -18,8 +18,8 @@ def __getattr__(name: str):  # lazy: integrations import host libraries only whe
         from .integrations.patch import patch_sdpa
 
         return patch_sdpa
-    if name == "integrations":
+    if name in ("integrations", "distributed"):
         import importlib
 
-        return importlib.import_module(".integrations", __name__)
+        return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'subquad' has no attribute {name!r}")

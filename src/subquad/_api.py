@@ -65,6 +65,7 @@ def _prepare(
     return_lse: bool,
     allow_compile: Optional[bool] = None,
     estimate_time: bool = False,
+    block: Optional["BlockPositions"] = None,
 ) -> Tuple[Inputs, Options, int, Plan, Sequence[Tensor]]:
     if not isinstance(backend, str) or (backend != "auto" and backend not in BACKEND_NAMES):
         raise ArgumentError(f"Unknown backend={backend!r}; expected 'auto' or one of {', '.join(map(repr, BACKEND_NAMES))}.")
@@ -75,6 +76,8 @@ def _prepare(
         attn_mask=attn_mask, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
         dropout_p=dropout_p, score_mod=score_mod, mask_mod=mask_mod,
     )
+    if block is not None:
+        inp = block.apply(inp)
     inp, note = _traced_score_mod(inp)
     inp = _traced_mask_mod(inp)
     inp = _causal_mask_mod_as_flag(inp)
@@ -140,12 +143,39 @@ def _causal_mask_mod_as_flag(inp: Inputs) -> Inputs:
     """A ``mask_mod`` that declares itself the causal mask (``mods.causal()``, ``mods.causal_lower_right``)
     runs as the causal flag: whole tiles skipped, the fused kernel's own causal masking."""
     declared = getattr(inp.mask_mod, "causal_offset", None)
-    offset = declared(inp.Lq, inp.Lk) if callable(declared) else None
+    lengths = inp.total_lengths or (inp.Lq, inp.Lk)
+    offset = declared(*lengths) if callable(declared) else None
     if not isinstance(offset, int) or isinstance(offset, bool):
         return inp
+    # Declared in the callback's positions; in the block's own: j - ko <= i - qo + offset + (qo - ko).
+    offset += inp.q_offset - inp.kv_offset
     if inp.is_causal:  # both: the intersection of two causal masks is the one with the smaller offset
         offset = min(offset, inp.causal_offset)
     return dataclasses.replace(inp, is_causal=True, causal_offset=offset, mask_mod=None)
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockPositions:
+    """A call that is one block of a longer sequence (what ring attention runs per step).
+
+    Callbacks see query ``i`` at ``q_offset + i`` and key ``j`` at ``kv_offset + j``; a length-
+    dependent ``mask_mod`` (``mods.causal_lower_right``) sees the whole sequence's lengths
+    ``total_lengths``; heads are seen from ``h_offset``. ``causal_offset`` (in the block's own positions) applies when
+    ``is_causal``: query ``i`` sees keys ``j <= i + causal_offset``.
+    """
+
+    q_offset: int
+    kv_offset: int
+    total_lengths: Tuple[int, int]
+    causal_offset: int = 0
+    h_offset: int = 0
+
+    def apply(self, inp: Inputs) -> Inputs:
+        return dataclasses.replace(
+            inp, q_offset=self.q_offset, kv_offset=self.kv_offset, total_lengths=self.total_lengths,
+            h_offset=self.h_offset,
+            causal_offset=self.causal_offset if inp.is_causal else inp.causal_offset,
+        )
 
 
 def _draw_seed() -> int:
@@ -378,6 +408,40 @@ def attention(
             lse_out = lse_out.to(inp.stats_dtype)
         return out, lse_out
     return out
+
+
+def attention_block(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    block: BlockPositions,
+    *,
+    attn_mask: Optional[Tensor],
+    is_causal: bool,
+    score_mod: Optional[ScoreMod],
+    mask_mod: Optional[MaskMod],
+    scale: Optional[float],
+    enable_gqa: bool,
+    memory_budget: Budget,
+    captured: Optional[Sequence[Tensor]] = None,
+) -> Tuple[Tensor, Tensor, Plan]:
+    """One block of a longer attention (context parallelism): ``(out, lse, plan)`` on 4-D inputs.
+
+    ``query (B, Hq, Lq, E)``, ``key``/``value (B, Hk, Lk, E/Ev)`` -> ``out (B, Hq, Lq, Ev)``,
+    ``lse (B, Hq, Lq)`` in the stats dtype. Callbacks see the block's positions (``block``), and
+    the call runs on the tiles (never a whole-input kernel: the lse is always returned).
+    Differentiable like :func:`attention` when the inputs require grad; ``captured`` overrides
+    the probe of the tensors ``score_mod`` reads.
+    """
+    inp, opts, budget, plan, probed = _prepare(
+        query, key, value, attn_mask, is_causal, score_mod, mask_mod, scale, enable_gqa, 0.0,
+        memory_budget, None, "auto", True, allow_compile=False, block=block,
+    )
+    if plan.backend not in ("fused", "matmul"):
+        plan = make_plan(inp, opts, budget, "fused" if "fused" not in plan.rejected and inp.device.type == "cpu" else "matmul")
+    out, lse = _run_groups(inp, plan, opts, budget, "auto", probed if captured is None else captured)
+    assert lse is not None
+    return out, lse, plan
 
 
 def sdpa(

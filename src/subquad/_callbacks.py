@@ -45,12 +45,16 @@ def call_user(fn: Callable[..., Any], *args: Any) -> Any:
 
 
 def index_grids(inp: Inputs, qs: int, qe: int, ks: int, ke: int) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    """FlexAttention-style broadcastable int64 indices: b (B,1,1,1), h (1,Hq,1,1), q (1,1,qn,1), kv (1,1,1,kn)."""
+    """FlexAttention-style broadcastable int64 indices: b (B,1,1,1), h (1,Hq,1,1), q (1,1,qn,1), kv (1,1,1,kn).
+
+    Positions are the call's own plus its ``q_offset``/``kv_offset`` (a block of a longer sequence).
+    """
     dev = inp.device
     b = torch.arange(inp.b_offset, inp.b_offset + inp.B, device=dev).view(-1, 1, 1, 1)
-    h = torch.arange(inp.Hq, device=dev).view(1, -1, 1, 1)
-    qi = torch.arange(qs, qe, device=dev).view(1, 1, -1, 1)
-    ki = torch.arange(ks, ke, device=dev).view(1, 1, 1, -1)
+    h = torch.arange(inp.h_offset, inp.h_offset + inp.Hq, device=dev).view(1, -1, 1, 1)
+    qo, ko = inp.q_offset, inp.kv_offset
+    qi = torch.arange(qs + qo, qe + qo, device=dev).view(1, 1, -1, 1)
+    ki = torch.arange(ks + ko, ke + ko, device=dev).view(1, 1, 1, -1)
     return b, h, qi, ki
 
 
@@ -133,9 +137,9 @@ def probe_captured(inp: Inputs) -> List[Tensor]:
         return []
     dev = inp.device
     b = torch.arange(inp.b_offset, inp.b_offset + inp.B, device=dev).view(-1, 1, 1, 1)
-    h = torch.arange(inp.Hq, device=dev).view(1, -1, 1, 1)
-    qi = torch.tensor(sorted({0, inp.Lq - 1}), device=dev).view(1, 1, -1, 1)
-    ki = torch.tensor(sorted({0, inp.Lk - 1}), device=dev).view(1, 1, 1, -1)
+    h = torch.arange(inp.h_offset, inp.h_offset + inp.Hq, device=dev).view(1, -1, 1, 1)
+    qi = torch.tensor(sorted({0, inp.Lq - 1}), device=dev).view(1, 1, -1, 1) + inp.q_offset
+    ki = torch.tensor(sorted({0, inp.Lk - 1}), device=dev).view(1, 1, 1, -1) + inp.kv_offset
     score = torch.zeros(inp.B, inp.Hq, qi.shape[2], ki.shape[3], dtype=inp.stats_dtype, device=dev)
     recorder = _RecordGradTensors()
     with torch.no_grad(), recorder:

@@ -51,7 +51,8 @@ def _mask_mod_state(inp: Inputs, qs: int, qe: int, ks: int, ke: int) -> Tuple[in
         return FULL, None
     declared: Optional[Callable[[int, int, int, int], int]] = getattr(mm, "block_state", None)
     if declared is not None:
-        state = call_user(declared, qs, qe, ks, ke)
+        qo, ko = inp.q_offset, inp.kv_offset
+        state = call_user(declared, qs + qo, qe + qo, ks + ko, ke + ko)
         if state in (EMPTY, FULL, PARTIAL):
             return int(state), None
     # Exact for any callback: evaluate it on the tile's indices (elementwise, no matmul); the

@@ -62,6 +62,12 @@ class Inputs:
     A call whose batch broadcasting cannot be folded into one batch dim as a view (some 5-D
     patterns) has ``n_groups > 1``: this object is then its first group, and :meth:`group`
     gives the others; ``b_offset`` is the group's first batch index (what callbacks see as ``b``).
+
+    A call that is one block of a larger sequence (a rank's part of ring attention) has
+    ``q_offset``/``kv_offset``: callbacks see query ``i`` at position ``q_offset + i`` and key
+    ``j`` at ``kv_offset + j``, and ``total_lengths`` are the whole sequence's ``(Lq, Lk)``; a
+    call on a slice of the heads (all-to-all context parallelism) has ``h_offset``.
+    ``causal_offset`` stays in the block's own positions.
     """
 
     query: Tensor
@@ -75,6 +81,10 @@ class Inputs:
     score_mod: Optional[ScoreMod] = None
     mask_mod: Optional[MaskMod] = None
     causal_offset: int = 0
+    q_offset: int = 0
+    kv_offset: int = 0
+    h_offset: int = 0
+    total_lengths: Optional[Tuple[int, int]] = None
     batch: int = 1
     b_offset: int = 0
     squeeze_head: bool = False

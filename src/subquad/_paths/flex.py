@@ -112,6 +112,8 @@ class Flex(Backend):
             reasons.append("batch dims broadcast between query, key and value")
         if inp.empty or inp.Lk == 0:
             reasons.append("an empty input")
+        if inp.q_offset or inp.kv_offset or inp.h_offset:
+            reasons.append("a block of a longer sequence (positions offset): runs on the tiles")
         traced = getattr(inp.score_mod, "structure", None)
         if traced is not None and traced.reason.startswith("it could not be traced"):
             reasons.append(f"score_mod cannot be compiled: {traced.reason}")
