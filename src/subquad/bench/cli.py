@@ -22,6 +22,8 @@ from . import cases as cases_mod
 from . import impls as impls_mod
 from . import measure, report
 
+JAX_PRESETS = ("jax", "jax-quick")
+
 EPILOG = """\
 status: ok, unsupported (missing, or the implementation refuses the case: the reason says why),
 oom (out of memory, recorded rather than raised), error (anything else, with the exception).
@@ -43,8 +45,13 @@ def default_device() -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``subquad bench`` (also used by the ``subquad`` command's subparser)."""
     what = parser.add_argument_group("what to run")
-    what.add_argument("--preset", choices=sorted(cases_mod.PRESETS),
-                      help="a named set of cases (default: quick unless --shape is given)")
+    what.add_argument("--framework", choices=["torch", "jax"], default="torch",
+                      help="torch (default) or jax: subquad.jax against jax.nn.dot_product_attention "
+                           "and the seed's JAX code, time and compiled temporary memory (presets "
+                           "jax, jax-quick)")
+    what.add_argument("--preset", choices=sorted(cases_mod.PRESETS) + sorted(JAX_PRESETS),
+                      help="a named set of cases (default: quick unless --shape is given; "
+                           "jax-quick with --framework jax)")
     what.add_argument("--shape", action="append", type=_shape, metavar="B,H,Lq,Lk,E",
                       help="a shape to run instead of a preset (B,H,L,E also works); repeatable")
     what.add_argument("--dtype", type=_dtype, metavar="{fp16,bf16,fp32,fp64}",
@@ -178,6 +185,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     after Ctrl-C (the runs done so far are still shown and saved)."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.framework == "jax" or args.preset in JAX_PRESETS:
+        return _main_jax(parser, args)
     device = args.device or default_device()
     problem = _check_device(device)
     if problem:
@@ -248,3 +257,28 @@ def main(argv: Optional[list[str]] = None) -> int:
             if args.fail_if_regression is not None:
                 return 1
     return 130 if interrupted else 0
+
+
+def _main_jax(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """``--framework jax``: presets of ``(B, T, N, H)`` shapes in fp32 on JAX's default device."""
+    from . import jax_bench
+
+    if args.preset is not None and args.preset not in JAX_PRESETS:
+        parser.error(f"--preset {args.preset} is a torch preset; with --framework jax use {' or '.join(JAX_PRESETS)}")
+    unsupported = [flag for flag, value in (("--shape", args.shape), ("--mask", args.mask), ("--dtype", args.dtype),
+                                             ("--compare", args.compare), ("--device", args.device)) if value]
+    if unsupported:
+        parser.error(f"{', '.join(unsupported)} not supported with --framework jax (it runs the jax presets)")
+    impls = args.impl or list(jax_bench.IMPLS)
+    unknown = [name for name in impls if name not in jax_bench.IMPLS]
+    if unknown:
+        parser.error(f"--impl {' '.join(unknown)}: with --framework jax choose from {', '.join(jax_bench.IMPLS)}")
+    if args.budget is not None:
+        problem = _check_budget(args.budget)
+        if problem:
+            parser.error(problem)
+    seconds = 3.0 if args.seconds is None else args.seconds
+    if seconds <= 0:
+        parser.error(f"--seconds must be positive, got {seconds}")
+    jax_bench.main(args.preset or "jax-quick", impls, seconds, args.budget, args.out)
+    return 0
