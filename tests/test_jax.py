@@ -492,3 +492,35 @@ def test_bench_cli_runs_the_jax_preset(tmp_path, capsys):
         cli.main(["--framework", "jax", "--shape", "1,8,128,64"])
     with pytest.raises(SystemExit):
         cli.main(["--framework", "jax", "--impl", "flash"])
+
+
+def test_scale_may_be_traced_and_differentiated():
+    q, k, v = qkv(1, 33, 21, 2, 1, 8)
+
+    @jax.jit
+    def loss(q, scale):
+        return (sj.attention(q, k, v, scale=scale, is_causal=True, chunk_size=(8, 8)) ** 2).sum()
+
+    def ref_loss(q, scale):
+        return (jref(q, k, v, keep=causal_keep(33, 21), scale=scale) ** 2).sum()
+
+    scale = jnp.asarray(0.37)
+    assert_close(loss(q, scale), ref_loss(q, scale), 1e-12, "loss")
+    for name, a, b in zip(["q", "scale"], jax.grad(loss, (0, 1))(q, scale), jax.grad(ref_loss, (0, 1))(q, scale)):
+        assert_close(a, b, 1e-10, f"d{name}")
+    with pytest.raises(TypeError, match="scale"):
+        sj.attention(q, k, v, scale=jnp.ones(2))
+
+
+def test_dtype_errors_are_value_errors_too_as_in_jax():
+    q, k, v = qkv(1, 10, 12, 4, 2, 8)
+    cases = [dict(mask=jnp.ones((1, 1, 10, 12))), dict(key=k.astype(jnp.float32))]
+    for case in cases:
+        args = dict(query=q, key=case.get("key", k), value=v)
+        mask = case.get("mask")
+        with pytest.raises(ValueError):  # what jax.nn raises for the same input
+            jax.nn.dot_product_attention(**args, mask=mask)
+        with pytest.raises(ValueError):
+            sj.dot_product_attention(**args, mask=mask)
+        with pytest.raises(TypeError):  # subquad's convention for a wrong dtype
+            sj.dot_product_attention(**args, mask=mask)

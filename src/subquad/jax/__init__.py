@@ -37,6 +37,11 @@ from ._engine import Aux, Spec
 
 __all__ = ["attention", "dot_product_attention", "explain", "MemoryBudgetError"]
 
+
+class DtypeError(ArgumentTypeError, ValueError):
+    """A wrong dtype: a ``TypeError`` (and ``RuntimeError``) as in subquad's PyTorch API, and a
+    ``ValueError`` as ``jax.nn.dot_product_attention`` raises it, so either ``except`` works."""
+
 ChunkSize = Union[int, Tuple[int, int]]
 Budget = Union[int, str]
 
@@ -84,7 +89,8 @@ def attention(
         bias: added to the scaled scores; broadcastable to ``(B, N, T, S)`` (at most 4 dims,
             each 1 or full). Differentiable: its gradient has its shape.
         mask: bool, True = attend; broadcastable to ``(B, N, T, S)``.
-        scale: multiplies ``q k^T``; default ``1 / sqrt(H)``.
+        scale: multiplies ``q k^T``; default ``1 / sqrt(H)``. A float or a 0-d array, which may
+            be traced under ``jit`` and gets its gradient under ``grad``.
         is_causal: row ``t`` sees keys ``<= t`` (top-left aligned when ``T != S``, as JAX)::
 
                      keys ->
@@ -409,9 +415,9 @@ def _prepare(
         )
     for name, x in (("query", q), ("key", k), ("value", v)):
         if not jnp.issubdtype(x.dtype, jnp.floating):
-            raise ArgumentTypeError(f"Expected {name} to have a floating dtype, got {x.dtype}.")
+            raise DtypeError(f"Expected {name} to have a floating dtype, got {x.dtype}.")
     if not (q.dtype == k.dtype == v.dtype):
-        raise ArgumentTypeError(f"Expected query, key and value to have one dtype, got {q.dtype}, {k.dtype}, {v.dtype}.")
+        raise DtypeError(f"Expected query, key and value to have one dtype, got {q.dtype}, {k.dtype}, {v.dtype}.")
     squeeze = q.ndim == 3
     if squeeze:
         q, k, v = q[None], k[None], v[None]
@@ -426,13 +432,12 @@ def _prepare(
     if (K == 0 and N != 0) or (K != 0 and N % K != 0):
         raise ArgumentError(f"The number of query heads must be a multiple of key/value heads, got N={N} and K={K}.")
     G = N // K if K else 1
+    stats = jnp.promote_types(q.dtype, jnp.float32)
     if scale is None:
         scale = 1.0 / math.sqrt(H) if H > 0 else 1.0
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-        try:
-            scale = float(scale)
-        except (TypeError, ValueError):
-            raise ArgumentTypeError(f"Expected scale to be a float or None, got {scale!r}.") from None
+    if isinstance(scale, bool) or not (isinstance(scale, (int, float)) or getattr(scale, "shape", None) == ()):
+        raise ArgumentTypeError(f"Expected scale to be a float, a 0-d array (it may be traced) or None, got {scale!r}.")
+    scale = jnp.asarray(scale, stats)  # an array: under jit it may be a tracer, under grad it gets a gradient
     if not isinstance(is_causal, bool):
         raise ArgumentTypeError(f"Expected is_causal to be a bool, got {is_causal!r}.")
     window = _window(local_window_size)
@@ -443,12 +448,12 @@ def _prepare(
     if bias is not None:
         bias = jnp.asarray(bias)
         if not jnp.issubdtype(bias.dtype, jnp.floating):
-            raise ArgumentTypeError(f"Expected bias to have a floating dtype (use mask for bool), got {bias.dtype}.")
+            raise DtypeError(f"Expected bias to have a floating dtype (use mask for bool), got {bias.dtype}.")
         bias = _grouped_4d(bias, "bias", (B, N, T, S), K, G)
     if mask is not None:
         mask = jnp.asarray(mask)
         if mask.dtype != jnp.bool_:
-            raise ArgumentTypeError(f"Expected mask to be bool (True = attend; additive masks go in bias), got {mask.dtype}.")
+            raise DtypeError(f"Expected mask to be bool (True = attend; additive masks go in bias), got {mask.dtype}.")
         mask = _grouped_4d(mask, "mask", (B, N, T, S), K, G)
     q_lengths = _lengths(query_seq_lengths, "query_seq_lengths", B)
     kv_lengths = _lengths(key_value_seq_lengths, "key_value_seq_lengths", B)
@@ -460,11 +465,11 @@ def _prepare(
 
     def make(tq: int, tk: int, score: Any = None, masker: Any = None) -> Spec:
         return Spec(
-            B=B, T=T, S=S, K=K, G=G, H=H, Hv=Hv, tq=max(tq, 0), tk=max(tk, 0), scale=float(scale), is_causal=is_causal,
+            B=B, T=T, S=S, K=K, G=G, H=H, Hv=Hv, tq=max(tq, 0), tk=max(tk, 0), is_causal=is_causal,
             left=left, right=right, bias_shape=None if bias is None else tuple(bias.shape),
             mask_shape=None if mask is None else tuple(mask.shape), score_mod=score, mask_mod=masker,
             has_q_lengths=q_lengths is not None, has_kv_lengths=kv_lengths is not None,
-            stats=str(jnp.promote_types(q.dtype, jnp.float32)),
+            stats=str(stats),
         )
 
     need_bias_grad = bias is not None  # a bias's gradient is built only when asked for; plan for it
@@ -480,7 +485,7 @@ def _prepare(
         if mask_mod is not None:
             masker_fn, mask_consts = _convert(_checked_mask_mod(mask_mod, (B, N, spec.tq, spec.tk)), *index)
     spec = make(spec.tq, spec.tk, score_fn, masker_fn)
-    aux = Aux(bias, mask, q_lengths, kv_lengths, consts, mask_consts)
+    aux = Aux(bias, mask, q_lengths, kv_lengths, consts, mask_consts, scale)
     return _Call(spec, q.reshape(B, T, K, G, H), k, v, aux, squeeze, q.dtype, budget)
 
 

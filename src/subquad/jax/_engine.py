@@ -43,7 +43,6 @@ class Spec:
     Hv: int
     tq: int
     tk: int
-    scale: float
     is_causal: bool
     left: Optional[int]  # a row t sees keys >= t - left (None: no limit)
     right: Optional[int]  # ... and keys <= t + right (None: no limit; causal makes it <= 0)
@@ -85,6 +84,7 @@ class Aux(NamedTuple):
     kv_lengths: Optional[jax.Array]
     consts: Tuple[jax.Array, ...]  # arrays the score_mod closes over (closure-converted)
     mask_consts: Tuple[jax.Array, ...]  # arrays the mask_mod closes over
+    scale: jax.Array  # 0-d, the stats dtype: a Python float or a traced (even differentiated) value
 
 
 # ------------------------------------------------------------------ chunk geometry
@@ -208,8 +208,8 @@ def _keep(
 
 
 def _qk(spec: Spec, qc: jax.Array, kc: jax.Array) -> jax.Array:
-    s = jnp.einsum("btkgh,bskh->bkgts", qc, kc, preferred_element_type=spec.F)
-    return s * jnp.asarray(spec.scale, spec.F)
+    """Unscaled ``q k^T`` of one chunk, ``(B, K, G, tq, tk)``."""
+    return jnp.einsum("btkgh,bskh->bkgts", qc, kc, preferred_element_type=spec.F)
 
 
 # ------------------------------------------------------------------ forward
@@ -226,7 +226,7 @@ def forward(spec: Spec, q: jax.Array, k: jax.Array, v: jax.Array, aux: Aux) -> T
         def key_chunk(j: jax.Array, st: Rows) -> Rows:
             ks = kv_start(spec, j)
             bias_c = None if aux.bias is None else _broadcast_chunk(aux.bias, spec, qs, ks)
-            s = _modded(spec, _qk(spec, qc, _slice(k, ks, tk, 1)), bias_c, aux.consts, qs, ks)
+            s = _modded(spec, _qk(spec, qc, _slice(k, ks, tk, 1)) * aux.scale, bias_c, aux.consts, qs, ks)
             keep = _keep(spec, aux, qs, ks, None, j * tk if ragged_keys else None)
             if keep is not None:
                 s = jnp.where(keep, s, -jnp.inf)
@@ -258,8 +258,8 @@ def forward(spec: Spec, q: jax.Array, k: jax.Array, v: jax.Array, aux: Aux) -> T
 # ------------------------------------------------------------------ backward
 def backward(
     spec: Spec, q: jax.Array, k: jax.Array, v: jax.Array, aux: Aux, out: jax.Array, lse: jax.Array,
-    dout: Optional[jax.Array], dlse: Optional[jax.Array], want_bias: bool, want_consts: Tuple[bool, ...],
-) -> Tuple[jax.Array, jax.Array, jax.Array, Optional[jax.Array], Tuple[jax.Array, ...]]:
+    dout: Optional[jax.Array], dlse: Optional[jax.Array], want_bias: bool, want_consts: Tuple[bool, ...], want_scale: bool,
+) -> Tuple[jax.Array, jax.Array, jax.Array, Optional[jax.Array], Tuple[Optional[jax.Array], ...], Optional[jax.Array]]:
     """FlashAttention-2: for each key chunk, for each row chunk that sees it, recompute the
     probabilities from the saved lse and accumulate ``dq`` (float32, all rows), ``dk``/``dv``
     (float32, per key chunk), and the gradients of the bias and of the score_mod's captured arrays.
@@ -282,16 +282,17 @@ def backward(
         return _modded(spec, s, bias_c, cs, qs, ks)
 
     def key_chunk(j: jax.Array, carry: Tuple[Any, ...]) -> Tuple[Any, ...]:
-        dq, dk, dv, dbias, dconsts = carry
+        dq, dk, dv, dbias, dconsts, dscale = carry
         ks = kv_start(spec, j)
         kc, vc = _slice(k, ks, tk, 1), _slice(v, ks, tk, 1)
 
         def row_chunk(i: jax.Array, c: Tuple[Any, ...]) -> Tuple[Any, ...]:
-            dq, dkc, dvc, dbias, dconsts = c
+            dq, dkc, dvc, dbias, dconsts, dscale = c
             qs = q_start(spec, i)
             qc, doc = _slice(q, qs, tq, 1), _slice(dout, qs, tq, 1)
             bias_c = None if aux.bias is None else _broadcast_chunk(aux.bias, spec, qs, ks)
-            s, pullback = jax.vjp(lambda s0, b0, c0: chunk_mod(s0, b0, c0, qs, ks), _qk(spec, qc, kc), bias_c, consts)
+            raw = _qk(spec, qc, kc)
+            s, pullback = jax.vjp(lambda s0, b0, c0: chunk_mod(s0, b0, c0, qs, ks), raw * aux.scale, bias_c, consts)
             p = jnp.exp(s - _slice(live_lse, qs, tq, 3)[..., None])
             keep = _keep(spec, aux, qs, ks, i * tq if ragged_rows else None, j * tk if ragged_keys else None)
             if keep is not None:
@@ -300,7 +301,9 @@ def backward(
             dp = jnp.einsum("btkgd,bskd->bkgts", doc, vc, preferred_element_type=spec.F)
             ds = p * (dp - _slice(delta, qs, tq, 3)[..., None])
             ds_pre, dbias_c, dconsts_c = pullback(ds)
-            ds_pre = (ds_pre * jnp.asarray(spec.scale, spec.F)).astype(q.dtype)
+            if want_scale:
+                dscale = dscale + (ds_pre * raw).sum()
+            ds_pre = (ds_pre * aux.scale).astype(q.dtype)
             dq = _add_at(dq, jnp.einsum("bkgts,bskh->btkgh", ds_pre, kc, preferred_element_type=spec.F), qs, 1)
             dkc = dkc + jnp.einsum("bkgts,btkgh->bskh", ds_pre, qc, preferred_element_type=spec.F)
             if want_bias:
@@ -308,19 +311,19 @@ def backward(
                 keys_at = ks if dbias.shape[4] != 1 else 0
                 dbias = _add_at_2(dbias, dbias_c, rows_at, keys_at)
             dconsts = tuple(None if a is None else a + d.astype(a.dtype) for a, d in zip(dconsts, dconsts_c))
-            return dq, dkc, dvc, dbias, dconsts
+            return dq, dkc, dvc, dbias, dconsts, dscale
 
         lo, hi = q_range(spec, j)
-        start = (dq, jnp.zeros((B, tk, K, H), spec.F), jnp.zeros((B, tk, K, Hv), spec.F), dbias, dconsts)
-        dq, dkc, dvc, dbias, dconsts = lax.fori_loop(lo, hi, row_chunk, start)
+        start = (dq, jnp.zeros((B, tk, K, H), spec.F), jnp.zeros((B, tk, K, Hv), spec.F), dbias, dconsts, dscale)
+        dq, dkc, dvc, dbias, dconsts, dscale = lax.fori_loop(lo, hi, row_chunk, start)
         # Keys of an overlapping last chunk that the chunk before counted got zero here: adding is exact.
-        return dq, _add_at(dk, dkc, ks, 1), _add_at(dv, dvc, ks, 1), dbias, dconsts
+        return dq, _add_at(dk, dkc, ks, 1), _add_at(dv, dvc, ks, 1), dbias, dconsts, dscale
 
     dbias0 = jnp.zeros(spec.bias_shape, spec.F) if want_bias and spec.bias_shape is not None else None
     dconsts0 = tuple(jnp.zeros(c.shape, jnp.promote_types(c.dtype, spec.F)) if want else None for c, want in zip(consts, want_consts))
-    start = (jnp.zeros((B, T, K, G, H), spec.F), jnp.zeros((B, S, K, H), spec.F), jnp.zeros((B, S, K, Hv), spec.F), dbias0, dconsts0)
-    dq, dk, dv, dbias, dconsts = lax.fori_loop(0, spec.nk, key_chunk, start)
-    return dq, dk, dv, dbias, dconsts
+    start = (jnp.zeros((B, T, K, G, H), spec.F), jnp.zeros((B, S, K, H), spec.F), jnp.zeros((B, S, K, Hv), spec.F), dbias0, dconsts0, jnp.zeros((), spec.F))
+    dq, dk, dv, dbias, dconsts, dscale = lax.fori_loop(0, spec.nk, key_chunk, start)
+    return dq, dk, dv, dbias, dconsts, (dscale if want_scale else None)
 
 
 def _add_at_2(x: jax.Array, update: jax.Array, row: Any, col: Any) -> jax.Array:
@@ -348,15 +351,17 @@ def _attention_fwd(spec: Spec, q: Any, k: Any, v: Any, aux: Any) -> Tuple[Any, A
     # backward accumulates: a full-size bias gradient is T x S, never built unless asked for.
     want_bias = aux.bias is not None and aux.bias.perturbed
     want_consts = tuple(jnp.zeros(()) if c.perturbed else None for c in aux.consts)
-    flags = (jnp.zeros(()) if want_bias else None, want_consts)
+    want_scale = aux.scale.perturbed
+    flags = (jnp.zeros(()) if want_bias else None, want_consts, jnp.zeros(()) if want_scale else None)
     return (out, lse), (qv, kv, vv, aux_v, out, lse, flags)
 
 
 def _attention_bwd(spec: Spec, res: Any, cts: Any) -> Tuple[Any, ...]:
-    q, k, v, aux, out, lse, (bias_flag, consts_flags) = res
+    q, k, v, aux, out, lse, (bias_flag, consts_flags, scale_flag) = res
     dout, dlse = (_zero_or_none(c) for c in cts)
     want_bias, want_consts = bias_flag is not None, tuple(f is not None for f in consts_flags)
-    dq, dk, dv, dbias, dconsts = backward(spec, q, k, v, aux, out, lse, dout, dlse, want_bias, want_consts)
+    want_scale = scale_flag is not None
+    dq, dk, dv, dbias, dconsts, dscale = backward(spec, q, k, v, aux, out, lse, dout, dlse, want_bias, want_consts, want_scale)
     daux = Aux(
         None if dbias is None else dbias.astype(aux.bias.dtype),
         None,
@@ -364,6 +369,7 @@ def _attention_bwd(spec: Spec, res: Any, cts: Any) -> Tuple[Any, ...]:
         None,
         tuple(None if d is None else d.astype(c.dtype) for d, c in zip(dconsts, aux.consts)),
         tuple(None for _ in aux.mask_consts),
+        dscale,
     )
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), daux
 
