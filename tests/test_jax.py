@@ -524,3 +524,19 @@ def test_dtype_errors_are_value_errors_too_as_in_jax():
             sj.dot_product_attention(**args, mask=mask)
         with pytest.raises(TypeError):  # subquad's convention for a wrong dtype
             sj.dot_product_attention(**args, mask=mask)
+
+
+def test_vmap_over_an_array_the_score_mod_closes_over():
+    q = randn(16, 2, 8)
+    tables = randn(3, 16, 16)
+
+    def f(t):
+        return sj.attention(q, q, q, score_mod=lambda s, b, h, i, j: s + t[i, j], chunk_size=4)
+
+    def ref(t):
+        s = jnp.einsum("tnh,snh->nts", q, q) / np.sqrt(8) + t
+        return jnp.einsum("nts,snd->tnd", jax.nn.softmax(s, -1), q)
+
+    assert_close(jax.vmap(f)(tables), jax.vmap(ref)(tables), 1e-12, "vmap over the table")
+    per_table = jax.vmap(jax.grad(lambda t: f(t).sum()))(tables)
+    assert_close(per_table, jax.vmap(jax.grad(lambda t: ref(t).sum()))(tables), 1e-10, "per-table gradients")
