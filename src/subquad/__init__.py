@@ -18,7 +18,7 @@ def __getattr__(name: str):  # lazy: integrations import host libraries only whe
         from .integrations.patch import patch_sdpa
 
         return patch_sdpa
-    if name in ("integrations", "distributed"):
+    if name in ("integrations", "distributed", "jax"):  # jax: only when asked for (pip install subquad[jax])
         import importlib
 
         return importlib.import_module(f".{name}", __name__)
