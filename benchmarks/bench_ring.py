@@ -37,13 +37,8 @@ from typing import Any, Dict, List
 HERE = os.path.dirname(os.path.abspath(__file__))
 B, H, E = 1, 8, 64
 
-
-def _status(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(field)
+sys.path.insert(0, HERE)
+from _harness import _status_kib  # noqa: E402
 
 
 def _count_sends(counter: Dict[str, int]) -> None:
@@ -122,9 +117,9 @@ def _worker(rank: int, P: int, port: int, cfg: Dict[str, Any], out_path: str) ->
         barrier()
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
-        before = _status("VmRSS")
+        before = _status_kib("VmRSS") * 1024
         out = call(*qkv)
-        result["peak"] = _status("VmHWM") - before
+        result["peak"] = _status_kib("VmHWM") * 1024 - before
         result["shard_bytes"] = sum(t.numel() * t.element_size() for t in qkv)
     else:
         times = []

@@ -21,6 +21,8 @@ import subquad
 from subquad import distributed as sd
 from subquad import mods
 
+from _memory_probe import _kib  # the RSS fields in bytes, as the single-process probe reads them
+
 
 def _err(a: torch.Tensor, b: torch.Tensor) -> float:
     if a.numel() == 0:
@@ -266,20 +268,12 @@ def _memory(rank: int, P: int) -> Dict[str, float]:
     gc.collect()
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
-    base = _status("VmRSS")
+    base = _kib("VmRSS")
     out = sd.ring_attention(q, k, v, is_causal=True, memory_budget="8MiB")
     (out * go).sum().backward()
-    peak = _status("VmHWM") - base
+    peak = _kib("VmHWM") - base
     whole_scores = H * L * L * 4
     return {"peak": float(peak), "shard": float(q.numel() * 4), "scores": float(whole_scores)}
-
-
-def _status(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(field)
 
 
 def _timeout(rank: int, P: int) -> Dict[str, Any]:

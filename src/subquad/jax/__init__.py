@@ -465,11 +465,9 @@ def _prepare(
 
     def make(tq: int, tk: int, score: Any = None, masker: Any = None) -> Spec:
         return Spec(
-            B=B, T=T, S=S, K=K, G=G, H=H, Hv=Hv, tq=max(tq, 0), tk=max(tk, 0), is_causal=is_causal,
+            B=B, T=T, S=S, K=K, G=G, H=H, Hv=Hv, tq=max(tq, 0), tk=max(tk, 0),
             left=left, right=right, bias_shape=None if bias is None else tuple(bias.shape),
-            mask_shape=None if mask is None else tuple(mask.shape), score_mod=score, mask_mod=masker,
-            has_q_lengths=q_lengths is not None, has_kv_lengths=kv_lengths is not None,
-            stats=str(stats),
+            score_mod=score, mask_mod=masker, stats=str(stats),
         )
 
     need_bias_grad = bias is not None  # a bias's gradient is built only when asked for; plan for it

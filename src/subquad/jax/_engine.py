@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Callable, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -43,15 +43,11 @@ class Spec:
     Hv: int
     tq: int
     tk: int
-    is_causal: bool
     left: Optional[int]  # a row t sees keys >= t - left (None: no limit)
     right: Optional[int]  # ... and keys <= t + right (None: no limit; causal makes it <= 0)
     bias_shape: Optional[Tuple[int, int, int, int, int]]  # grouped (Bb, Kb, Gb, Tb, Sb)
-    mask_shape: Optional[Tuple[int, int, int, int, int]]
     score_mod: Optional[Callable[..., Any]]  # (score, b, h, q_idx, kv_idx, *consts) -> score
     mask_mod: Optional[Callable[..., Any]]  # (b, h, q_idx, kv_idx, *mask_consts) -> bool
-    has_q_lengths: bool
-    has_kv_lengths: bool
     stats: str = "float32"  # dtype of scores, softmax statistics and gradient accumulators
 
     @property
@@ -128,9 +124,11 @@ def _slice(x: jax.Array, start: jax.Array, size: int, axis: int) -> jax.Array:
     return lax.dynamic_slice_in_dim(x, start, size, axis=axis)
 
 
-def _add_at(x: jax.Array, update: jax.Array, start: jax.Array, axis: int) -> jax.Array:
-    current = lax.dynamic_slice_in_dim(x, start, update.shape[axis], axis=axis)
-    return lax.dynamic_update_slice_in_dim(x, current + update.astype(x.dtype), start, axis=axis)
+def _add_at(x: jax.Array, update: jax.Array, starts: Dict[int, Any]) -> jax.Array:
+    """``x`` with ``update`` added at ``starts`` (axis -> offset; other axes from 0)."""
+    index = tuple(jnp.asarray(starts.get(axis, 0), jnp.int32) for axis in range(x.ndim))
+    current = lax.dynamic_slice(x, index, update.shape)
+    return lax.dynamic_update_slice(x, current + update.astype(x.dtype), index)
 
 
 def _broadcast_chunk(x: jax.Array, spec: Spec, qs: jax.Array, ks: jax.Array) -> jax.Array:
@@ -278,9 +276,6 @@ def backward(
     live_lse = jnp.where(lse == -jnp.inf, jnp.inf, lse)  # rows that saw nothing: p = exp(-inf) = 0
     consts = aux.consts
 
-    def chunk_mod(s: jax.Array, bias_c: Optional[jax.Array], cs: Tuple[jax.Array, ...], qs: jax.Array, ks: jax.Array) -> jax.Array:
-        return _modded(spec, s, bias_c, cs, qs, ks)
-
     def key_chunk(j: jax.Array, carry: Tuple[Any, ...]) -> Tuple[Any, ...]:
         dq, dk, dv, dbias, dconsts, dscale = carry
         ks = kv_start(spec, j)
@@ -292,7 +287,7 @@ def backward(
             qc, doc = _slice(q, qs, tq, 1), _slice(dout, qs, tq, 1)
             bias_c = None if aux.bias is None else _broadcast_chunk(aux.bias, spec, qs, ks)
             raw = _qk(spec, qc, kc)
-            s, pullback = jax.vjp(lambda s0, b0, c0: chunk_mod(s0, b0, c0, qs, ks), raw * aux.scale, bias_c, consts)
+            s, pullback = jax.vjp(lambda s0, b0, c0: _modded(spec, s0, b0, c0, qs, ks), raw * aux.scale, bias_c, consts)
             p = jnp.exp(s - _slice(live_lse, qs, tq, 3)[..., None])
             keep = _keep(spec, aux, qs, ks, i * tq if ragged_rows else None, j * tk if ragged_keys else None)
             if keep is not None:
@@ -304,12 +299,11 @@ def backward(
             if want_scale:
                 dscale = dscale + (ds_pre * raw).sum()
             ds_pre = (ds_pre * aux.scale).astype(q.dtype)
-            dq = _add_at(dq, jnp.einsum("bkgts,bskh->btkgh", ds_pre, kc, preferred_element_type=spec.F), qs, 1)
+            dq = _add_at(dq, jnp.einsum("bkgts,bskh->btkgh", ds_pre, kc, preferred_element_type=spec.F), {1: qs})
             dkc = dkc + jnp.einsum("bkgts,btkgh->bskh", ds_pre, qc, preferred_element_type=spec.F)
             if want_bias:
-                rows_at = qs if dbias.shape[3] != 1 else 0
-                keys_at = ks if dbias.shape[4] != 1 else 0
-                dbias = _add_at_2(dbias, dbias_c, rows_at, keys_at)
+                # The chunk's gradient is already reduced to the bias's broadcast dims.
+                dbias = _add_at(dbias, dbias_c, {3: qs if dbias.shape[3] != 1 else 0, 4: ks if dbias.shape[4] != 1 else 0})
             dconsts = tuple(None if a is None else a + d.astype(a.dtype) for a, d in zip(dconsts, dconsts_c))
             return dq, dkc, dvc, dbias, dconsts, dscale
 
@@ -317,20 +311,13 @@ def backward(
         start = (dq, jnp.zeros((B, tk, K, H), spec.F), jnp.zeros((B, tk, K, Hv), spec.F), dbias, dconsts, dscale)
         dq, dkc, dvc, dbias, dconsts, dscale = lax.fori_loop(lo, hi, row_chunk, start)
         # Keys of an overlapping last chunk that the chunk before counted got zero here: adding is exact.
-        return dq, _add_at(dk, dkc, ks, 1), _add_at(dv, dvc, ks, 1), dbias, dconsts, dscale
+        return dq, _add_at(dk, dkc, {1: ks}), _add_at(dv, dvc, {1: ks}), dbias, dconsts, dscale
 
     dbias0 = jnp.zeros(spec.bias_shape, spec.F) if want_bias and spec.bias_shape is not None else None
     dconsts0 = tuple(jnp.zeros(c.shape, jnp.promote_types(c.dtype, spec.F)) if want else None for c, want in zip(consts, want_consts))
     start = (jnp.zeros((B, T, K, G, H), spec.F), jnp.zeros((B, S, K, H), spec.F), jnp.zeros((B, S, K, Hv), spec.F), dbias0, dconsts0, jnp.zeros((), spec.F))
     dq, dk, dv, dbias, dconsts, dscale = lax.fori_loop(0, spec.nk, key_chunk, start)
     return dq, dk, dv, dbias, dconsts, (dscale if want_scale else None)
-
-
-def _add_at_2(x: jax.Array, update: jax.Array, row: Any, col: Any) -> jax.Array:
-    """Add a bias chunk's gradient (already reduced to the bias's broadcast dims) into place."""
-    starts = tuple(jnp.asarray(i, jnp.int32) for i in (0, 0, 0, row, col))
-    current = lax.dynamic_slice(x, starts, update.shape)
-    return lax.dynamic_update_slice(x, current + update.astype(x.dtype), starts)
 
 
 # ------------------------------------------------------------------ the differentiable op
