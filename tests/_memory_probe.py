@@ -8,7 +8,9 @@ e.g. ``[2, 4]``), ``budget``, and optionally ``dtype``, ``backend``, ``grad``, `
 along the first batch dim only, broadcast over the others), ``score_mod``: ``"module-method"``
 (a bound method of a module that also holds a large unused layer; its table is learnable),
 ``callbacks``: ``"user-alibi-causal"`` or ``"user-softcap-causal"`` (user-written lambdas, as
-FlexAttention users write them), ``allow_compile`` (the compiled path; off unless given).
+FlexAttention users write them), ``allow_compile`` (the compiled path; off unless given),
+``kv_heads`` (fewer key/value heads: grouped-query attention) and ``threads`` (torch's thread
+count for this case; the fused kernels' working set grows with it).
 """
 
 from __future__ import annotations
@@ -44,15 +46,25 @@ class RelativeBias(torch.nn.Module):
 
 
 def run(case: dict) -> dict:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(case.get("threads", threads))
+    try:
+        return _run(case)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(case: dict) -> dict:
     B, H, Lq, Lk, E = case["shape"]
+    Hk = case.get("kv_heads", H)
     batch = case.get("batch", [B])
     dt = getattr(torch, case.get("dtype", "float32"))
     g = torch.Generator().manual_seed(0)
     grad = case.get("grad", False)
     q = torch.randn(*batch, H, Lq, E, generator=g, dtype=dt).requires_grad_(grad)
-    k = torch.randn(*batch, H, Lk, E, generator=g, dtype=dt).requires_grad_(grad)
-    v = torch.randn(*batch, H, Lk, E, generator=g, dtype=dt).requires_grad_(grad)
-    kw: dict = dict(memory_budget=case["budget"], backend=case.get("backend", "auto"))
+    k = torch.randn(*batch, Hk, Lk, E, generator=g, dtype=dt).requires_grad_(grad)
+    v = torch.randn(*batch, Hk, Lk, E, generator=g, dtype=dt).requires_grad_(grad)
+    kw: dict = dict(memory_budget=case["budget"], backend=case.get("backend", "auto"), enable_gqa=Hk != H)
     if case.get("chunk"):
         kw["chunk_size"] = tuple(case["chunk"])
     mask = case.get("mask")
@@ -92,6 +104,7 @@ def run(case: dict) -> dict:
     call()  # warm-up: thread pools and lazy initialisation are not the call's memory
     for t in (q, k, v, *params):
         t.grad = None
+    grad_out = None  # (freed during the measured call, it would hide as much of its peak)
     gc.collect()
     base = _kib("VmRSS")
     with open("/proc/self/clear_refs", "w") as f:

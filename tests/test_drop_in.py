@@ -48,7 +48,7 @@ def _bad_calls():
         pytest.param((q, k.float(), k), {}, TypeError, "same dtype", id="dtype"),
         pytest.param((_t(16), _t(16), _t(16)), {}, ValueError, "at least 2 dims", id="1-D"),
         pytest.param((q, k, k), dict(attn_mask=torch.ones(8, 8, dtype=torch.bool), is_causal=True), ValueError,
-                     "both attn_mask and is_causal", id="mask-and-causal"),
+                     "Explicit attn_mask should not be set when is_causal=True", id="mask-and-causal"),
         pytest.param((q, _t(2, 4, 8, 8), k), {}, ValueError, r"key.shape\[-1\]", id="head-dim"),
         pytest.param((q, _t(2, 3, 8, 16), _t(2, 3, 8, 16)), dict(enable_gqa=True), ValueError, "multiple", id="gqa"),
         pytest.param((q, k, k), dict(attn_mask=torch.ones(7, 8)), ValueError, "does not broadcast", id="mask-shape"),
@@ -63,6 +63,42 @@ def test_errors_are_runtime_errors_like_sdpa_and_keep_their_messages(args, kwarg
     for caught in (RuntimeError, cls):  # code written for SDPA catches RuntimeError
         with pytest.raises(caught, match=message):
             subquad.sdpa(*args, **kwargs)
+
+
+def _torch_test_masks():
+    # The variants of torch's test_scaled_dot_product_attention that pass both a mask and is_causal.
+    for input_dim in (3, 4):
+        for mask_dim in (2, 3, 4)[: input_dim - 1]:
+            for dropout_p in (0.0, 0.2, 0.5):
+                for tiled in (False, True):
+                    yield pytest.param(input_dim, mask_dim, dropout_p, tiled, id=f"{input_dim}d-mask{mask_dim}d-p{dropout_p}-{'tiled' if tiled else 'default'}")
+
+
+@pytest.mark.parametrize("input_dim,mask_dim,dropout_p,tiled", list(_torch_test_masks()))
+def test_mask_with_is_causal_raises_torchs_text(input_dim, mask_dim, dropout_p, tiled):
+    shape = (2, 3, 5, 8)[4 - input_dim:]
+    q = _t(*shape)
+    batch = shape[:-2]
+    mask = torch.ones(batch[len(batch) - (mask_dim - 2):] + (5, 5), dtype=torch.bool)
+    assert mask.dim() == mask_dim
+    text = "Explicit attn_mask should not be set when is_causal=True"
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+        with pytest.raises(RuntimeError, match=text):  # torch's documented behaviour (its math path)
+            ORIGINAL_SDPA(q, q, q, attn_mask=mask, dropout_p=dropout_p, is_causal=True)
+    kw = dict(chunk_size=(2, 3)) if tiled else {}
+    with pytest.raises(RuntimeError, match=text):
+        subquad.sdpa(q, q, q, attn_mask=mask, dropout_p=dropout_p, is_causal=True, **kw)
+
+
+def test_unsupported_tensor_kinds_name_the_argument():
+    q = _t(1, 2, 5, 8)
+    nested = torch.nested.nested_tensor([torch.randn(3, 2, 8), torch.randn(5, 2, 8)], layout=torch.jagged).transpose(1, 2)
+    with pytest.raises(NotImplementedError, match="query is a nested tensor; subquad takes dense"):
+        subquad.sdpa(nested, nested, nested)
+    with pytest.raises(TypeError, match="Expected key to be a dense \\(strided\\) tensor, got layout torch.sparse_coo"):
+        subquad.sdpa(q, q.to_sparse(), q)
+    with pytest.raises(TypeError, match="Expected attn_mask to be a dense \\(strided\\) tensor, got a torch.sparse_coo one"):
+        subquad.sdpa(q, q, q, attn_mask=(torch.rand(5, 5) > 0.5).to_sparse())
 
 
 @pytest.mark.parametrize("value", ["no", 1, 0, None, np.bool_(True)])
@@ -232,8 +268,12 @@ def test_causal_bias_lower_right_skips_tiles():
 
 def test_causal_bias_errors():
     q, k = _t(1, 2, 6, 8), _t(1, 2, 9, 8)
-    with pytest.raises(ValueError, match="CausalBias should not be used with is_causal=True"):
-        subquad.sdpa(q, k, k, attn_mask=causal_upper_left(6, 9), is_causal=True)
+    for mask in (causal_upper_left(6, 9), _lower_right(6, 9)):
+        # torch's own test: assertRaisesRegex(ValueError, "CausalBias should not be used with causal=True")
+        with pytest.raises(ValueError, match="CausalBias should not be used with causal=True"):
+            ORIGINAL_SDPA(q, k, k, attn_mask=mask, is_causal=True)
+        with pytest.raises(ValueError, match="CausalBias should not be used with causal=True"):
+            subquad.sdpa(q, k, k, attn_mask=mask, is_causal=True)
     with pytest.raises(RuntimeError, match=r"causal_lower_right\(6, 8\), but the call has Lq=6 .* Lk=9"):
         subquad.sdpa(q, k, k, attn_mask=causal_lower_right(6, 8))
 

@@ -93,7 +93,7 @@ def test_integer_mask():
 
 def test_mask_and_causal():
     q, k, v = qkv()
-    with pytest.raises(ValueError, match="both attn_mask and is_causal=True"):
+    with pytest.raises(ValueError, match="Explicit attn_mask should not be set when is_causal=True"):
         subquad.attention(q, k, v, attn_mask=torch.ones(5, 7, dtype=torch.bool), is_causal=True)
 
 

@@ -220,3 +220,241 @@ def test_causal_bias_through_the_patch_and_through_a_bound_function():
     from torch.nn.attention.bias import CausalBias
 
     assert CausalBias.__dict__["__torch_function__"].__func__.__module__ == "torch.nn.attention.bias"
+
+
+# ----------------------------------------------------------------- interrupts (Ctrl-C) at any point
+import dis  # noqa: E402
+import signal  # noqa: E402
+import sys  # noqa: E402
+import threading  # noqa: E402
+
+from subquad.integrations import patch as _patch  # noqa: E402
+from subquad._paths.sdpa import TORCH_SDPA  # noqa: E402
+
+
+def _consistent() -> list:
+    """What is wrong with the patch's state when no block is active (empty when nothing is)."""
+    from torch.nn.attention.bias import CausalBias
+
+    wrong = []
+    if F.scaled_dot_product_attention is not TORCH_SDPA:
+        wrong.append(f"F.scaled_dot_product_attention is {F.scaled_dot_product_attention!r}")
+    if _patch._REGISTRY.blocks():
+        wrong.append(f"{len(_patch._REGISTRY.blocks())} block(s) still active")
+    if CausalBias.__dict__["__torch_function__"].__func__.__module__ != "torch.nn.attention.bias":
+        wrong.append("CausalBias dispatch still replaced")
+    if getattr(_patch._REGISTRY.calling, "active", False):
+        wrong.append("the re-entrancy flag is stuck")
+    return wrong
+
+
+class _Code:
+    """What the interrupter needs to know about one code object of the patch module."""
+
+    def __init__(self, code) -> None:
+        ins = list(dis.get_instructions(code))
+        self.calls = {x.offset: x.opname for x in ins if x.opname.startswith("CALL")}
+        self.back_jumps = {
+            x.offset for x in ins
+            if x.opcode in dis.hasjrel + dis.hasjabs and isinstance(x.argval, int) and x.argval < x.offset
+        }
+        self.entries = list(dis.Bytecode(code).exception_entries) if hasattr(dis.Bytecode(code), "exception_entries") else []
+
+    def handler(self, offset: int):
+        return next(((e.target, e.depth) for e in self.entries if e.start <= offset < e.end), None)
+
+
+class _Interrupter:
+    """Raises KeyboardInterrupt at the ``n``-th point where CPython itself would deliver a Ctrl-C
+    while running subquad's patch module (CPython 3.11+: a function's start, the end of a call to a
+    function that is not inlined -- C code, ``CALL_FUNCTION_EX`` --, a backward jump).
+
+    An interrupt after a call belongs to the call instruction (its exception handler); it is
+    raised at the next instruction when that has the same handler, or at the callee's return when
+    the callee is Python. Every function's start is a point, the exit function's included (an
+    interrupt there stops it before its first line runs).
+    """
+
+    def __init__(self, n: int) -> None:
+        self.n, self.count, self.fired = n, 0, False
+        self.codes: dict = {}
+        # Keyed by id(frame): holding the frames would keep their locals (the blocks' holds) alive.
+        self.last: dict = {}  # patch frame -> (offset, its code info) of the instruction it ran last
+        self.callee_of: dict = {}  # patch frame -> whether its pending call entered Python code
+
+    def _tick(self) -> None:
+        self.count += 1
+        if self.count == self.n:
+            self.fired = True
+            raise KeyboardInterrupt(f"injected at point {self.n}")
+
+    def _mine(self, frame) -> bool:
+        return frame is not None and frame.f_code.co_filename == _patch.__file__
+
+    def __call__(self, frame, event, arg):
+        caller = frame.f_back
+        last = self.last.get(id(caller)) if self._mine(caller) else None
+        if last is not None and last[0] in last[1].calls:
+            # A Python callee of a call in the patch module: its start is a point, and so is its
+            # end when the call is not inlined.
+            self.callee_of[id(caller)] = True
+            inlined = last[1].calls[last[0]] != "CALL_FUNCTION_EX"
+            if not self._mine(frame):
+                self._tick()
+                return None if inlined else self._return_point
+        if not self._mine(frame):
+            return None
+        frame.f_trace_opcodes = True
+        self.last.pop(id(frame), None)
+        self.callee_of.pop(id(frame), None)
+        if frame.f_code not in self.codes:
+            self.codes[frame.f_code] = _Code(frame.f_code)
+        self._tick()
+        return self._local
+
+    def _return_point(self, frame, event, arg):
+        if event == "return":
+            self._tick()
+        return None
+
+    def _local(self, frame, event, arg):
+        if event != "opcode":
+            return self._local
+        info = self.codes[frame.f_code]
+        prev = self.last.get(id(frame))
+        here = frame.f_lasti
+        self.last[id(frame)] = (here, info)
+        if prev is None:
+            return self._local
+        o = prev[0]
+        after_c_call = o in info.calls and not self.callee_of.pop(id(frame), False)
+        if (after_c_call or o in info.back_jumps) and info.handler(o) == info.handler(here):
+            self._tick()
+        return self._local
+
+
+def _scenario(q, k, v):
+    with subquad.patch_sdpa(chunk_size=(4, 4)):
+        F.scaled_dot_product_attention(q, k, v)
+        with subquad.patch_sdpa(backend="matmul"):
+            F.scaled_dot_product_attention(q, k, v)
+        F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    with subquad.patch_sdpa(chunk_size=(2, 2)):
+        F.scaled_dot_product_attention(q, k, v)
+
+
+def _run_interrupted(n, q, k, v):
+    tracer = _Interrupter(n)
+    sys.settrace(tracer)
+    try:
+        _scenario(q, k, v)
+        interrupted = False
+    except KeyboardInterrupt:
+        interrupted = True
+    finally:
+        sys.settrace(None)
+    return tracer, interrupted
+
+
+def test_an_interrupt_at_any_point_leaves_torchs_function_and_an_empty_registry(monkeypatch):
+    seen = _spy_chunks(monkeypatch)
+    q, k, v = _qkv(1, 2, 9, 8)
+    total = _run_interrupted(10**9, q, k, v)[0].count
+    assert total > 50  # the scenario reaches many points (enter, calls, exits)
+    failures = []
+    for n in range(1, total + 1):
+        tracer, interrupted = _run_interrupted(n, q, k, v)
+        assert tracer.fired and interrupted, f"point {n}: the interrupt was swallowed"
+        wrong = _consistent()
+        if wrong:
+            failures.append(f"point {n}: {'; '.join(wrong)}")
+            for block in _patch._REGISTRY.blocks():  # clean up for the next trial
+                _patch._REGISTRY.exit(block)
+        # and a later block still routes its calls
+        del seen[:]
+        with subquad.patch_sdpa(chunk_size=(5, 5)):
+            F.scaled_dot_product_attention(q, k, v)
+        if seen != [("MainThread", (5, 5))]:
+            failures.append(f"point {n}: a later block routed {seen}")
+    assert not failures, "\n".join(failures[:20])
+
+
+@pytest.mark.skipif(not hasattr(signal, "setitimer"), reason="needs signal.setitimer")
+def test_ctrl_c_from_a_signal_while_threads_use_blocks():
+    """The issue's campaign: a SIGALRM handler raising KeyboardInterrupt at random moments while the
+    main thread and two workers enter, call and exit blocks."""
+    import random
+
+    q, k, v = _qkv(1, 2, 9, 8)
+    stop = threading.Event()
+
+    def worker():
+        while not stop.is_set():
+            with subquad.patch_sdpa(chunk_size=(3, 3)):
+                F.scaled_dot_product_attention(q, k, v)
+
+    def alarm(signum, frame):
+        raise KeyboardInterrupt
+
+    rng = random.Random(0)
+    old = signal.signal(signal.SIGALRM, alarm)
+    workers = [threading.Thread(target=worker) for _ in range(2)]
+    interrupted = 0
+    try:
+        for t in workers:
+            t.start()
+        for _ in range(150):
+            try:
+                signal.setitimer(signal.ITIMER_REAL, rng.uniform(1e-5, 2e-3))
+                for _ in range(20):
+                    with subquad.patch_sdpa(chunk_size=(4, 4)):
+                        F.scaled_dot_product_attention(q, k, v)
+                signal.setitimer(signal.ITIMER_REAL, 0)
+            except KeyboardInterrupt:
+                interrupted += 1
+            mine = [b for b in _patch._REGISTRY.blocks() if b.thread == threading.get_ident()]
+            assert not mine, f"a main-thread block stayed active after an interrupt ({interrupted} so far)"
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+        stop.set()
+        for t in workers:
+            t.join(10)
+    assert interrupted > 50  # the campaign did interrupt
+    assert not _consistent(), _consistent()
+
+
+# ----------------------------------------------------------------- torch's own function
+def test_torchs_function_is_torchs_builtin_even_if_replaced_before_subquad_was_imported():
+    """A wrapper installed before subquad's patch module was imported must not become subquad's
+    idea of torch's function: a function bound inside a block and called after it would recurse."""
+    import subprocess
+    import textwrap
+
+    code = textwrap.dedent(
+        """
+        import torch, torch.nn.functional as F
+        builtin = F.scaled_dot_product_attention
+        calls = []
+        def profiling_wrapper(*args, **kwargs):
+            calls.append(1)
+            return builtin(*args, **kwargs)
+        F.scaled_dot_product_attention = profiling_wrapper
+        import subquad
+        from subquad.integrations.patch import ORIGINAL_SDPA
+        from subquad._paths.sdpa import TORCH_SDPA
+        assert ORIGINAL_SDPA is builtin and TORCH_SDPA is builtin, (ORIGINAL_SDPA, TORCH_SDPA)
+        q = torch.randn(1, 2, 9, 8, dtype=torch.float64)
+        with subquad.patch_sdpa(chunk_size=(4, 4)):
+            bound = F.scaled_dot_product_attention
+            inside = bound(q, q, q)
+        assert F.scaled_dot_product_attention is profiling_wrapper  # the wrapper is back
+        after = bound(q, q, q)  # bound inside, called after: torch's builtin, no recursion
+        ref = builtin(q, q, q)
+        assert (inside - ref).abs().max() < 1e-12 and (after - ref).abs().max() < 1e-12
+        print("ok", len(calls))
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["ok", "0"]

@@ -186,6 +186,10 @@ GRID = [
     dict(shape=[1, 4, 2048, 2048, 64], budget="16MiB", callbacks="user-softcap-causal"),
     dict(shape=[1, 4, 2048, 2048, 64], budget="16MiB", callbacks="user-softcap-causal", allow_compile=True),
     dict(shape=[1, 4, 2048, 2048, 64], budget="4MiB", callbacks="user-alibi-causal", allow_compile=True),
+    # Issue 18: the causal GQA backward on one thread plans 2048 x 2048 fused tiles; each key
+    # segment's gradients must be freed before the next segment's kernel runs.
+    dict(shape=[1, 8, 4096, 4096, 64], kv_heads=2, budget="16MiB", grad=True, mask="causal", threads=1),
+    dict(shape=[1, 8, 4096, 4096, 64], kv_heads=2, budget="16MiB", grad=True, mask="causal"),
 ]
 
 

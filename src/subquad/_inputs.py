@@ -304,6 +304,13 @@ def _shape(t: Tensor) -> str:
 def _check_tensor(name: str, t: object) -> Tensor:
     if not isinstance(t, Tensor):
         raise ArgumentTypeError(f"Expected {name} to be a torch.Tensor, got {type(t).__name__}.")
+    if t.is_nested:
+        raise NotImplementedError(
+            f"{name} is a nested tensor; subquad takes dense (strided) tensors. Pad the sequences "
+            "and pass a key padding mask (attn_mask or subquad.mods.key_padding), or run them one by one."
+        )
+    if t.layout != torch.strided:
+        raise ArgumentTypeError(f"Expected {name} to be a dense (strided) tensor, got layout {t.layout}.")
     if t.dtype not in _FLOAT_DTYPES:
         raise ArgumentTypeError(
             f"Expected {name} to be a floating-point tensor (float64, float32, float16 or bfloat16), "
@@ -365,8 +372,8 @@ def causal_bias_offset(attn_mask: object, Lq: int, Lk: int, is_causal: bool) -> 
         return None
     if is_causal:
         raise ArgumentError(
-            "CausalBias should not be used with is_causal=True: the attn_mask already is the causal mask "
-            "(torch's SDPA raises the same)."
+            "CausalBias should not be used with causal=True: the attn_mask already is the causal mask; "
+            "pass is_causal=False (torch's SDPA raises the same)."
         )
     variant = getattr(attn_mask, "variant", None)
     if variant == CausalVariant.UPPER_LEFT:
@@ -523,10 +530,16 @@ def _check_mask(
 ) -> Tensor:
     if not isinstance(attn_mask, Tensor):
         raise ArgumentTypeError(f"Expected attn_mask to be None or a torch.Tensor, got {type(attn_mask).__name__}.")
+    if attn_mask.is_nested or attn_mask.layout != torch.strided:
+        raise ArgumentTypeError(
+            f"Expected attn_mask to be a dense (strided) tensor, got a {'nested' if attn_mask.is_nested else attn_mask.layout} one; "
+            "pass a dense mask, or a mask_mod that computes it per tile."
+        )
     if is_causal:
+        # The text starts with torch's own (its tests match it); the advice follows.
         raise ArgumentError(
-            "Got both attn_mask and is_causal=True; pass one of them (fold causality into the mask, "
-            "or use mask_mod=subquad.mods.causal() together with attn_mask)."
+            "Explicit attn_mask should not be set when is_causal=True: pass one of them (fold causality "
+            "into the mask, or use mask_mod=subquad.mods.causal() together with attn_mask)."
         )
     if attn_mask.dtype != torch.bool and attn_mask.dtype not in _FLOAT_DTYPES:
         raise ArgumentTypeError(

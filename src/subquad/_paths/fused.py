@@ -301,6 +301,7 @@ class FusedCPU(Backend):
                 add_into(grads.dk[:, :, seg.ks : seg.ke], gk)
             if grads.dv is not None:
                 add_into(grads.dv[:, :, seg.ks : seg.ke], gv)
+            del gq, gk, gv  # not alive while the next segment's kernel allocates its own
 
     def segment_backward(
         self, inp: Inputs, qs: int, qe: int, seg: Segment, grad_out: Tensor, out: Tensor, lse: Tensor

@@ -17,8 +17,9 @@ from .._inputs import Inputs
 from .base import Backend, Options, _bh
 from .fused import FusedCPU
 
-# The original SDPA, saved before anything (such as subquad.patch_sdpa) can replace it.
-TORCH_SDPA = F.scaled_dot_product_attention
+# Torch's own SDPA: its builtin, never what ``F.scaled_dot_product_attention`` happens to be when
+# subquad is imported (a profiling wrapper, another library's patch, subquad.patch_sdpa itself).
+TORCH_SDPA = getattr(getattr(torch._C, "_nn", None), "scaled_dot_product_attention", None) or F.scaled_dot_product_attention
 
 MiB = 1 << 20
 
