@@ -266,7 +266,7 @@ def test_sdpa_positional_and_options():
 
 
 def test_fused_tile_skipping_counts_causal():
-    from subquad._engine import TILES
+    from subquad._tiles import TILES
 
     q, k, v = _rand(1, 1, 64, 8), _rand(1, 1, 64, 8), _rand(1, 1, 64, 8)
     TILES.reset()

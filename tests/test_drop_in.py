@@ -257,7 +257,7 @@ def test_causal_bias_masks_as_in_sdpa(make, Lq, Lk, backend, chunk):
 
 def test_causal_bias_lower_right_skips_tiles():
     q, k = _t(1, 1, 64, 8), _t(1, 1, 256, 8)
-    from subquad._engine import TILES
+    from subquad._tiles import TILES
 
     TILES.reset()
     subquad.attention(q, k, k, attn_mask=_lower_right(64, 256), chunk_size=(16, 16), backend="fused")

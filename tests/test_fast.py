@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import subquad
-from subquad import MemoryBudgetError, _fast, _planner
+from subquad import MemoryBudgetError, _budget, _fast
 from subquad.integrations.patch import ORIGINAL_SDPA
 
 CALLS = [
@@ -91,7 +91,7 @@ def test_a_remembered_plan_is_not_reused_when_it_no_longer_fits(monkeypatch):
     q, k, v, _ = _tensors(dict(q=(1, 4, 64, 64), k=(1, 4, 64, 64)), {})
     with torch.no_grad():
         subquad.attention(q, k, v)  # remembered under half of the free memory
-        monkeypatch.setattr(_planner, "free_memory_bytes", lambda device: 1 << 16)
+        monkeypatch.setattr(_budget, "free_memory_bytes", lambda device: 1 << 16)
         with pytest.raises(MemoryBudgetError):
             subquad.attention(q, k, v)
     monkeypatch.undo()

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 import subquad
 from conftest import assert_close_to_golden, naive_attention
 from subquad import _engine
-from subquad._paths import FusedCPU, fused
+from subquad._backends import FusedCPU, fused
 from subquad.integrations.patch import ORIGINAL_SDPA
 
 f64 = torch.float64
@@ -116,10 +116,10 @@ def test_explain_predicts_the_time_of_a_huge_call():
 
 
 def test_long_calls_warn_and_log_progress(monkeypatch, caplog):
-    from subquad import _api, _planner
+    from subquad import _call, _planner
 
     monkeypatch.setattr(_planner, "ESTIMATE_TIME_FROM_TILES", 1)
-    monkeypatch.setattr(_api, "WARN_LONGER_THAN_S", 0.0)
+    monkeypatch.setattr(_call, "WARN_LONGER_THAN_S", 0.0)
     monkeypatch.setattr(_engine, "LONG_CALL_SECONDS", 0.0)
     monkeypatch.setattr(_engine.Progress.__init__, "__defaults__", (0.0,))  # log at every block
     q, k, v = _qkv(64)

@@ -14,8 +14,8 @@ import torch
 import subquad
 from conftest import assert_close_to_golden, naive_attention, to64
 from subquad import mods
-from subquad._engine import TILES
-from subquad._paths import flex
+from subquad._tiles import TILES
+from subquad._backends import flex
 
 pytestmark = pytest.mark.skipif(flex._flex_unavailable_reason() is not None, reason="no FlexAttention in this torch")
 

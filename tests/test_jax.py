@@ -21,7 +21,7 @@ import jax.numpy as jnp  # noqa: E402
 jax.config.update("jax_enable_x64", True)
 
 import subquad.jax as sj  # noqa: E402
-from subquad._planner import parse_budget  # noqa: E402
+from subquad._budget import parse_budget  # noqa: E402
 from subquad.jax import _engine  # noqa: E402
 
 RNG = np.random.default_rng(1234)

@@ -16,7 +16,8 @@ import torch
 import subquad
 from conftest import assert_close_to_golden, naive_attention, to64
 from subquad import mods
-from subquad._engine import EMPTY, FULL, PARTIAL, TILES
+from subquad._callbacks import EMPTY, FULL, PARTIAL
+from subquad._tiles import TILES
 
 f64 = torch.float64
 
@@ -799,12 +800,12 @@ def test_user_additive_score_mod_with_learnable_tensors_trains_exactly():
 
 
 def test_structure_is_traced_once_per_callback(monkeypatch):
-    from subquad import _callbacks
+    from subquad import _traced
 
     calls = []
-    real = _callbacks._trace_structure
-    monkeypatch.setattr(_callbacks, "_trace_structure", lambda *a: calls.append(1) or real(*a))
-    monkeypatch.setattr(_callbacks, "_STRUCTURES", type(_callbacks._STRUCTURES)())
+    real = _traced._trace_structure
+    monkeypatch.setattr(_traced, "_trace_structure", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(_traced, "_STRUCTURES", type(_traced._STRUCTURES)())
     q, k, v = _qkv(1, 4, 16, 16)
     for scale in (0.1, 0.1, 0.2):  # a new lambda each time, as in a model's forward
         table = torch.randn(16, 16, dtype=f64)  # a new tensor of the same kind each time

@@ -229,7 +229,7 @@ import sys  # noqa: E402
 import threading  # noqa: E402
 
 from subquad.integrations import patch as _patch  # noqa: E402
-from subquad._paths.sdpa import TORCH_SDPA  # noqa: E402
+from subquad._backends import TORCH_SDPA  # noqa: E402
 
 
 def _consistent() -> list:
@@ -442,7 +442,7 @@ def test_torchs_function_is_torchs_builtin_even_if_replaced_before_subquad_was_i
         F.scaled_dot_product_attention = profiling_wrapper
         import subquad
         from subquad.integrations.patch import ORIGINAL_SDPA
-        from subquad._paths.sdpa import TORCH_SDPA
+        from subquad._backends import TORCH_SDPA
         assert ORIGINAL_SDPA is builtin and TORCH_SDPA is builtin, (ORIGINAL_SDPA, TORCH_SDPA)
         q = torch.randn(1, 2, 9, 8, dtype=torch.float64)
         with subquad.patch_sdpa(chunk_size=(4, 4)):

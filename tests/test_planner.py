@@ -18,15 +18,10 @@ import subquad
 from subquad import MemoryBudgetError
 from conftest import assert_close_to_golden, naive_attention
 from subquad._inputs import Inputs, make_inputs
-from subquad._paths import Matmul, Options
-from subquad._planner import (
-    DEFAULT_BUDGET_FRACTION,
-    MPS_MAX_MATMUL_ELEMENTS,
-    _tile_options,
-    make_plan,
-    free_memory_bytes,
-    parse_budget,
-)
+from subquad._backends import Matmul, Options
+from subquad._backends import MPS_MAX_MATMUL_ELEMENTS
+from subquad._budget import DEFAULT_BUDGET_FRACTION, free_memory_bytes, parse_budget
+from subquad._planner import make_plan
 
 MiB = 1 << 20
 
@@ -96,7 +91,7 @@ def test_budget_too_small_says_what_would_work():
 
 
 def test_out_of_memory_retry_halves_tiles_and_stays_exact(monkeypatch):
-    from subquad._paths import Matmul
+    from subquad._backends import Matmul
 
     q, k, v = (torch.randn(1, 2, 100, 16, dtype=torch.float64) for _ in range(3))
     calls = {"n": 0}
@@ -116,7 +111,7 @@ def test_out_of_memory_retry_halves_tiles_and_stays_exact(monkeypatch):
 
 
 def test_other_errors_are_not_retried(monkeypatch):
-    from subquad._paths import Matmul
+    from subquad._backends import Matmul
 
     def broken(*a, **kw):
         raise RuntimeError("something else")
@@ -139,7 +134,7 @@ def test_mps_guard_keeps_every_matmul_below_2_31():
             return torch.device("mps")
 
     mps_inp = OnMPS(**{f.name: getattr(inp, f.name) for f in dataclasses.fields(inp)})
-    options = _tile_options(mps_inp, Matmul())
+    options = Matmul().tile_options(mps_inp)
     assert options and all(2 * 32 * qc * kc < MPS_MAX_MATMUL_ELEMENTS for qc, kc in options)
     plan = make_plan(mps_inp, Options(), 1 << 40, "matmul")  # a huge budget still gets small tiles
     assert 2 * 32 * plan.chunk_size[0] * plan.chunk_size[1] < MPS_MAX_MATMUL_ELEMENTS
@@ -217,7 +212,7 @@ def test_measured_peak_within_budget_and_prediction_honest():
 
 
 def test_fused_kernel_refusal_falls_back_to_matmul(monkeypatch):
-    from subquad._paths import fused
+    from subquad._backends import fused
 
     def refusing(*args, **kwargs):
         raise RuntimeError("scaled_dot_product_attention_flash_attention: some new restriction")

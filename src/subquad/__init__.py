@@ -6,16 +6,17 @@ tiles with a running max, sum and weighted sum per row, so the ``Lq x Lk`` matri
 
 from . import mods
 from ._api import attention, explain, sdpa
-from ._paths import BACKEND_NAMES as BACKENDS
-from ._planner import MemoryBudgetError, Plan
+from ._backends import BACKEND_NAMES as BACKENDS
+from ._errors import MemoryBudgetError
+from ._planner import Plan
 
 __all__ = ["attention", "sdpa", "explain", "Plan", "MemoryBudgetError", "BACKENDS", "mods", "patch_sdpa", "integrations", "distributed"]
 __version__ = "0.1.0"
 
 
-def __getattr__(name: str):  # lazy: integrations import host libraries only when used
+def __getattr__(name: str):  # the lazy wing: integrations import host libraries only when used
     if name == "patch_sdpa":
-        from .integrations.patch import patch_sdpa
+        from .integrations.patch import patch_sdpa  # the wing imports subquad: it comes after it
 
         return patch_sdpa
     if name in ("integrations", "distributed", "jax"):  # jax: only when asked for (pip install subquad[jax])

@@ -2,7 +2,7 @@
 
 The backward never materializes ``Lq x Lk``: per tile it recomputes the scores from the saved lse
 (FlashAttention-2), with PyTorch's fused CPU backward kernel where it accepts the tile and the
-matmul kernel otherwise (a float mask's gradient, tensors captured by ``score_mod``, dropout).
+matmul backend otherwise (a float mask's gradient, tensors captured by ``score_mod``, dropout).
 
 The Function also works under ``torch.func`` (``grad``, ``vjp``, ``jacrev``, ``vmap``) and with
 batched gradients (``torch.autograd.grad(..., is_grads_batched=True)``, ``gradcheck``'s batched
@@ -20,27 +20,19 @@ from torch import Tensor
 from torch._C import _functorch
 
 from . import _engine
+from ._backends import BACKENDS
 from ._inputs import Inputs
-from ._callbacks import probe_captured
 from ._tiles import Grads, KernelRefused, reduce_to
-from ._planner import matmul_backward_tiles
-
-
-def captured_tensors(inp: Inputs) -> List[Tensor]:
-    """Tensors requiring grad that the call's ``score_mod`` reads (they become extra inputs of the Function)."""
-    if inp.score_mod is None or not torch.is_grad_enabled():
-        return []
-    return probe_captured(inp)
 
 
 class Meta(NamedTuple):
     """What the Function needs besides tensors: the call without its tensors, and its plan."""
 
     inp: Inputs
-    kernel: str
-    chunk: Tuple[int, int]
-    bwd_kernel: str
-    bwd_chunk: Tuple[int, int]
+    backend: str
+    tiles: Tuple[int, int]
+    backward_backend: str
+    backward_tiles: Tuple[int, int]
     seed: int
     budget: int
     predicted_s: Optional[float] = None
@@ -62,7 +54,7 @@ class _Attention(torch.autograd.Function):
         *captured: Tensor,
     ) -> Tuple[Tensor, Tensor]:
         inp = dataclasses.replace(meta.inp, query=query, key=key, value=value, attn_mask=attn_mask)
-        out, lse = _engine.forward(inp, meta.kernel, meta.chunk, meta.seed, need_lse=True, predicted_s=meta.predicted_s)
+        out, lse = _engine.forward(inp, meta.backend, meta.tiles, meta.seed, need_lse=True, predicted_s=meta.predicted_s)
         assert lse is not None
         return out, lse
 
@@ -121,7 +113,7 @@ class _Backward(torch.autograd.Function):
                      o: Tensor, l: Tensor) -> Tuple[Optional[Tensor], ...]:
             inp = dataclasses.replace(meta.inp, query=q, key=k, value=v, attn_mask=m)
             dq, dk, dv, dmask, dcaptured = backward_grads(
-                inp, meta.bwd_kernel, meta.bwd_chunk, meta.seed, meta.budget, go, o, l, gl,
+                inp, meta.backward_backend, meta.backward_tiles, meta.seed, meta.budget, go, o, l, gl,
                 wanted=wanted[:4], captured=captured, predicted_s=meta.predicted_s,
             )
             return tuple(g for g, w in zip((dq, dk, dv, dmask, *dcaptured), wanted) if w)
@@ -183,8 +175,8 @@ def per_example(fn: Callable[..., Tuple[Optional[Tensor], ...]], *tensors: Optio
 
 def backward_grads(
     inp: Inputs,
-    kernel: str,
-    chunk: Tuple[int, int],
+    backend: str,
+    tiles: Tuple[int, int],
     seed: int,
     budget: int,
     grad_out: Tensor,
@@ -209,29 +201,29 @@ def backward_grads(
     if grad_lse is not None:
         # Fully masked rows have lse = -inf and no keys to pass a gradient to.
         grad_lse = grad_lse.masked_fill(torch.isneginf(lse), 0.0)
-        if kernel == "fused":
+        if backend == "fused":
             # The fused backward computes D itself; the matmul tiles take dlse (same budget).
-            kernel, chunk = "matmul", matmul_backward_tiles(inp, budget)
+            backend, tiles = "matmul", BACKENDS["matmul"].backward_tiles(inp, budget)
     with torch.no_grad():
-        if kernel == "fused" and not want_mask and not captured:
+        if backend == "fused" and not want_mask and not captured:
             try:
-                whole = _engine.whole_fused_backward(inp, chunk, grad_out, out, lse)
+                whole = _engine.whole_fused_backward(inp, tiles, grad_out, out, lse)
             except KernelRefused as e:
                 _warn_refused(e)
-                whole, kernel, chunk = None, "matmul", matmul_backward_tiles(inp, budget)
+                whole, backend, tiles = None, "matmul", BACKENDS["matmul"].backward_tiles(inp, budget)
             if whole is not None:
                 dq, dk, dv = (reduce_to(g, t.shape) for g, t in zip(whole, (query, key, value)))
                 return dq if want_q else None, dk if want_k else None, dv if want_v else None, None, []
         while True:
             grads = _zero_grads(inp, want_q, want_k, want_v, want_mask, captured)
             try:
-                _engine.backward(inp, kernel, chunk, seed, grad_out, out, lse, grads, grad_lse, predicted_s)
+                _engine.backward(inp, backend, tiles, seed, grad_out, out, lse, grads, grad_lse, predicted_s)
                 break
             except KernelRefused as e:
-                if kernel != "fused":
+                if backend != "fused":
                     raise
                 _warn_refused(e)
-                kernel, chunk = "matmul", matmul_backward_tiles(inp, budget)
+                backend, tiles = "matmul", BACKENDS["matmul"].backward_tiles(inp, budget)
 
     def cast(g: Optional[Tensor], like: Optional[Tensor]) -> Optional[Tensor]:
         return None if g is None or like is None else g.to(like.dtype)

@@ -8,12 +8,13 @@ from typing import List, Optional
 
 import torch
 
+import subquad
+from subquad._backends import cpu_flash_unavailable_reason
+from subquad._budget import format_bytes, free_memory_bytes
+from subquad.bench.cli import main as bench_main
+
 
 def _info(args: argparse.Namespace) -> int:
-    import subquad
-    from subquad._paths import cpu_flash_unavailable_reason
-    from subquad._planner import format_bytes, free_memory_bytes
-
     device = torch.device(args.device)
     print(f"subquad {subquad.__version__}, torch {torch.__version__}")
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{device.type} ({torch.get_num_threads()} threads)"
@@ -49,11 +50,6 @@ def _info(args: argparse.Namespace) -> int:
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "bench":
-        try:
-            from subquad.bench.cli import main as bench_main
-        except ImportError as e:  # pragma: no cover
-            print(f"subquad bench is unavailable: {e}", file=sys.stderr)
-            return 2
         return int(bench_main(argv[1:]) or 0)
     parser = argparse.ArgumentParser(prog="subquad", description="Exact attention in bounded memory.")
     sub = parser.add_subparsers(dest="command")

@@ -2,7 +2,7 @@
 
 For each block of ``q_chunk`` query rows the engine lists the key segments that can contribute
 (causal tiles above the diagonal and tiles that a ``mask_mod`` hides everywhere are skipped, never
-computed) and hands them to a path (:mod:`subquad._paths`). The output is written into a
+computed) and hands them to a backend (:mod:`subquad._backends`). The output is written into a
 preallocated tensor block by block, so peak memory is one block's working set whatever the number
 of blocks.
 """
@@ -12,55 +12,17 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from typing import Callable, Iterator, Optional, Tuple
+from typing import Iterator, Optional, Tuple
 
 import torch
 from torch import Tensor
 
+from ._backends import BACKENDS
+from ._callbacks import EMPTY, PARTIAL, mask_mod_state
 from ._inputs import Inputs
-from ._callbacks import call_user, eval_mask_mod
-from ._paths import BACKENDS
-from ._tiles import Grads, Segment
+from ._tiles import TILES, Grads, Segment
 
 log = logging.getLogger("subquad")
-
-
-
-class TileCounter:
-    """Counts computed and skipped tiles; tests use it to check block skipping."""
-
-    def __init__(self) -> None:
-        self.computed = 0
-        self.skipped = 0
-
-    def reset(self) -> None:
-        self.computed = 0
-        self.skipped = 0
-
-
-TILES = TileCounter()
-
-# Block states a built-in mask_mod may report through ``mask_mod.block_state(qs, qe, ks, ke)``.
-EMPTY, FULL, PARTIAL = 0, 1, 2
-
-
-def _mask_mod_state(inp: Inputs, qs: int, qe: int, ks: int, ke: int) -> Tuple[int, Optional[Tensor]]:
-    """The tile's state under ``mask_mod``, and the evaluated mask when it had to be evaluated."""
-    mm = inp.mask_mod
-    if mm is None:
-        return FULL, None
-    declared: Optional[Callable[[int, int, int, int], int]] = getattr(mm, "block_state", None)
-    if declared is not None:
-        qo, ko = inp.q_offset, inp.kv_offset
-        state = call_user(declared, qs + qo, qe + qo, ks + ko, ke + ko)
-        if state in (EMPTY, FULL, PARTIAL):
-            return int(state), None
-    # Exact for any callback: evaluate it on the tile's indices (elementwise, no matmul); the
-    # result is handed on with the segment so that it is not evaluated twice.
-    keep = eval_mask_mod(inp, qs, qe, ks, ke)
-    if not bool(keep.any()):
-        return EMPTY, None
-    return (FULL, None) if bool(keep.all()) else (PARTIAL, keep)
 
 
 def kv_segments(inp: Inputs, qs: int, qe: int, kv_chunk: int, coalesce: bool) -> Iterator[Segment]:
@@ -82,7 +44,7 @@ def kv_segments(inp: Inputs, qs: int, qe: int, kv_chunk: int, coalesce: bool) ->
             if ke - 1 > qs + off:
                 # "diag": the tile's causal mask is top-left within the tile (ks == qs + off).
                 causal = "diag" if ks == qs + off else "partial"
-        state, keep = _mask_mod_state(inp, qs, qe, ks, ke)
+        state, keep = mask_mod_state(inp, qs, qe, ks, ke)
         if state == EMPTY:
             TILES.skipped += 1
             continue
@@ -109,7 +71,7 @@ def kv_segments(inp: Inputs, qs: int, qe: int, kv_chunk: int, coalesce: bool) ->
 def _needs_generated_mask(inp: Inputs, seg: Segment) -> bool:
     bool_or_cast = inp.attn_mask is not None and inp.attn_mask.dtype != inp.bias_dtype
     additive = inp.score_mod is not None
-    return seg.causal != "none" or seg.mask_mod or bool_or_cast or additive
+    return seg.causal != "none" or seg.needs_mask_mod or bool_or_cast or additive
 
 
 def _nonempty(segments: Iterator[Segment]) -> Optional[Iterator[Segment]]:
@@ -148,7 +110,7 @@ class Progress:
 
 
 def forward(
-    inp: Inputs, kernel_name: str, chunk: Tuple[int, int], seed: int, need_lse: bool,
+    inp: Inputs, backend: str, chunk: Tuple[int, int], seed: int, need_lse: bool,
     predicted_s: Optional[float] = None,
 ) -> Tuple[Tensor, Optional[Tensor]]:
     """Attention of the whole call, ``(out (B, Hq, Lq, Ev), lse (B, Hq, Lq) or None)``.
@@ -156,7 +118,7 @@ def forward(
     An interrupt (Ctrl-C) between tiles leaves nothing behind: the output is returned only once
     every tile is done.
     """
-    kernel = BACKENDS[kernel_name]
+    b = BACKENDS[backend]
     q_chunk, kv_chunk = chunk
     B, Hq, Lq = inp.B, inp.Hq, inp.Lq
     lse = torch.empty((B, Hq, Lq), dtype=inp.stats_dtype, device=inp.device) if need_lse else None
@@ -165,12 +127,12 @@ def forward(
         if lse is not None:
             lse.fill_(float("-inf"))
         return torch.zeros((B, Hq, Lq, inp.Ev), dtype=inp.dtype, device=inp.device), lse
-    coalesce = kernel_name == "fused"
-    if kernel.returns_rows and q_chunk >= Lq:
+    coalesce = backend == "fused"
+    if b.returns_rows and q_chunk >= Lq:
         # One block of rows: the kernel's own output is the result, no copy.
         segs = _nonempty(kv_segments(inp, 0, Lq, kv_chunk, coalesce))
         if segs is not None:
-            out, rows_lse = kernel.forward_rows(inp, 0, Lq, segs, None, seed)
+            out, rows_lse = b.forward_rows(inp, 0, Lq, segs, None, seed)
             if lse is not None:
                 lse.copy_(rows_lse)
             return out.to(inp.dtype), lse
@@ -184,7 +146,7 @@ def forward(
             if lse is not None:
                 lse[:, :, qs:qe].fill_(float("-inf"))
             continue
-        result = kernel.forward_rows(inp, qs, qe, segs, out, seed)
+        result = b.forward_rows(inp, qs, qe, segs, out, seed)
         if lse is not None:
             lse[:, :, qs:qe].copy_(result[1] if isinstance(result, tuple) else result)
         del result
@@ -193,7 +155,7 @@ def forward(
 
 def backward(
     inp: Inputs,
-    kernel_name: str,
+    backend: str,
     chunk: Tuple[int, int],
     seed: int,
     grad_out: Tensor,
@@ -210,14 +172,14 @@ def backward(
     """
     if inp.empty or inp.Lk == 0:
         return
-    kernel = BACKENDS[kernel_name]
+    b = BACKENDS[backend]
     q_chunk, kv_chunk = chunk
     progress = Progress("backward", -(-inp.Lq // q_chunk), predicted_s)
     for i, (qs, qe) in enumerate(_row_blocks(inp.Lq, q_chunk)):
         progress.tick(i)
         segs = _nonempty(kv_segments(inp, qs, qe, kv_chunk, coalesce=False))
         if segs is not None:
-            kernel.backward_rows(inp, qs, qe, segs, grad_out, out, lse, seed, grads, grad_lse)
+            b.backward_rows(inp, qs, qe, segs, grad_out, out, lse, seed, grads, grad_lse)
 
 
 def whole_fused_backward(

@@ -9,8 +9,8 @@ lengths (a decode step's key length grows by one each step):
 * the mask's rank, leading dims, which of its last two dims broadcast, dtype and device;
 * ``is_causal``, ``scale``, ``enable_gqa``, ``memory_budget``, ``backend``, ``return_lse``.
 
-The first call of a key runs the full path; if its plan is one whole-input call on a path chosen
-for what the call *is* (no path was passed over for lack of memory), the key remembers the path.
+The first call of a key runs the full path; if its plan is one whole-input call on a backend chosen
+for what the call *is* (no backend was passed over for lack of memory), the key remembers the backend.
 Later calls of the key check only what the lengths decide: the key/value lengths agree, the mask
 broadcasts, and the whole input still fits the budget (and stays under the planner's tile-size
 preference) — otherwise they take the full path, which plans, explains and raises exactly as
@@ -27,10 +27,11 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 from torch import Tensor
 
+from . import _engine
+from ._backends import BACKENDS, TARGET_TILE_BYTES, TORCH_SDPA, cpu_flash_forward
+from ._budget import resolve_budget
 from ._inputs import Inputs
-from ._paths import BACKENDS, TORCH_SDPA
-from ._paths.fused import cpu_flash_forward
-from ._planner import TARGET_TILE_BYTES, Plan, resolve_budget
+from ._planner import Plan
 
 SMALL_SCORES = 1 << 16
 """Calls with at most this many scores (256 KiB of float32) may go through torch's SDPA directly."""
@@ -70,7 +71,7 @@ def _fits(entry: Entry, inp: Inputs, Lq: int, Lk: int, need_lse: bool) -> bool:
     fq, fk, fb = entry.fits
     if fq == Lq and Lk <= fk and budget >= fb:
         return True
-    path = BACKENDS[entry.backend]
+    backend = BACKENDS[entry.backend]
     longer = 1 << max(Lk - 1, 1).bit_length()
     if longer > Lk:  # the model at a longer key, on shapes alone (meta tensors)
         k, v = inp.key, inp.value
@@ -78,23 +79,23 @@ def _fits(entry: Entry, inp: Inputs, Lq: int, Lk: int, need_lse: bool) -> bool:
             inp, key=torch.empty((*k.shape[:2], longer, k.shape[3]), dtype=k.dtype, device="meta"),
             value=torch.empty((*v.shape[:2], longer, v.shape[3]), dtype=v.dtype, device="meta"),
         )
-    need = path.forward_bytes(inp, Lq, longer, need_lse)
-    if need <= budget and path.tile_bytes(inp, Lq, longer) <= TARGET_TILE_BYTES:
+    need = backend.forward_bytes(inp, Lq, longer, need_lse)
+    if need <= budget and backend.tile_bytes(inp, Lq, longer) <= TARGET_TILE_BYTES:
         entry.fits = (Lq, longer, need)
         return True
     if longer == Lk:
         return False
-    return _fits_exactly(entry, path, inp, Lq, Lk, need_lse, budget)
+    return _fits_exactly(entry, backend, inp, Lq, Lk, need_lse, budget)
 
 
-def _fits_exactly(entry: Entry, path: Any, inp: Inputs, Lq: int, Lk: int, need_lse: bool, budget: int) -> bool:
+def _fits_exactly(entry: Entry, backend: Any, inp: Inputs, Lq: int, Lk: int, need_lse: bool, budget: int) -> bool:
     k, v = inp.key, inp.value  # meta tensors of the longer length: the model at this one
     inp = dataclasses.replace(
         inp, key=torch.empty((*k.shape[:2], Lk, k.shape[3]), dtype=k.dtype, device="meta"),
         value=torch.empty((*v.shape[:2], Lk, v.shape[3]), dtype=v.dtype, device="meta"),
     )
-    need = path.forward_bytes(inp, Lq, Lk, need_lse)
-    if need > budget or path.tile_bytes(inp, Lq, Lk) > TARGET_TILE_BYTES:
+    need = backend.forward_bytes(inp, Lq, Lk, need_lse)
+    if need > budget or backend.tile_bytes(inp, Lq, Lk) > TARGET_TILE_BYTES:
         return False
     entry.fits = (Lq, Lk, need)
     return True
@@ -153,7 +154,7 @@ def remember(k: Optional[Tuple[Any, ...]], inp: Inputs, plan: Plan, memory_budge
     if plan.chunk_size is not None and (plan.chunk_size[0] < inp.Lq or plan.chunk_size[1] < inp.Lk):
         return
     if any("budget is" in reason for reasons in plan.rejected.values() for reason in reasons):
-        return  # a faster path was passed over for lack of memory: another length may fit it
+        return  # a faster backend was passed over for lack of memory: another length may fit it
     direct = (
         plan.backend == "fused" and inp.attn_mask is None and inp.E == inp.Ev and inp.scale > 0
         and inp.query.stride(-1) == 1 and inp.key.stride(-1) == 1 and inp.value.stride(-1) == 1
@@ -184,15 +185,11 @@ def run(k: Tuple[Any, ...], query: Tensor, key_: Tensor, value: Tensor, attn_mas
     inp = _inputs(query, key_, value, attn_mask, is_causal, scale)
     if inp.empty or not _fits(entry, inp, Lq, Lk, return_lse):
         return None
-    path = BACKENDS[entry.backend]
+    backend = BACKENDS[entry.backend]
     try:
-        if entry.backend == "sdpa":
-            return path.run_whole(query, key_, value, inp, attn_mask, enable_gqa)  # type: ignore[attr-defined]
-        if entry.direct:
-            out, lse = path.whole(inp)  # type: ignore[attr-defined]
+        if entry.backend == "sdpa" or entry.direct:
+            out, lse = backend.run_whole(inp, return_lse)
         else:
-            from . import _engine
-
             out, lse = _engine.forward(inp, "fused", (Lq, Lk), 0, need_lse=return_lse)
     except Exception:  # noqa: BLE001 - the full path recovers (or raises) as it always does
         return None

@@ -2,8 +2,12 @@
 
 Everything the planner and the engine need to know about a call lives in :class:`Inputs`:
 shapes, the GQA grouping, the batch broadcasting, the mask in its *unexpanded* broadcast form,
-and byte sizes. User input is checked here once, with errors that name the argument and show
-the values.
+and byte sizes. User input is checked here once (:func:`make_inputs`), with errors that name the
+argument and show the values. :class:`BlockPositions` places a call inside a longer sequence
+(what context parallelism runs per block).
+
+Used by the rest of the package: ``Inputs``, ``make_inputs``, ``BlockPositions``, ``check_bool``,
+``parse_chunk_size``, ``causal_bias_offset``, ``ScoreMod``, ``MaskMod``.
 """
 
 from __future__ import annotations
@@ -16,22 +20,12 @@ from typing import Callable, Iterator, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
+from ._errors import ArgumentError, ArgumentTypeError
+
 ScoreMod = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
 MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
 
 _FLOAT_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
-
-
-class ArgumentError(ValueError, RuntimeError):
-    """An invalid argument.
-
-    Also a ``RuntimeError``: torch's SDPA raises ``RuntimeError`` for the same inputs, so code
-    written for SDPA (``except RuntimeError``) keeps working with subquad.
-    """
-
-
-class ArgumentTypeError(TypeError, RuntimeError):
-    """An argument of the wrong type (also a ``RuntimeError``, see :class:`ArgumentError`)."""
 
 
 @dataclass(frozen=True)
@@ -574,3 +568,27 @@ def _broadcast(*shapes: Sequence[int]) -> Optional[Tuple[int, ...]]:
                     return None
                 out[i] = size
     return tuple(out)
+
+
+@dataclass(frozen=True)
+class BlockPositions:
+    """A call that is one block of a longer sequence (what ring attention runs per step).
+
+    Callbacks see query ``i`` at ``q_offset + i`` and key ``j`` at ``kv_offset + j``; a length-
+    dependent ``mask_mod`` (``mods.causal_lower_right``) sees the whole sequence's lengths
+    ``total_lengths``; heads are seen from ``h_offset``. ``causal_offset`` (in the block's own
+    positions) applies when ``is_causal``: query ``i`` sees keys ``j <= i + causal_offset``.
+    """
+
+    q_offset: int
+    kv_offset: int
+    total_lengths: Tuple[int, int]
+    causal_offset: int = 0
+    h_offset: int = 0
+
+    def apply(self, inp: Inputs) -> Inputs:
+        return replace(
+            inp, q_offset=self.q_offset, kv_offset=self.kv_offset, total_lengths=self.total_lengths,
+            h_offset=self.h_offset,
+            causal_offset=self.causal_offset if inp.is_causal else inp.causal_offset,
+        )

@@ -1,141 +1,28 @@
-"""The memory model and the planner: which path runs, with which tiles, and why not the others.
+"""The planner: which backend runs a call, with which tiles, and why not the others.
 
 Each backend states what it supports as data and explains refusals as sentences
-(:meth:`Backend.not_supported_reasons`); its memory model predicts the peak *extra* bytes of a call
-(beyond the inputs and the output) for a tile size. The planner walks the backends fastest first
-and keeps the first that supports the call and has a tile size whose prediction fits the budget,
-taking the largest such tiles (whole key rows first).
+(:meth:`~subquad._backends.base.Backend.not_supported_reasons`), and answers a budget with the
+largest tiles whose predicted peak fits it (:meth:`~subquad._backends.base.Backend.fit`). The
+planner walks the backends fastest first (:func:`~subquad._backends.priority`), keeps the first
+that supports the call and fits, and records every reason of those it passed over
+(:class:`Plan`). It also estimates a call's time (an order of magnitude, for ``explain()`` and
+the progress log of long calls).
 """
 
 from __future__ import annotations
 
 import math
-import os
-import re
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Tuple, Union
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from ._inputs import ArgumentError, Inputs
-from ._paths import BACKENDS, Backend, Options, priority
+from ._backends import BACKENDS, Options, priority
+from ._budget import format_bytes, format_seconds
+from ._errors import MemoryBudgetError
+from ._inputs import Inputs
 
-MiB = 1 << 20
-DEFAULT_BUDGET_FRACTION = 0.5
-"""``memory_budget=None`` allows this fraction of the device's free memory."""
-
-# The MPS matmul errors at 2**32 elements and has been reported to corrupt results near 2**31.
-MPS_MAX_MATMUL_ELEMENTS = 1 << 30
-
-
-class MemoryBudgetError(MemoryError):
-    """The memory budget is too small for even the smallest tiles of every path."""
-
-
-# ------------------------------------------------------------------ budgets
-MAX_BUDGET = (1 << 63) - 1
-
-_UNITS = {
-    "": 1, "b": 1,
-    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-    "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40,
-    "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
-}
-
-
-def parse_budget(memory_budget: Union[int, str]) -> int:
-    """Bytes from an int or a string such as ``"512MiB"``, ``"2GB"``, ``"1.5GiB"``."""
-    if isinstance(memory_budget, bool):
-        raise ArgumentError(f"Expected memory_budget to be None, an int of bytes or a string like '512MiB', got {memory_budget!r}.")
-    if isinstance(memory_budget, int):
-        value = memory_budget
-    elif isinstance(memory_budget, float) and memory_budget.is_integer():
-        value = int(memory_budget)
-    elif isinstance(memory_budget, str):
-        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*", memory_budget)
-        if m is None or m.group(2).lower() not in _UNITS:
-            raise ArgumentError(
-                f"Could not parse memory_budget={memory_budget!r}; use bytes or a number with a unit "
-                "(B, KB, MB, GB, KiB, MiB, GiB), e.g. '512MiB' or '2GB'."
-            )
-        number = float(m.group(1)) * _UNITS[m.group(2).lower()]
-        if not math.isfinite(number) or number > MAX_BUDGET:
-            raise ArgumentError(
-                f"memory_budget={memory_budget!r} is not a usable number of bytes (at most {MAX_BUDGET}, 2**63 - 1)."
-            )
-        value = int(number)
-    else:
-        raise ArgumentError(
-            f"Expected memory_budget to be None, an int of bytes or a string like '512MiB', got {memory_budget!r}."
-        )
-    if value < 0:
-        raise ArgumentError(f"Expected memory_budget >= 0, got {memory_budget!r}.")
-    return min(value, MAX_BUDGET)
-
-
-_CPU_FREE_CACHE: List[float] = []  # [timestamp, bytes]: /proc/meminfo read at most every 0.2 s
-
-
-def free_memory_bytes(device: torch.device) -> int:
-    """Memory the device could still give to one call."""
-    if device.type == "cpu":
-        now = time.monotonic()
-        if _CPU_FREE_CACHE and now - _CPU_FREE_CACHE[0] < 0.2:
-            return int(_CPU_FREE_CACHE[1])
-        _CPU_FREE_CACHE[:] = [now, _cpu_available_bytes()]
-        return int(_CPU_FREE_CACHE[1])
-    if device.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(device)
-        reusable = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-        return int(free + reusable)
-    if device.type == "mps":
-        mps = torch.mps
-        if hasattr(mps, "recommended_max_memory") and hasattr(mps, "current_allocated_memory"):
-            return max(0, int(mps.recommended_max_memory() - mps.current_allocated_memory()))
-    return _cpu_available_bytes()
-
-
-def _cpu_available_bytes() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
-    except (ValueError, OSError, AttributeError):
-        return 8 << 30
-
-
-def resolve_budget(memory_budget: Optional[Union[int, str]], device: torch.device) -> int:
-    if memory_budget is None:
-        return int(DEFAULT_BUDGET_FRACTION * free_memory_bytes(device))
-    return parse_budget(memory_budget)
-
-
-def format_seconds(t: float) -> str:
-    if t < 1e-3:
-        return f"{t * 1e6:.0f} us"
-    if t < 1:
-        return f"{t * 1e3:.0f} ms"
-    for unit, size in (("days", 86400), ("hours", 3600), ("minutes", 60)):
-        if t >= size:
-            return f"{t / size:.1f} {unit}"
-    return f"{t:.1f} s"
-
-
-def format_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
-
-
-# ------------------------------------------------------------------ backends
 # ------------------------------------------------------------------ the plan
 @dataclass
 class Plan:
@@ -183,96 +70,6 @@ class Plan:
         return "\n".join(lines)
 
 
-def _candidates(n: int, smallest: int = 1) -> List[int]:
-    """The whole length, then powers of two below it down to ``smallest``, descending."""
-    if n <= max(1, smallest):
-        return [max(n, 1)]
-    out = [n]
-    p = 1 << (n - 1).bit_length() - 1
-    if p == n:
-        p //= 2
-    while p >= smallest:
-        out.append(p)
-        p //= 2
-    return out
-
-
-TARGET_TILE_BYTES = 16 * MiB
-"""Preferred ceiling on what one tile materializes; larger tiles are used only if nothing smaller exists."""
-
-# Key segments shorter than this cost more in per-call overhead than they save in memory.
-MIN_KV_CHUNK = 32
-
-
-def _tile_options(inp: Inputs, backend: Backend) -> List[Tuple[int, int]]:
-    """Tile sizes to try, best first: large tiles, whole key rows preferred."""
-    qcs, kcs = _candidates(inp.Lq), _candidates(inp.Lk, MIN_KV_CHUNK)
-    if inp.is_causal or inp.mask_mod is not None:
-        # Square, aligned tiles let whole tiles above the diagonal, or outside the mask's blocks,
-        # be skipped (whole key rows would compute every tile of a row).
-        pairs = [(qc, qc) for qc in _candidates(min(max(inp.Lq, 1), max(inp.Lk, 1)), 8)]
-        pairs.insert(0, (max(inp.Lq, 1), max(inp.Lk, 1)))
-    else:
-        pairs = [(qc, kc) for qc in qcs for kc in kcs]
-    if backend.name == "fused" and inp.mask_kind != "bool" and not inp.has_callbacks and not inp.is_causal:
-        # The kernel tiles internally; key segments only cost calls. Whole key rows always.
-        pairs = [(qc, max(inp.Lk, 1)) for qc in qcs]
-    lq, lk = max(inp.Lq, 1), max(inp.Lk, 1)
-    pairs = sorted(set(pairs), key=lambda p: (-min(p[0], lq) * min(p[1], lk), -p[1], -p[0]))
-    if inp.device.type == "mps":
-        pairs = [p for p in pairs if inp.B * inp.Hq * p[0] * p[1] < MPS_MAX_MATMUL_ELEMENTS]
-    # Bigger tiles stop paying off once what a tile materializes leaves the caches: on a 2-core
-    # CPU, 1x4x4096x64 matmul tiles of 256x4096 (16 MiB of scores) ran in 141 ms, the whole
-    # 4096x4096 tile in 224 ms; causal ALiBi on the fused kernel 131 ms (512x512) vs 247 ms (whole).
-    fast = [p for p in pairs if backend.tile_bytes(inp, *p) <= TARGET_TILE_BYTES]
-    return fast or pairs
-
-
-def _fit(
-    inp: Inputs, backend: Backend, opts: Options, budget: int, need_grad: bool, need_lse: bool
-) -> Tuple[Optional[Tuple[int, int]], Optional[Tuple[int, int]], int, int]:
-    """Largest forward (and backward) tiles within the budget.
-
-    Returns ``(fwd_tiles, bwd_tiles, predicted, smallest_possible)``; tiles are ``None`` if none fit.
-    """
-    def bwd(p: Tuple[int, int]) -> int:
-        return bwd_backend.backward_bytes(inp, p[0], p[1], opts) if need_grad else 0
-
-    bwd_backend = BACKENDS[backend.backward_kernel(inp, opts)] if need_grad else backend
-    if not backend.tiled:
-        pred = backend.forward_bytes(inp, inp.Lq, inp.Lk, need_lse) + (
-            backend.backward_bytes(inp, inp.Lq, inp.Lk, opts) if need_grad else 0
-        )
-        return None, None, pred, pred
-    if opts.chunk_size is not None:
-        f = opts.chunk_size
-        if inp.device.type == "mps" and inp.B * inp.Hq * min(f[0], inp.Lq) * min(f[1], inp.Lk) >= MPS_MAX_MATMUL_ELEMENTS:
-            raise ArgumentError(
-                f"chunk_size={f} makes score tiles of {inp.B * inp.Hq * min(f[0], inp.Lq) * min(f[1], inp.Lk)} elements; "
-                f"on MPS every matmul must stay below {MPS_MAX_MATMUL_ELEMENTS} (larger ones error or corrupt results)."
-            )
-        pred = max(backend.forward_bytes(inp, *f, need_lse), inp.lse_bytes() + bwd(f) if need_grad else 0)
-        return f, f, pred, pred
-    options = _tile_options(inp, backend)
-    fwd = next((p for p in options if backend.forward_bytes(inp, *p, need_lse) <= budget), None)
-    if fwd is None:
-        smallest = backend.forward_bytes(inp, *options[-1], need_lse) + bwd(options[-1])
-        return None, None, smallest, smallest
-    fwd_pred = backend.forward_bytes(inp, *fwd, need_lse)
-    if not need_grad:
-        return fwd, None, fwd_pred, 0
-    # Forward-saved state (the lse) stays alive during the backward: both share the budget.
-    saved = inp.lse_bytes()
-    # The backward may run on another kernel (a learnable mask takes the matmul tiles): its tiles
-    # follow that kernel's own preferences.
-    bwd_options = options if bwd_backend is backend else _tile_options(inp, bwd_backend)
-    bwd_tiles = next((p for p in bwd_options if saved + bwd(p) <= budget), None)
-    if bwd_tiles is None:
-        smallest = max(backend.forward_bytes(inp, *options[-1], need_lse), saved + bwd(bwd_options[-1]))
-        return None, None, smallest, smallest
-    return fwd, bwd_tiles, max(fwd_pred, saved + bwd(bwd_tiles)), 0
-
-
 def make_plan(
     inp: Inputs,
     opts: Options,
@@ -287,7 +84,6 @@ def make_plan(
     ``estimate_time`` fills ``predicted_seconds`` (always filled for calls of many tiles).
     """
     need_grad = inp.requires_grad or opts.captured_requires_grad
-    need_lse = opts.return_lse or need_grad
     names = priority(inp.device) if backend == "auto" else [backend]
     rejected: Dict[str, List[str]] = {}
     smallest_overall: Optional[int] = None
@@ -297,7 +93,9 @@ def make_plan(
         if reasons:
             rejected[name] = reasons
             continue
-        fwd, bwd_tiles, pred, smallest = _fit(inp, b, opts, budget, need_grad, need_lse)
+        backward_name = b.backward_backend(inp, opts) if need_grad else None
+        fit = b.fit(inp, opts, budget, BACKENDS[backward_name] if backward_name is not None else None)
+        fwd, bwd_tiles, pred, smallest = fit
         if pred > budget or (b.tiled and fwd is None):
             if opts.chunk_size is not None and b.tiled:
                 tiles = f"chunk_size={opts.chunk_size} needs"
@@ -312,7 +110,7 @@ def make_plan(
             predicted_peak_bytes=int(pred),
             budget_bytes=budget,
             rejected=rejected,
-            backward_backend=b.backward_kernel(inp, opts) if need_grad else None,
+            backward_backend=backward_name,
             backward_chunk_size=bwd_tiles,
             shape=describe(inp),
         )
@@ -325,9 +123,10 @@ def make_plan(
         plan.tiles = count_tiles(inp, fwd, bwd_tiles if need_grad else None)
         if estimate_time or plan.tiles >= ESTIMATE_TIME_FROM_TILES:
             plan.predicted_seconds = predict_seconds(inp, plan.tiles, need_grad)
+        plan.notes.extend(b.notes(inp))
         if backend == "auto":
             for later in names[names.index(name) + 1 :]:
-                plan.rejected.setdefault(later, ["slower path; the one above fits"])
+                plan.rejected.setdefault(later, ["slower backend; the one above fits"])
         return plan
     if smallest_overall is not None:
         if opts.chunk_size is not None:
@@ -431,14 +230,6 @@ def predict_seconds(inp: Inputs, tiles: int, need_grad: bool) -> float:
     return t + tiles * inp.n_groups * _TILE_OVERHEAD_S.get(inp.device.type, 50e-6)
 
 
-def matmul_backward_tiles(inp: Inputs, budget: int) -> Tuple[int, int]:
-    """Tiles for the matmul backward alone (used when a fused backward cannot run after all)."""
-    backend = BACKENDS["matmul"]
-    saved = inp.lse_bytes()
-    options = _tile_options(inp, backend)
-    return next((p for p in options if saved + backend.backward_bytes(inp, *p, Options()) <= budget), options[-1])
-
-
 def describe(inp: Inputs) -> str:
     heads = f"{inp.Hq}" if inp.G == 1 else f"{inp.Hq}q/{inp.Hk}kv"
     ev = f", Ev={inp.Ev}" if inp.Ev != inp.E else ""
@@ -456,15 +247,3 @@ def describe(inp: Inputs) -> str:
     tail = (", " + ", ".join(extras)) if extras else ""
     dt = str(inp.dtype).replace("torch.", "")
     return f"B={inp.B} H={heads} Lq={inp.Lq} Lk={inp.Lk} E={inp.E}{ev} {dt} on {inp.device.type}{tail}"
-
-
-def halve(chunk: Optional[Tuple[int, int]], inp: Inputs) -> Tuple[int, int]:
-    """Tiles half the size (along the longer side first), for the out-of-memory retry."""
-    if chunk is None:
-        chunk = (max(inp.Lq, 1), max(inp.Lk, 1))
-    qc, kc = min(chunk[0], max(inp.Lq, 1)), min(chunk[1], max(inp.Lk, 1))
-    if inp.is_causal:
-        side = max(1, min(qc, kc) // 2)
-        return side, side
-    return (max(1, qc // 2), kc) if qc >= kc or kc <= 16 else (qc, max(1, kc // 2))
-

@@ -1,12 +1,13 @@
-"""What every tiled path shares: key segments, row state, gradient accumulators, generated masks.
+"""What every tiled backend shares: key segments, row state, gradient accumulators, generated masks.
 
-A tile is a block of query rows ``[qs, qe)`` against a key segment ``[ks, ke)``. Paths compute
-tiles (:mod:`subquad._paths`); the engine (:mod:`subquad._engine`) decides which tiles exist.
+A tile is a block of query rows ``[qs, qe)`` against a key segment ``[ks, ke)``. Backends compute
+tiles (:mod:`subquad._backends`); the engine (:mod:`subquad._engine`) decides which tiles exist
+and counts them (:data:`TILES`).
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, NamedTuple, Optional, Sequence
+from typing import Any, Callable, Dict, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -15,6 +16,21 @@ from ._callbacks import eval_mask_mod, from_callback, index_grids
 from ._inputs import Inputs
 
 NEG_INF = float("-inf")
+
+
+class TileCounter:
+    """Counts computed and skipped tiles; tests use it to check block skipping."""
+
+    def __init__(self) -> None:
+        self.computed = 0
+        self.skipped = 0
+
+    def reset(self) -> None:
+        self.computed = 0
+        self.skipped = 0
+
+
+TILES = TileCounter()
 
 
 class KernelRefused(RuntimeError):
@@ -51,14 +67,14 @@ class Segment(NamedTuple):
 
     ``causal``: ``"none"`` (no key is in the future of any query row), ``"diag"`` (``ks == qs``: the
     top-left causal mask of the tile is the global one) or ``"partial"`` (needs a generated mask).
-    ``mask_mod``: whether ``mask_mod`` must be evaluated on this tile (False when the tile is known
-    to be fully visible).
+    ``needs_mask_mod``: whether ``mask_mod`` must be evaluated on this tile (False when the tile is
+    known to be fully visible).
     """
 
     ks: int
     ke: int
     causal: str = "none"
-    mask_mod: bool = False
+    needs_mask_mod: bool = False
     keep: Optional[Tensor] = None  # mask_mod already evaluated on this tile, if it was
 
 
@@ -138,7 +154,7 @@ def tile_bias(
     keep: Optional[Tensor] = None
     if seg.causal == "partial" or (seg.causal == "diag" and not causal_in_kernel):
         keep = inp.causal_visible(qs, qe, ks, ke)
-    if seg.mask_mod:
+    if seg.needs_mask_mod:
         mm = seg.keep if seg.keep is not None else eval_mask_mod(inp, qs, qe, ks, ke)
         keep = mm if keep is None else keep & mm
     if keep is not None:
@@ -180,3 +196,14 @@ def _first_visible(bias: Tensor) -> Tensor:
     visible = bias > NEG_INF
     never = torch.iinfo(torch.int64).max
     return torch.where(visible.any(dim=-1), visible.to(torch.uint8).argmax(dim=-1), never)
+
+
+def halve(tiles: Optional[Tuple[int, int]], inp: Inputs) -> Tuple[int, int]:
+    """Tiles half the size (along the longer side first), for the out-of-memory retry."""
+    if tiles is None:
+        tiles = (max(inp.Lq, 1), max(inp.Lk, 1))
+    qc, kc = min(tiles[0], max(inp.Lq, 1)), min(tiles[1], max(inp.Lk, 1))
+    if inp.is_causal:
+        side = max(1, min(qc, kc) // 2)
+        return side, side
+    return (max(1, qc // 2), kc) if qc >= kc or kc <= 16 else (qc, max(1, kc // 2))

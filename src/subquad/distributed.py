@@ -41,11 +41,13 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import torch
 from torch import Tensor
 
-from ._api import BlockPositions, attention_block
-from ._autograd import captured_tensors
-from ._callbacks import TracedMask, call_user, mask_mod_structure
-from ._inputs import ArgumentError, ArgumentTypeError, MaskMod, ScoreMod, check_bool, make_inputs
-from ._planner import format_bytes, parse_budget, resolve_budget
+from . import _call
+from ._autograd import backward_grads
+from ._budget import format_bytes, parse_budget, resolve_budget
+from ._callbacks import call_user, captured_tensors
+from ._errors import ArgumentError, ArgumentTypeError
+from ._inputs import BlockPositions, MaskMod, ScoreMod, check_bool, make_inputs
+from ._traced import TracedMask, mask_mod_structure
 
 __all__ = [
     "ring_attention", "ulysses_attention", "attention", "explain", "shard", "unshard",
@@ -648,7 +650,7 @@ def _run_block(call: _Call, b: _Block, q: Tensor, kv: Sequence[Tensor], mask: Op
     qb = q.detach()[:, :, b.q[0] : b.q[1]]
     kb, vb = (t.detach()[:, :, b.kv[0] : b.kv[1]] for t in kv)
     m = _mask_block(mask, b)
-    out, lse, _ = attention_block(
+    out, lse, _ = _call.attention_block(
         qb, kb, vb, b.positions, attn_mask=None if m is None else m.detach(), is_causal=b.is_causal,
         score_mod=call.score_mod, mask_mod=call.mask_mod, scale=call.scale, enable_gqa=call.enable_gqa,
         memory_budget=call.budget, captured=(),
@@ -665,9 +667,6 @@ def _block_grads(
     FlashAttention-2's backward needs only ``P = exp(S - lse)`` and ``D = rowsum(dO * O)``: with
     the global lse and output, the block's share of the gradients comes out directly.
     """
-    from ._api import _prepare
-    from ._autograd import backward_grads
-
     rows = slice(b.q[0], b.q[1])
     qb = q[:, :, rows].detach().requires_grad_()
     kb = kv[0][:, :, b.kv[0] : b.kv[1]].detach().requires_grad_()
@@ -676,9 +675,10 @@ def _block_grads(
     if mb is not None and want_mask:
         mb = mb.detach().requires_grad_()
     with torch.enable_grad():
-        inp, _, budget, plan, _ = _prepare(
-            qb, kb, vb, mb, b.is_causal, call.score_mod, call.mask_mod, call.scale, call.enable_gqa, 0.0,
-            call.budget, None, "auto", True, allow_compile=False, block=b.positions,
+        inp, _, budget, plan, _ = _call.prepare(
+            qb, kb, vb, attn_mask=mb, is_causal=b.is_causal, score_mod=call.score_mod, mask_mod=call.mask_mod,
+            scale=call.scale, enable_gqa=call.enable_gqa, memory_budget=call.budget, return_lse=True,
+            allow_compile=False, block=b.positions,
         )
     kernel = plan.backward_backend or plan.backend
     if kernel not in ("fused", "matmul"):
@@ -923,8 +923,6 @@ def _plan(call: _Call, q: Tensor, k: Tensor, v: Tensor, strategy: str, need_grad
 
 
 def _largest_block_plan(call: _Call, q: Tensor, k: Tensor, v: Tensor, need_grad: bool) -> Any:
-    from ._api import _prepare
-
     best = None
     for s in range(call.g.size):
         src = (call.g.rank - s) % call.g.size
@@ -944,15 +942,14 @@ def _largest_block_plan(call: _Call, q: Tensor, k: Tensor, v: Tensor, need_grad:
         qb, kb, vb = (t.detach().requires_grad_() for t in (qb, kb, vb))
     with torch.enable_grad() if need_grad else torch.no_grad():
         m = _mask_block(call.attn_mask, b)
-        return _prepare(
-            qb, kb, vb, m, b.is_causal, call.score_mod, call.mask_mod, call.scale, call.enable_gqa, 0.0,
-            call.budget, None, "auto", True, allow_compile=False, block=b.positions, estimate_time=True,
-        )[3]
+        return _call.explain(
+            qb, kb, vb, attn_mask=m, is_causal=b.is_causal, score_mod=call.score_mod, mask_mod=call.mask_mod,
+            scale=call.scale, enable_gqa=call.enable_gqa, memory_budget=call.budget, return_lse=True,
+            allow_compile=False, block=b.positions,
+        )
 
 
 def _ulysses_block_plan(call: _Call, q: Tensor, k: Tensor, v: Tensor, need_grad: bool) -> Any:
-    from ._api import _prepare
-
     P = call.g.size
     sq, sk, sv = list(q.shape), list(k.shape), list(v.shape)
     sq[1] //= P
@@ -963,11 +960,11 @@ def _ulysses_block_plan(call: _Call, q: Tensor, k: Tensor, v: Tensor, need_grad:
     if need_grad:
         qb, kb, vb = (t.detach().requires_grad_() for t in (qb, kb, vb))
     with torch.enable_grad() if need_grad else torch.no_grad():
-        return _prepare(
-            qb, kb, vb, None, call.is_causal, call.score_mod, call.mask_mod, call.scale, call.enable_gqa, 0.0,
-            call.budget, None, "auto", True, allow_compile=False,
-            block=BlockPositions(0, 0, (call.Lq, call.Lk), h_offset=call.g.rank * (q.shape[1] // P)), estimate_time=True,
-        )[3]
+        return _call.explain(
+            qb, kb, vb, is_causal=call.is_causal, score_mod=call.score_mod, mask_mod=call.mask_mod, scale=call.scale,
+            enable_gqa=call.enable_gqa, memory_budget=call.budget, return_lse=True, allow_compile=False,
+            block=BlockPositions(0, 0, (call.Lq, call.Lk), h_offset=call.g.rank * (q.shape[1] // P)),
+        )
 
 
 def _setup(
@@ -1029,9 +1026,7 @@ def _local(
     query: Tensor, key: Tensor, value: Tensor, is_causal: bool, score_mod: Any, mask_mod: Any, attn_mask: Any,
     scale: Any, enable_gqa: bool, memory_budget: Budget, return_lse: bool,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
-    from ._api import attention as local_attention
-
-    return local_attention(
+    return _call.attention(
         query, key, value, attn_mask=attn_mask, is_causal=is_causal, score_mod=score_mod, mask_mod=mask_mod,
         scale=scale, enable_gqa=enable_gqa, memory_budget=memory_budget, return_lse=return_lse, allow_compile=False,
     )
@@ -1175,7 +1170,7 @@ def _ulysses(call: _Call, q: Tensor, k: Tensor, v: Tensor) -> Tuple[Tensor, Tens
     kh = _SeqToHeads.apply(k, g, call.layout, call.kv_lengths, False)
     vh = _SeqToHeads.apply(v, g, call.layout, call.kv_lengths, False)
     block = BlockPositions(0, 0, (call.Lq, call.Lk), h_offset=g.rank * (q.shape[1] // P))
-    out, lse, _ = attention_block(
+    out, lse, _ = _call.attention_block(
         qh, kh, vh, block, attn_mask=None, is_causal=call.is_causal, score_mod=call.score_mod, mask_mod=call.mask_mod,
         scale=call.scale, enable_gqa=call.enable_gqa, memory_budget=call.budget,
     )
@@ -1249,9 +1244,7 @@ def explain(
                    memory_budget, layout, False)
     need_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
     if setup is None:
-        from ._api import explain as local_explain
-
-        block = local_explain(query, key, value, attn_mask=attn_mask, is_causal=is_causal, score_mod=score_mod,
+        block = _call.explain(query, key, value, attn_mask=attn_mask, is_causal=is_causal, score_mod=score_mod,
                               mask_mod=mask_mod, scale=scale, enable_gqa=enable_gqa, memory_budget=memory_budget,
                               return_lse=True, allow_compile=False)
         return DistributedPlan("local", 1, 0, layout, block.predicted_peak_bytes, 0, 0, [1], {}, block)

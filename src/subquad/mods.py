@@ -37,7 +37,7 @@ from typing import Callable, List, Optional, Sequence, Union
 import torch
 from torch import Tensor
 
-from ._engine import EMPTY, FULL, PARTIAL
+from ._callbacks import EMPTY, FULL, PARTIAL
 
 __all__ = [
     "EMPTY",

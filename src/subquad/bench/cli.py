@@ -18,9 +18,11 @@ from typing import Optional
 
 import torch
 
+import subquad
+
 from . import cases as cases_mod
 from . import impls as impls_mod
-from . import measure, report
+from . import jax_bench, measure, report
 
 JAX_PRESETS = ("jax", "jax-quick")
 
@@ -156,8 +158,6 @@ def _busy_warning(sample_s: float = 0.5) -> Optional[str]:
 def _check_budget(budget: str) -> Optional[str]:
     """Ask subquad itself whether it understands ``budget``, once, instead of failing each run."""
     try:
-        import subquad
-
         q = torch.zeros(1, 1, 8, 8)
         subquad.explain(q, q, q, memory_budget=budget)
     except (TypeError, ValueError) as exc:
@@ -261,8 +261,6 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 def _main_jax(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     """``--framework jax``: presets of ``(B, T, N, H)`` shapes in fp32 on JAX's default device."""
-    from . import jax_bench
-
     if args.preset is not None and args.preset not in JAX_PRESETS:
         parser.error(f"--preset {args.preset} is a torch preset; with --framework jax use {' or '.join(JAX_PRESETS)}")
     unsupported = [flag for flag, value in (("--shape", args.shape), ("--mask", args.mask), ("--dtype", args.dtype),

@@ -19,6 +19,9 @@ from typing import Callable, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
+import subquad
+from subquad._budget import free_memory_bytes
+
 from .cases import MASKS, SOFTCAP, WINDOW, BenchInputs, Case, alibi_bias, dense_keep
 
 Forward = Callable[[], torch.Tensor]
@@ -91,8 +94,6 @@ def _cpu_materialize_reasons(case: Case) -> list[str]:
 
 
 def _available_ram() -> Optional[int]:
-    from subquad._planner import free_memory_bytes
-
     return free_memory_bytes(torch.device("cpu"))
 
 
@@ -270,8 +271,6 @@ def _flex_reasons(case: Case) -> list[str]:
 
 
 def _subquad_call_kwargs(inputs: BenchInputs, backend: str) -> dict:
-    import subquad
-
     case = inputs.case
     kwargs: dict = {"scale": inputs.scale, "backend": backend}
     if case.budget is not None:
@@ -325,10 +324,8 @@ def user_callbacks(inputs: BenchInputs) -> dict:
 def _subquad(backend: str, user_written: bool = False) -> Callable[[BenchInputs], Prepared]:
     def prepare(inputs: BenchInputs) -> Prepared:
         try:
-            import subquad
-
             attention = subquad.attention
-        except (ImportError, AttributeError) as exc:
+        except AttributeError as exc:
             raise Unsupported(f"subquad.attention is not available ({exc})") from None
         if backend != "auto" and backend not in getattr(subquad, "BACKENDS", ()):
             raise Unsupported(f"subquad has no backend {backend!r}")
@@ -370,8 +367,6 @@ def describe_plan(plan) -> dict:
 
 
 def _subquad_impls() -> list[Impl]:
-    import subquad
-
     backends = tuple(getattr(subquad, "BACKENDS", ())) or ("sdpa", "fused", "matmul")
     # A forced backend that cannot run raises NotImplementedError with its reasons; a budget too
     # small for any tile raises MemoryBudgetError. Both are refusals, not failures.

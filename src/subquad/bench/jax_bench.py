@@ -37,7 +37,7 @@ def _impl(name: str, causal: bool, budget: Optional[str]) -> Optional[Callable[.
     import jax.numpy as jnp
 
     if name == "subquad-jax":
-        import subquad.jax as sj
+        import subquad.jax as sj  # optional: JAX (pip install subquad[jax]), imported only to run it
 
         return lambda q, k, v: sj.attention(q, k, v, is_causal=causal, memory_budget=budget)
     if name == "jax-xla":

@@ -43,6 +43,9 @@ from typing import Callable, Optional
 
 import torch
 
+import subquad
+from subquad._tiles import TILES
+
 from .cases import SOFTCAP, WINDOW, BenchInputs, Case, Timing, make_inputs
 from .impls import IMPLS, Impl, is_out_of_memory, refusal_reason
 
@@ -130,8 +133,6 @@ def device_name(device: str) -> str:
 
 def _subquad_version() -> Optional[str]:
     try:
-        import subquad
-
         version = getattr(subquad, "__version__", None)
         if version is None:
             from importlib.metadata import version as dist_version
@@ -454,11 +455,7 @@ def _memory_phase(step, inputs: BenchInputs, device: torch.device, result: Resul
 
 
 def _subquad_tiles():
-    """subquad's tile counter (computed / skipped tiles of the last calls), if this subquad has one."""
-    try:
-        from subquad._engine import TILES
-    except ImportError:
-        return None
+    """subquad's tile counter (computed / skipped tiles of the last calls)."""
     return TILES
 
 

@@ -6,15 +6,17 @@ import json
 import os
 import sys
 
-
-def main() -> int:
-    # Only results go to the real stdout; anything else printed (by torch, by a kernel) goes to
-    # stderr, which the parent keeps for the message if this process dies.
-    protocol = os.fdopen(os.dup(sys.stdout.fileno()), "w", buffering=1)
+if __name__ == "__main__":
+    # Only results go to the real stdout; anything else printed (by torch as it loads, by a
+    # kernel) goes to stderr, which the parent keeps for the message if this process dies.
+    _PROTOCOL = os.fdopen(os.dup(sys.stdout.fileno()), "w", buffering=1)
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
 
-    from .measure import run_job
+from .measure import run_job  # noqa: E402 (after the redirection: importing torch may print)
 
+
+def main() -> int:
+    protocol = _PROTOCOL
     for line in sys.stdin:
         if line.strip():
             protocol.write(json.dumps(run_job(json.loads(line))) + "\n")

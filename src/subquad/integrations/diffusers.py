@@ -18,6 +18,8 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
+import subquad
+
 from .patch import check_options
 
 __all__ = ["SubquadAttnProcessor", "enable"]
@@ -96,8 +98,6 @@ class SubquadAttnProcessor:
         *args: Any,
         **kwargs: Any,
     ) -> Tensor:
-        import subquad
-
         residual = hidden_states
         if attn.spatial_norm is not None:
             hidden_states = attn.spatial_norm(hidden_states, temb)

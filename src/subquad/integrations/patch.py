@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 import subquad
 
-from .._paths.sdpa import TORCH_SDPA
+from .._backends import TORCH_SDPA
 
 try:
     from torch.nn.attention.bias import CausalBias as _CausalBias

@@ -27,6 +27,8 @@ from typing import Any, Callable, Dict, Optional, Tuple
 import torch
 from torch import Tensor
 
+import subquad
+
 from .patch import check_options
 
 __all__ = ["register", "LazyMask", "NAME"]
@@ -191,8 +193,6 @@ def subquad_attention_forward(
     Beyond ``"sdpa"``: ``softcap`` (Gemma 2) runs as a ``score_mod``, and attention sinks
     (``s_aux``, one logit per head) renormalise the output by the log-sum-exp.
     """
-    import subquad
-
     if kwargs.get("output_attentions", False):
         raise NotImplementedError(
             'attn_implementation="subquad" never forms the attention weights, so it cannot return them; '

@@ -30,8 +30,8 @@ try:
 except ImportError as e:  # pragma: no cover - exercised only without jax
     raise ImportError("subquad.jax needs JAX: pip install 'subquad[jax]' (or pip install jax).") from e
 
-from .._inputs import ArgumentError, ArgumentTypeError
-from .._planner import MemoryBudgetError, format_bytes, parse_budget
+from .._budget import format_bytes, parse_budget
+from .._errors import ArgumentError, ArgumentTypeError, MemoryBudgetError
 from . import _engine
 from ._engine import Aux, Spec
 

@@ -1,4 +1,4 @@
-"""The ``flex`` path: PyTorch's FlexAttention, compiled, for calls with callbacks.
+"""The ``flex`` backend: PyTorch's FlexAttention, compiled, for calls with callbacks.
 
 ``torch.compile(flex_attention)`` turns ``score_mod``/``mask_mod`` into one fused kernel (on CPU an
 inductor C++ template, on CUDA a Triton kernel): scores, the callback, the mask and the online
@@ -13,7 +13,7 @@ Compiling costs seconds on the first call of a signature (``explain()`` says so)
 recompiles for new shapes at most once more (then with dynamic shapes). A call that cannot be
 compiled (no C++ compiler, an untraceable callback, torch's recompile limit) runs the tiles
 instead, with a warning naming the reason. ``allow_compile=False`` or ``SUBQUAD_COMPILE=0``
-turn this path off. Inference only: FlexAttention has no CPU backward, and on CUDA its backward
+turn this backend off. Inference only: FlexAttention has no CPU backward, and on CUDA its backward
 is not wired into subquad's budget yet, so calls that need gradients run the tiles.
 """
 
@@ -30,8 +30,10 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from .._callbacks import _key, value_key
+from .._callbacks import EMPTY, FULL, PARTIAL, eval_mask_mod, mask_mod_state
 from .._inputs import Inputs
+from .._tiles import TILES
+from .._traced import callback_key, value_key
 from .base import Backend, Options, _threads
 
 BLOCK = 128
@@ -141,15 +143,13 @@ class Flex(Backend):
         raise NotImplementedError("the flex path runs inference only")
 
     # ------------------------------------------------------------- compute
-    def run_whole(self, inp: Inputs) -> Tensor:
-        """``out (B, Hq, Lq, Ev)`` of the call through compiled FlexAttention.
+    def run_whole(self, inp: Inputs, need_lse: bool = False) -> Tuple[Tensor, Optional[Tensor]]:
+        """``(out (B, Hq, Lq, Ev), None)`` of the call through compiled FlexAttention (no lse).
 
         Raises :class:`FlexUnavailable` when compiling fails (the caller then runs the tiles).
         """
         signature = _signature(inp)
         block_mask, (computed, skipped) = self.block_mask(inp)
-        from .._engine import TILES
-
         TILES.computed += computed
         TILES.skipped += skipped
         start = time.perf_counter()
@@ -172,7 +172,7 @@ class Flex(Backend):
             raise FlexUnavailable(reason) from e
         with _LOCK:
             _COMPILE_SECONDS.setdefault(signature, time.perf_counter() - start)
-        return out
+        return out, None
 
     def block_mask(self, inp: Inputs) -> Tuple[Any, Tuple[int, int]]:
         """The call's BlockMask and its (computed, skipped) block counts, cached per (mask, shapes)."""
@@ -194,11 +194,11 @@ class Flex(Backend):
                     _BLOCK_MASKS.popitem(last=False)
         return built
 
-    def compile_note(self, inp: Inputs) -> str:
+    def notes(self, inp: Inputs) -> List[str]:
         seconds = _COMPILE_SECONDS.get(_signature(inp))
         if seconds is not None:
-            return f"flex: compiled for this signature already (its first call took {seconds:.1f} s)"
-        return "flex: the first call of this signature compiles FlexAttention (seconds; later calls reuse it)"
+            return [f"flex: compiled for this signature already (its first call took {seconds:.1f} s)"]
+        return ["flex: the first call of this signature compiles FlexAttention (seconds; later calls reuse it)"]
 
 
 def _flex_call(
@@ -262,7 +262,7 @@ def _signature(inp: Inputs) -> Any:
     """What a compiled FlexAttention kernel depends on, approximately (torch keeps the real guards)."""
     refs: List[Any] = []
     return (
-        _key(_unwrapped(inp.score_mod), refs, 0), _key(inp.mask_mod, refs, 0), inp.is_causal, inp.dtype,
+        callback_key(_unwrapped(inp.score_mod), refs, 0), callback_key(inp.mask_mod, refs, 0), inp.is_causal, inp.dtype,
         inp.device.type, inp.E, inp.Ev, inp.G > 1,
     )
 
@@ -300,8 +300,6 @@ def _causal_states(inp: Inputs, nq: int, nk: int) -> Tensor:
 def _build_block_mask(inp: Inputs) -> Tuple[Any, Tuple[int, int]]:
     from torch.nn.attention.flex_attention import BlockMask
 
-    from .._engine import EMPTY, FULL, PARTIAL, _mask_mod_state  # noqa: F401 (FULL: the default state)
-
     nq, nk = -(-inp.Lq // BLOCK), -(-inp.Lk // BLOCK)
     states = torch.full((1, 1, nq, nk), FULL, dtype=torch.int8)
     if inp.is_causal:
@@ -317,7 +315,7 @@ def _build_block_mask(inp: Inputs) -> Tuple[Any, Tuple[int, int]]:
                 states = _evaluated_row(inp, states, i, qs, qe, live[0], live[-1] + 1)
                 continue
             for j in live:
-                state, _ = _mask_mod_state(inp, qs, qe, j * BLOCK, min((j + 1) * BLOCK, inp.Lk))
+                state, _ = mask_mod_state(inp, qs, qe, j * BLOCK, min((j + 1) * BLOCK, inp.Lk))
                 states[:, :, i, j] = _combine(states[:, :, i, j], torch.tensor(state, dtype=torch.int8))
     partial = states == PARTIAL
     full = states == FULL
@@ -343,9 +341,6 @@ def _combine(a: Tensor, b: Tensor) -> Tensor:
 def _evaluated_row(inp: Inputs, states: Tensor, i: int, qs: int, qe: int, j0: int, j1: int) -> Tensor:
     """Block row ``i`` of a ``mask_mod`` without declared block states, evaluated over key blocks
     ``[j0, j1)`` a few thousand keys at a time; ``states`` grows batch/head dims if the mask has them."""
-    from .._callbacks import eval_mask_mod
-    from .._engine import EMPTY, PARTIAL
-
     step = max(1, _eval_keys(inp) // BLOCK)
     for c0 in range(j0, j1, step):
         c1 = min(c0 + step, j1)
@@ -355,7 +350,7 @@ def _evaluated_row(inp: Inputs, states: Tensor, i: int, qs: int, qe: int, j0: in
         pad = (c1 - c0) * BLOCK - (ke - ks)
         any_ = torch.nn.functional.pad(keep, (0, pad), value=False).unflatten(-1, (c1 - c0, BLOCK)).any(dim=-1).any(dim=-2)
         all_ = torch.nn.functional.pad(keep, (0, pad), value=True).unflatten(-1, (c1 - c0, BLOCK)).all(dim=-1).all(dim=-2)
-        mask_states = torch.where(~any_, EMPTY, torch.where(all_, 1, PARTIAL)).to(torch.int8)
+        mask_states = torch.where(~any_, EMPTY, torch.where(all_, FULL, PARTIAL)).to(torch.int8)
         if mask_states.shape[:2] != states.shape[:2]:
             states = states.expand(
                 max(states.shape[0], mask_states.shape[0]), max(states.shape[1], mask_states.shape[1]), *states.shape[2:]

@@ -1,4 +1,4 @@
-"""The ``fused`` path: PyTorch's fused CPU flash kernel per tile, merged by log-sum-exp.
+"""The ``fused`` backend: PyTorch's fused CPU flash kernel per tile, merged by log-sum-exp.
 
 ``aten._scaled_dot_product_flash_attention_for_cpu`` (a private op, probed once at run time)
 returns each tile's lse, so tiles over disjoint key segments merge exactly. Masks, the causal part
@@ -12,10 +12,11 @@ from typing import Any, Callable, Iterable, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from .._callbacks import TracedScoreMod, call_user, index_grids
+from .._callbacks import call_user, index_grids
 from .._inputs import Inputs
 from .._tiles import NEG_INF, Grads, Segment, EMPTY_CHECK_ELEMENTS, add_into, call_kernel, empty_rows, tile_bias
-from .base import Backend, Options, _bh, _generated_causal, _strided, _threads
+from .._traced import TracedScoreMod
+from .base import Backend, Options, _bh, _generated_causal, _strided, _threads, candidates
 
 
 _OPS: List[Tuple[Any, Any]] = []
@@ -112,7 +113,7 @@ class FusedCPU(Backend):
             reasons.append(f"score_mod is not score + bias ({why}); the fused kernel only adds a bias tile")
         return reasons
 
-    def backward_kernel(self, inp: Inputs, opts: Options) -> str:
+    def backward_backend(self, inp: Inputs, opts: Options) -> str:
         # The fused backward returns dQ, dK, dV only: a learnable mask or tensors captured by
         # score_mod take the matmul backward (it starts from the same saved out and lse).
         mask_grad = inp.attn_mask is not None and inp.attn_mask.requires_grad
@@ -169,6 +170,12 @@ class FusedCPU(Backend):
     def tile_bytes(self, inp: Inputs, qc: int, kc: int) -> int:
         return self._bias_bytes(inp, min(qc, max(inp.Lq, 1)), min(kc, max(inp.Lk, 1)), traced_tiles=1)
 
+    def tile_pairs(self, inp: Inputs) -> List[Tuple[int, int]]:
+        if inp.mask_kind != "bool" and not inp.has_callbacks and not inp.is_causal:
+            # The kernel tiles internally; key segments only cost calls. Whole key rows always.
+            return [(qc, max(inp.Lk, 1)) for qc in candidates(inp.Lq)]
+        return super().tile_pairs(inp)
+
     def forward_bytes(self, inp: Inputs, qc: int, kc: int, need_lse: bool) -> int:
         qc, kc = min(qc, max(inp.Lq, 1)), min(kc, max(inp.Lk, 1))
         bh, st = _bh(inp), inp.stats_itemsize
@@ -206,7 +213,7 @@ class FusedCPU(Backend):
         dtype = inp.bias_dtype
         bias = tile_bias(inp, qs, qe, seg, dtype, causal_in_kernel=self.causal_in_kernel(inp, seg))
         if inp.score_mod is not None:
-            add = inp.score_mod.additive_bias  # type: ignore[attr-defined]
+            add = getattr(inp.score_mod, "additive_bias")  # a traced or built-in additive score_mod
             b, h, qi, ki = index_grids(inp, qs, qe, seg.ks, seg.ke)
             extra = call_user(add, b, h, qi, ki).to(dtype)
             bias = extra if bias is None else bias + extra
@@ -216,7 +223,7 @@ class FusedCPU(Backend):
     def _may_mask(inp: Inputs, seg: Segment) -> bool:
         # An additive score_mod without -inf never masks a whole row: no empty-row check then.
         return (
-            inp.attn_mask is not None or seg.causal != "none" or seg.mask_mod
+            inp.attn_mask is not None or seg.causal != "none" or seg.needs_mask_mod
             or bool(getattr(inp.score_mod, "may_mask", False))
         )
 
@@ -243,7 +250,7 @@ class FusedCPU(Backend):
                 o_t = o_t.masked_fill(empty.unsqueeze(-1), 0.0)
         return o_t, lse_t
 
-    def whole(self, inp: Inputs) -> Tuple[Tensor, Tensor]:
+    def run_whole(self, inp: Inputs, need_lse: bool = True) -> Tuple[Tensor, Optional[Tensor]]:
         """``(out, lse)`` of one kernel call on the whole input: no mask, causal top-left (the fast path)."""
         fwd, _ = _cpu_flash_ops()
         assert fwd is not None

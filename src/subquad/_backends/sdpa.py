@@ -1,4 +1,4 @@
-"""The ``sdpa`` path: ``torch.nn.functional.scaled_dot_product_attention`` on the whole input.
+"""The ``sdpa`` backend: ``torch.nn.functional.scaled_dot_product_attention`` on the whole input.
 
 Restricted to torch's fused kernels (flash, efficient, cuDNN) so that it can never fall back to
 the math path, which materializes ``B·H·Lq·Lk`` scores.
@@ -7,7 +7,7 @@ the math path, which materializes ``B·H·Lq·Lk`` scores.
 from __future__ import annotations
 
 import warnings
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -81,19 +81,17 @@ class Sdpa(Backend):
             n += bh * inp.Lq * inp.Lk * 4 * 2
         return n
 
-    def run_whole(
-        self, query: Tensor, key: Tensor, value: Tensor, inp: Inputs, attn_mask: Optional[Tensor], enable_gqa: bool
-    ) -> Tensor:
-        """The caller's tensors through torch's SDPA, fused kernels only."""
+    def run_whole(self, inp: Inputs, need_lse: bool = False) -> Tuple[Tensor, Optional[Tensor]]:
+        """``(out (B, Hq, Lq, Ev), None)``: torch's SDPA on the call, fused kernels only (no lse)."""
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
-        kwargs = dict(attn_mask=attn_mask, dropout_p=inp.dropout_p, is_causal=inp.is_causal, scale=inp.scale)
-        if enable_gqa:
+        kwargs = dict(attn_mask=inp.attn_mask, dropout_p=inp.dropout_p, is_causal=inp.is_causal, scale=inp.scale)
+        if inp.G > 1:
             kwargs["enable_gqa"] = True
-        if query.device.type == "mps":
-            return TORCH_SDPA(query, key, value, **kwargs)
+        if inp.device.type == "mps":
+            return TORCH_SDPA(inp.query, inp.key, inp.value, **kwargs), None
         fused = [getattr(SDPBackend, n) for n in ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION") if hasattr(SDPBackend, n)]
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # SDPA warns about every kernel it declines
             with sdpa_kernel(fused):
-                return TORCH_SDPA(query, key, value, **kwargs)
+                return TORCH_SDPA(inp.query, inp.key, inp.value, **kwargs), None

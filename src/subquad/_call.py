@@ -1,0 +1,322 @@
+"""One eager attention call: validate -> normalize callbacks -> plan -> run, with its recoveries.
+
+The layer below the public face (:mod:`subquad._api`), used by the face, by the compiled
+operator's eager half (:mod:`subquad._compile`) and by ``subquad.distributed`` (one block of a
+longer sequence per call, :func:`attention_block`). Arguments are the face's, keyword-only after
+``query, key, value``. The budget is resolved once per call, in :func:`prepare`, and handed on
+as bytes.
+
+A call runs as:
+
+1. the fast path (:mod:`subquad._fast`) when its plan is remembered;
+2. :func:`prepare`: :func:`~subquad._inputs.make_inputs` validates, :func:`~subquad._traced.normalize`
+   rewrites the callbacks as what they are, the planner picks the backend and tiles;
+3. a whole-input backend (compiled FlexAttention, torch's SDPA), which hands the call to the tiles
+   if it cannot run it after all;
+4. the tiles, one batch group at a time, with two recoveries: a fused kernel that refuses the
+   input hands over to the matmul tiles; a real out-of-memory error retries once with tiles half
+   the size. Whatever a user callback raises propagates unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import Any, NamedTuple, Optional, Sequence, Tuple, Union
+
+import torch
+from torch import Tensor
+
+from . import _engine, _fast
+from ._autograd import Meta, attention_with_grad, is_transformed
+from ._backends import BACKEND_NAMES, BACKENDS, FlexUnavailable, Options, compile_allowed
+from ._budget import Budget, format_seconds, resolve_budget
+from ._callbacks import captured_tensors, from_callback
+from ._errors import ArgumentError
+from ._inputs import BlockPositions, Inputs, MaskMod, ScoreMod, check_bool, make_inputs, parse_chunk_size
+from ._planner import Plan, make_plan
+from ._tiles import KernelRefused, halve, is_oom
+from ._traced import normalize
+
+Tiles = Tuple[int, int]
+ChunkSize = Union[int, Tiles, None]
+
+WARN_LONGER_THAN_S = 300.0
+"""A call predicted to take longer than this warns once (with the plan's estimate)."""
+
+
+class Prepared(NamedTuple):
+    """A validated, normalized and planned call."""
+
+    inp: Inputs
+    opts: Options
+    budget: int  # bytes
+    plan: Plan
+    captured: Sequence[Tensor]  # tensors score_mod reads that require grad
+
+
+def prepare(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    *,
+    attn_mask: Optional[Tensor] = None,
+    is_causal: bool = False,
+    score_mod: Optional[ScoreMod] = None,
+    mask_mod: Optional[MaskMod] = None,
+    scale: Optional[float] = None,
+    enable_gqa: bool = False,
+    dropout_p: float = 0.0,
+    memory_budget: Budget = None,
+    chunk_size: ChunkSize = None,
+    backend: str = "auto",
+    return_lse: bool = False,
+    allow_compile: Optional[bool] = None,
+    estimate_time: bool = False,
+    block: Optional[BlockPositions] = None,
+) -> Prepared:
+    """Validate, normalize and plan a call (raises as :func:`subquad.attention` does).
+
+    ``block`` places the call inside a longer sequence (callbacks see its positions).
+    """
+    if not isinstance(backend, str) or (backend != "auto" and backend not in BACKEND_NAMES):
+        raise ArgumentError(f"Unknown backend={backend!r}; expected 'auto' or one of {', '.join(map(repr, BACKEND_NAMES))}.")
+    check_bool("return_lse", return_lse)
+    tiles = parse_chunk_size(chunk_size)
+    inp = make_inputs(
+        query, key, value,
+        attn_mask=attn_mask, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
+        dropout_p=dropout_p, score_mod=score_mod, mask_mod=mask_mod,
+    )
+    if block is not None:
+        inp = block.apply(inp)
+    inp, notes = normalize(inp)
+    captured = captured_tensors(inp)
+    if allow_compile is not None:
+        check_bool("allow_compile", allow_compile)
+    opts = Options(
+        return_lse=return_lse, chunk_size=tiles, captured_requires_grad=bool(captured),
+        allow_compile=compile_allowed(allow_compile),
+    )
+    budget = resolve_budget(memory_budget, inp.device)
+    plan = make_plan(inp, opts, budget, backend, estimate_time=estimate_time)
+    plan.notes[:0] = notes
+    return Prepared(inp, opts, budget, plan, captured)
+
+
+def attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    *,
+    attn_mask: Optional[Tensor] = None,
+    is_causal: bool = False,
+    score_mod: Optional[ScoreMod] = None,
+    mask_mod: Optional[MaskMod] = None,
+    scale: Optional[float] = None,
+    enable_gqa: bool = False,
+    dropout_p: float = 0.0,
+    memory_budget: Budget = None,
+    chunk_size: ChunkSize = None,
+    backend: str = "auto",
+    return_lse: bool = False,
+    allow_compile: Optional[bool] = None,
+) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+    """:func:`subquad.attention`, eagerly (see its docstring)."""
+    fast_key = _fast.key(
+        query, key, value, attn_mask, is_causal, score_mod, mask_mod, scale, enable_gqa, dropout_p, memory_budget,
+        chunk_size, backend, return_lse, allow_compile,
+    )
+    if fast_key is not None:
+        result = _fast.run(fast_key, query, key, value, attn_mask, is_causal, scale, enable_gqa, return_lse)
+        if result is not None:
+            return result
+    call = prepare(
+        query, key, value, attn_mask=attn_mask, is_causal=is_causal, score_mod=score_mod, mask_mod=mask_mod,
+        scale=scale, enable_gqa=enable_gqa, dropout_p=dropout_p, memory_budget=memory_budget, chunk_size=chunk_size,
+        backend=backend, return_lse=return_lse, allow_compile=allow_compile,
+    )
+    _fast.remember(fast_key, call.inp, call.plan, memory_budget)
+    _warn_if_long(call.plan)
+    out, lse = _run(call, backend)
+    inp = call.inp
+    out = out.reshape(inp.output_shape)
+    if not return_lse:
+        return out
+    assert lse is not None
+    lse = lse.reshape(inp.output_shape[:-1])
+    return out, lse if lse.dtype == inp.stats_dtype else lse.to(inp.stats_dtype)
+
+
+def explain(query: Tensor, key: Tensor, value: Tensor, **options: Any) -> Plan:
+    """:func:`subquad.explain` (``options``: :func:`prepare`'s keywords)."""
+    return prepare(query, key, value, estimate_time=True, **options).plan
+
+
+def attention_block(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    block: BlockPositions,
+    *,
+    attn_mask: Optional[Tensor],
+    is_causal: bool,
+    score_mod: Optional[ScoreMod],
+    mask_mod: Optional[MaskMod],
+    scale: Optional[float],
+    enable_gqa: bool,
+    memory_budget: Budget,
+    captured: Optional[Sequence[Tensor]] = None,
+) -> Tuple[Tensor, Tensor, Plan]:
+    """One block of a longer attention (context parallelism): ``(out, lse, plan)`` on 4-D inputs.
+
+    ``query (B, Hq, Lq, E)``, ``key``/``value (B, Hk, Lk, E/Ev)`` -> ``out (B, Hq, Lq, Ev)``,
+    ``lse (B, Hq, Lq)`` in the stats dtype. Callbacks see the block's positions (``block``), and
+    the call runs on the tiles (never a whole-input kernel: the lse is always returned).
+    Differentiable like :func:`attention` when the inputs require grad; ``captured`` overrides
+    the probe of the tensors ``score_mod`` reads.
+    """
+    call = prepare(
+        query, key, value, attn_mask=attn_mask, is_causal=is_causal, score_mod=score_mod, mask_mod=mask_mod,
+        scale=scale, enable_gqa=enable_gqa, memory_budget=memory_budget, return_lse=True, allow_compile=False,
+        block=block,
+    )
+    inp, opts, budget, plan, probed = call
+    if plan.backend not in ("fused", "matmul"):
+        plan = make_plan(inp, opts, budget, _tiles_backend(inp, plan))
+    out, lse = _run_tiles_per_group(inp, plan, opts, budget, "auto", probed if captured is None else captured)
+    assert lse is not None
+    return out, lse, plan
+
+
+# ------------------------------------------------------------------ running a plan
+def _run(call: Prepared, requested: str) -> Tuple[Tensor, Optional[Tensor]]:
+    """``(out (B, Hq, Lq, Ev), lse or None)``: the planned backend, the tiles if it cannot run."""
+    inp, opts, budget, plan, captured = call
+    if plan.backend == "flex":
+        try:
+            return BACKENDS["flex"].run_whole(inp, False)
+        except FlexUnavailable as e:
+            if requested == "flex":
+                raise
+            warnings.warn(
+                f"subquad: FlexAttention could not compile this call ({e}); running the tiles instead.",
+                RuntimeWarning,
+                stacklevel=5,
+            )
+            opts = dataclasses.replace(opts, allow_compile=False)
+            plan = make_plan(inp, opts, budget, requested)
+    if plan.backend == "sdpa":
+        try:
+            return BACKENDS["sdpa"].run_whole(inp, False)
+        except RuntimeError as e:
+            # No fused kernel took the input after all (their checks are private), or it ran out
+            # of memory: the tiles take everything, within the budget.
+            no_kernel = "kernel" in str(e).lower() and not is_oom(e)
+            if not (no_kernel or is_oom(e)):
+                raise
+            plan = make_plan(inp, opts, budget, _tiles_backend(inp, plan))
+    return _run_tiles_per_group(inp, plan, opts, budget, requested, captured)
+
+
+def _tiles_backend(inp: Inputs, plan: Plan) -> str:
+    """The tiled backend for a call a whole-input backend cannot take."""
+    return "fused" if inp.device.type == "cpu" and "fused" not in plan.rejected else "matmul"
+
+
+def _run_tiles_per_group(
+    inp: Inputs, plan: Plan, opts: Options, budget: int, requested: str, captured: Sequence[Tensor]
+) -> Tuple[Tensor, Optional[Tensor]]:
+    """The tiles, one batch group at a time (a call whose batch broadcasting does not fold into
+    one batch dim has several groups; each is views of the caller's tensors)."""
+    if inp.n_groups == 1:
+        return _run_tiles_recovering(inp, plan, opts, budget, requested, captured)
+    total = inp.n_groups * inp.B
+    out = torch.empty((total, inp.Hq, inp.Lq, inp.Ev), dtype=inp.dtype, device=inp.device)
+    lse = torch.empty((total, inp.Hq, inp.Lq), dtype=inp.stats_dtype, device=inp.device) if opts.return_lse else None
+    for g in range(inp.n_groups):
+        o, l = _run_tiles_recovering(inp.group(g), plan, opts, budget, requested, captured)
+        rows = slice(g * inp.B, (g + 1) * inp.B)
+        out[rows].copy_(o)
+        if lse is not None and l is not None:
+            lse[rows].copy_(l)
+        del o, l
+    return out, lse
+
+
+def _run_tiles_recovering(
+    inp: Inputs, plan: Plan, opts: Options, budget: int, requested: str, captured: Sequence[Tensor]
+) -> Tuple[Tensor, Optional[Tensor]]:
+    """One batch group on the planned tiles, with the two recoveries the engine allows itself.
+
+    A fused kernel that refuses the input at run time (its private checks change between
+    releases) hands over to the matmul tiles; a real out-of-memory error retries once with
+    tiles half the size. Anything a user callback raises propagates unchanged.
+    """
+    tiles, backward_tiles = plan.chunk_size, plan.backward_chunk_size
+    for attempt in range(2):
+        try:
+            return _run_tiles_once(inp, plan, opts, captured, tiles, backward_tiles)
+        except KernelRefused as e:
+            if requested != "auto" or attempt == 1:
+                raise
+            warnings.warn(
+                f"subquad: the fused CPU kernel refused this input ({str(e).splitlines()[0][:200]}); "
+                "running the matmul tiles instead.",
+                RuntimeWarning,
+                stacklevel=6,
+            )
+            plan = make_plan(inp, opts, budget, "matmul")
+            tiles, backward_tiles = plan.chunk_size, plan.backward_chunk_size
+        except Exception as e:  # noqa: BLE001 - only real out-of-memory errors are retried
+            if attempt == 1 or from_callback(e) or not is_oom(e):
+                raise
+            old = tiles
+            tiles = halve(tiles, inp)
+            backward_tiles = halve(backward_tiles or tiles, inp)
+            warnings.warn(
+                f"subquad: out of memory with tiles {old} ({type(e).__name__}); retrying with {tiles}. "
+                "The result is still exact; pass a smaller memory_budget to avoid the retry.",
+                RuntimeWarning,
+                stacklevel=6,
+            )
+    raise AssertionError("unreachable")
+
+
+def _run_tiles_once(
+    inp: Inputs, plan: Plan, opts: Options, captured: Sequence[Tensor], tiles: Optional[Tiles],
+    backward_tiles: Optional[Tiles],
+) -> Tuple[Tensor, Optional[Tensor]]:
+    """The tile loop on these tiles: through the autograd Function when a gradient may be needed."""
+    seed = _draw_seed() if inp.dropout_p > 0 else 0
+    forward_tiles = tiles or (max(inp.Lq, 1), max(inp.Lk, 1))
+    if inp.requires_grad or captured or is_transformed(inp.query, inp.key, inp.value, inp.attn_mask):
+        meta = Meta(
+            inp, plan.backend, forward_tiles, plan.backward_backend or plan.backend, backward_tiles or forward_tiles,
+            seed, plan.budget_bytes, plan.predicted_seconds,
+        )
+        return attention_with_grad(inp, meta, captured)
+    return _engine.forward(inp, plan.backend, forward_tiles, seed, need_lse=opts.return_lse, predicted_s=plan.predicted_seconds)
+
+
+def _draw_seed() -> int:
+    """The dropout seed, from torch's generator (``torch.manual_seed`` makes calls reproducible)."""
+    drawn = torch.randint(0, 2**31 - 1, (1,))
+    if is_transformed(drawn):
+        # Under vmap with randomness="same" or "different" the draw is batched; one seed is drawn
+        # here and the Function's vmap rule derives one per example for "different".
+        with torch._C._DisableFuncTorch():
+            drawn = torch.randint(0, 2**31 - 1, (1,))
+    return int(drawn.item())
+
+
+def _warn_if_long(plan: Plan) -> None:
+    if plan.predicted_seconds is not None and plan.predicted_seconds > WARN_LONGER_THAN_S:
+        warnings.warn(
+            f"subquad: this call runs {plan.tiles:,} tiles and is predicted to take about "
+            f"{format_seconds(plan.predicted_seconds)} ({plan.shape}, tiles {plan.chunk_size}). "
+            "Progress is logged to the 'subquad' logger (INFO); Ctrl-C stops it cleanly. A larger "
+            "memory_budget means fewer, larger tiles.",
+            RuntimeWarning,
+            stacklevel=4,
+        )

@@ -1,0 +1,22 @@
+"""The exception classes every front end raises: torch calls, ``subquad.jax``, ``subquad.distributed``.
+
+The lowest module of the package (it imports nothing of subquad's): anything may raise these.
+"""
+
+from __future__ import annotations
+
+
+class ArgumentError(ValueError, RuntimeError):
+    """An invalid argument.
+
+    Also a ``RuntimeError``: torch's SDPA raises ``RuntimeError`` for the same inputs, so code
+    written for SDPA (``except RuntimeError``) keeps working with subquad.
+    """
+
+
+class ArgumentTypeError(TypeError, RuntimeError):
+    """An argument of the wrong type (also a ``RuntimeError``, see :class:`ArgumentError`)."""
+
+
+class MemoryBudgetError(MemoryError):
+    """The memory budget is too small for even the smallest tiles of every backend."""
