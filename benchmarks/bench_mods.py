@@ -104,7 +104,7 @@ def run_worker(name: str, reps: int, warmup: bool) -> dict:
 
     import torch
 
-    from subquad._engine import TILES
+    from subquad._tiles import TILES
 
     fn, plan = _make_call(name, CASES[name][1])
     if warmup:

@@ -41,14 +41,16 @@ def compare(
 ) -> Dict[str, float]:
     """Errors of this rank's shard of the distributed call against the whole call, float64."""
     if sub_block_bytes is not None:  # force ring blocks into many calls (the memory cap of long shards)
-        old = sd._SUB_BLOCK_BYTES
-        sd._SUB_BLOCK_BYTES = sub_block_bytes
+        from subquad.distributed import _ring
+
+        old = _ring.SUB_BLOCK_BYTES
+        _ring.SUB_BLOCK_BYTES = sub_block_bytes
         try:
             return compare(B=B, Hq=Hq, Hk=Hk, Lq=Lq, Lk=Lk, E=E, Ev=Ev, dtype=dtype, layout=layout, strategy=strategy,
                            is_causal=is_causal, score_mod=score_mod, mask_mod=mask_mod, mask=mask, budget=budget,
                            captured=captured, scale=scale)
         finally:
-            sd._SUB_BLOCK_BYTES = old
+            _ring.SUB_BLOCK_BYTES = old
     Hk = Hq if Hk is None else Hk
     Lk = Lq if Lk is None else Lk
     Ev = E if Ev is None else Ev

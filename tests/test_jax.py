@@ -23,6 +23,7 @@ jax.config.update("jax_enable_x64", True)
 import subquad.jax as sj  # noqa: E402
 from subquad._budget import parse_budget  # noqa: E402
 from subquad.jax import _engine  # noqa: E402
+from subquad.jax._call import prepare  # noqa: E402
 
 RNG = np.random.default_rng(1234)
 JAX_F32_SOFTMAX = 2e-6
@@ -187,13 +188,13 @@ def test_local_window_and_lengths_match_jax(window, causal):
     want = jax.nn.dot_product_attention(q, k, v, is_causal=causal, local_window_size=window, **lengths)
     assert_close(out, want, JAX_F32_SOFTMAX, "out")
     # chunks outside the window are skipped, not computed
-    small = sj._prepare(q, k, v, None, None, None, causal, None, None, window, None, None, 8, None)
+    small = prepare(q, k, v, is_causal=causal, local_window_size=window, chunk_size=8)
     assert small.skipped_fraction() > 0.4
 
 
 def test_causal_skips_chunks_above_the_diagonal():
     q, k, v = qkv(1, 256, 256, 1, 1, 8)
-    call = sj._prepare(q, k, v, None, None, None, True, None, None, None, None, None, 32, None)
+    call = prepare(q, k, v, is_causal=True, chunk_size=32)
     ranges = [tuple(int(x) for x in _engine.kv_range(call.spec, jnp.int32(i))) for i in range(8)]
     assert ranges == [(0, i + 1) for i in range(8)]
     assert call.skipped_fraction() == pytest.approx(1 - 36 / 64)
@@ -385,7 +386,7 @@ def test_memory_model_is_an_upper_bound_of_the_compiled_temporaries():
     for T, S, N, K, H, chunk in [(1024, 1024, 8, 8, 64, (128, 256)), (3000, 1000, 4, 1, 32, (512, 512)), (4096, 4096, 8, 2, 128, None)]:
         q = jnp.zeros((1, T, N, H), jnp.float32)
         kv = jnp.zeros((1, S, K, H), jnp.float32)
-        call = sj._prepare(q, kv, kv, None, None, None, True, None, None, None, None, None, chunk, None)
+        call = prepare(q, kv, kv, is_causal=True, chunk_size=chunk)
         xq, xk = jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(kv.shape, kv.dtype)
         fwd = _temp_bytes(lambda q, k, v: sj.attention(q, k, v, is_causal=True, chunk_size=chunk), xq, xk, xk)
         bwd = _temp_bytes(_loss(is_causal=True, chunk_size=chunk), xq, xk, xk)

@@ -1,18 +1,22 @@
-"""Follow ``memory_budget`` through subquad: which modules the calls that receive it live in.
+"""Follow ``memory_budget`` through subquad: the modules a call visits while the budget is on its way.
 
-A *stop* is a call of one of subquad's functions with the budget among its arguments (the
-caller's value, or the bytes it resolves to, or an object carrying them: a plan, a call record).
-A *return* is a stop in a module the budget had already left for another one. Used by
-``tests/test_architecture.py`` (the bounds of issue 19) and runnable by hand::
+A *stop* is a call of one of subquad's functions that receives the budget, or that a function
+holding the budget makes (the caller's value, the bytes it resolves to, or an object carrying
+them: a plan, the autograd metadata, a call record). Reading the call's own record
+(:class:`subquad._inputs.Inputs` methods and any property) is not a stop, and the backends count
+as one module (``subquad._backends``: the planner asks a backend, which answers from its own
+memory model). A *return* is a stop in a module the budget had already left for another one.
+``tests/test_architecture.py`` bounds both; run by hand to see the path::
 
-    python tools/budget_trace.py          # prints the path of a few representative calls
+    python tools/budget_trace.py
 """
 
 from __future__ import annotations
 
+import inspect
 import os
 import sys
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Set
 
 BUDGET = "16MiB"
 BUDGET_BYTES = 16 << 20
@@ -35,24 +39,44 @@ def _carries(value: Any) -> bool:
     return False
 
 
+def _record_reads() -> Set[Any]:
+    """Code objects of property getters and of the call record's methods (not stops)."""
+    from subquad._inputs import Inputs
+
+    codes = {v.__code__ for v in vars(Inputs).values() if inspect.isfunction(v)}
+    for module in list(sys.modules.values()):
+        if not getattr(module, "__name__", "").startswith("subquad"):
+            continue
+        for obj in list(vars(module).values()):
+            if inspect.isclass(obj):
+                codes |= {v.fget.__code__ for v in vars(obj).values() if isinstance(v, property) and v.fget is not None}
+    return codes
+
+
+def _module(path: str, root: str) -> str:
+    rel = os.path.relpath(path, os.path.dirname(root))[:-3].replace(os.sep, ".")
+    rel = rel[: -len(".__init__")] if rel.endswith(".__init__") else rel
+    return "subquad._backends" if rel.startswith("subquad._backends.") else rel
+
+
 def trace(fn: Callable[[], Any]) -> List[str]:
-    """The modules of the stops of ``fn()``, in order (``subquad._api``, ``subquad._planner``, ...)."""
+    """The modules of the stops of ``fn()``, in order."""
     import subquad
 
     root = os.path.dirname(os.path.abspath(subquad.__file__))
+    reads = _record_reads()
     stops: List[str] = []
 
+    def holds(frame: Any) -> bool:
+        return frame is not None and frame.f_code.co_filename.startswith(root) and any(
+            _carries(v) for v in frame.f_locals.values()
+        )
+
     def profile(frame: Any, event: str, arg: Any) -> None:
-        if event != "call":
+        if event != "call" or not frame.f_code.co_filename.startswith(root) or frame.f_code in reads:
             return
-        path = frame.f_code.co_filename
-        if not path.startswith(root):
-            return
-        code = frame.f_code
-        names = code.co_varnames[: code.co_argcount + code.co_kwonlyargcount]
-        if any(_carries(frame.f_locals.get(n)) for n in names):
-            rel = os.path.relpath(path, os.path.dirname(root))[:-3].replace(os.sep, ".")
-            stops.append(rel[: -len(".__init__")] if rel.endswith(".__init__") else rel)
+        if holds(frame) or holds(frame.f_back):
+            stops.append(_module(frame.f_code.co_filename, root))
 
     sys.setprofile(profile)
     try:
@@ -80,6 +104,7 @@ def representative_calls() -> Dict[str, Callable[[], Any]]:
     import torch
 
     import subquad
+    from subquad.integrations.compile import attention_op
 
     g = torch.Generator().manual_seed(0)
 
@@ -98,6 +123,7 @@ def representative_calls() -> Dict[str, Callable[[], Any]]:
             qg, kg, vg, score_mod=lambda s, b, h, i, j: s + (i - j) * 0.01, memory_budget=BUDGET, allow_compile=False
         ).sum().backward(),
         "explain": lambda: subquad.explain(q, k, v, memory_budget=BUDGET),
+        "torch.compile operator": lambda: attention_op(q, k, v, None, True, None, False, BUDGET, None, "auto"),
     }
 
 
@@ -106,5 +132,6 @@ if __name__ == "__main__":
         fn()  # once first: caches (traced callbacks, probes) are not part of the path
         stops = trace(fn)
         s = summary(stops)
-        print(f"{name}: {s['stops']} stops, {s['returns']} returns, entered {s['entered']}")
-        print("   ", " -> ".join(m.replace("subquad.", "") for m in stops))
+        entered = {m.replace("subquad.", ""): n for m, n in s["entered"].items()}
+        print(f"{name}: {s['stops']} stops, {s['returns']} returns, entered {entered}")
+        print("   ", " > ".join(m.replace("subquad.", "") for m in stops))

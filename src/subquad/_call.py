@@ -82,6 +82,8 @@ def prepare(
     if not isinstance(backend, str) or (backend != "auto" and backend not in BACKEND_NAMES):
         raise ArgumentError(f"Unknown backend={backend!r}; expected 'auto' or one of {', '.join(map(repr, BACKEND_NAMES))}.")
     check_bool("return_lse", return_lse)
+    if allow_compile is not None:
+        check_bool("allow_compile", allow_compile)
     tiles = parse_chunk_size(chunk_size)
     inp = make_inputs(
         query, key, value,
@@ -92,8 +94,6 @@ def prepare(
         inp = block.apply(inp)
     inp, notes = normalize(inp)
     captured = captured_tensors(inp)
-    if allow_compile is not None:
-        check_bool("allow_compile", allow_compile)
     opts = Options(
         return_lse=return_lse, chunk_size=tiles, captured_requires_grad=bool(captured),
         allow_compile=compile_allowed(allow_compile),

@@ -94,8 +94,7 @@ def make_plan(
             rejected[name] = reasons
             continue
         backward_name = b.backward_backend(inp, opts) if need_grad else None
-        fit = b.fit(inp, opts, budget, BACKENDS[backward_name] if backward_name is not None else None)
-        fwd, bwd_tiles, pred, smallest = fit
+        fwd, bwd_tiles, pred, smallest = b.fit(inp, opts, budget, BACKENDS[backward_name] if backward_name is not None else None)
         if pred > budget or (b.tiled and fwd is None):
             if opts.chunk_size is not None and b.tiled:
                 tiles = f"chunk_size={opts.chunk_size} needs"
@@ -104,6 +103,7 @@ def make_plan(
             rejected[name] = [f"{tiles} ≈{format_bytes(smallest)}, the budget is {format_bytes(budget)}"]
             smallest_overall = smallest if smallest_overall is None else min(smallest_overall, smallest)
             continue
+        notes = b.notes(inp)
         plan = Plan(
             backend=name,
             chunk_size=fwd,
@@ -123,7 +123,7 @@ def make_plan(
         plan.tiles = count_tiles(inp, fwd, bwd_tiles if need_grad else None)
         if estimate_time or plan.tiles >= ESTIMATE_TIME_FROM_TILES:
             plan.predicted_seconds = predict_seconds(inp, plan.tiles, need_grad)
-        plan.notes.extend(b.notes(inp))
+        plan.notes.extend(notes)
         if backend == "auto":
             for later in names[names.index(name) + 1 :]:
                 plan.rejected.setdefault(later, ["slower backend; the one above fits"])

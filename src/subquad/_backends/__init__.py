@@ -5,9 +5,9 @@ memory model, tile search and compute. :mod:`~subquad._backends.dispatch` lists 
 order the planner asks them in. The rest of the package uses the names below.
 """
 
-from .base import MPS_MAX_MATMUL_ELEMENTS, TARGET_TILE_BYTES, Backend, Fit, Options
+from .base import MPS_MAX_MATMUL_ELEMENTS, TARGET_TILE_BYTES, Backend, Fit, Options, compile_allowed
 from .dispatch import BACKEND_NAMES, BACKENDS, priority
-from .flex import Flex, FlexUnavailable, compile_allowed
+from .flex import Flex, FlexUnavailable
 from .fused import FusedCPU, cpu_flash_forward, cpu_flash_unavailable_reason
 from .matmul import Matmul
 from .sdpa import TORCH_SDPA, Sdpa

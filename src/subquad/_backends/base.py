@@ -8,6 +8,7 @@ backend means adding its module and naming it in :mod:`subquad._backends`.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Iterable, List, NamedTuple, Optional, Tuple
 
@@ -36,6 +37,13 @@ class Options:
     chunk_size: Optional[Tuple[int, int]] = None
     captured_requires_grad: bool = False
     allow_compile: bool = True
+
+
+def compile_allowed(allow_compile: Optional[bool]) -> bool:
+    """``allow_compile`` if given, else the ``SUBQUAD_COMPILE`` environment variable (default on)."""
+    if allow_compile is not None:
+        return allow_compile
+    return os.environ.get("SUBQUAD_COMPILE", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def _threads() -> int:

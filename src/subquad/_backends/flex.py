@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import collections
 import importlib.util
-import os
 import threading
 import time
 import warnings
@@ -63,13 +62,6 @@ _BLOCK_MASK_CACHE_SIZE = 16
 
 class FlexUnavailable(RuntimeError):
     """FlexAttention could not run this call (compiling failed); the tiles run it instead."""
-
-
-def compile_allowed(allow_compile: Optional[bool]) -> bool:
-    """``allow_compile`` if given, else the ``SUBQUAD_COMPILE`` environment variable (default on)."""
-    if allow_compile is not None:
-        return allow_compile
-    return os.environ.get("SUBQUAD_COMPILE", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def _flex_unavailable_reason() -> Optional[str]:

@@ -48,6 +48,7 @@ from subquad._tiles import TILES
 
 from .cases import SOFTCAP, WINDOW, BenchInputs, Case, Timing, make_inputs
 from .impls import IMPLS, Impl, is_out_of_memory, refusal_reason
+from .meters import CudaPeak, RssPeak, memory_meter, synchronize  # noqa: F401 (RssPeak, CudaPeak: the meters)
 
 STATUSES = ("ok", "unsupported", "oom", "error")
 
@@ -142,94 +143,6 @@ def _subquad_version() -> Optional[str]:
     except Exception:  # a source checkout without metadata: not worth failing a bench for
         return None
 
-
-# ----------------------------------------------------------------------------- memory
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    elif device.type == "mps":
-        torch.mps.synchronize()
-
-
-class CudaPeak:
-    """Peak of the CUDA caching allocator's allocated bytes during a call, above the start."""
-
-    method = "cuda max_memory_allocated"
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.base = 0
-
-    def start(self) -> None:
-        synchronize(self.device)
-        self.base = torch.cuda.memory_allocated(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
-
-    def stop(self) -> int:
-        synchronize(self.device)
-        return torch.cuda.max_memory_allocated(self.device) - self.base
-
-
-def _malloc_trim() -> None:
-    """Hand free heap pages back to the OS (glibc), so that a call reusing them shows in RSS."""
-    try:
-        import ctypes
-
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
-def _status_bytes(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key):
-                return int(line.split()[1]) * 1024  # the kernel reports kB
-    raise OSError(f"{key} not in /proc/self/status")
-
-
-class RssPeak:
-    """Peak resident set size during a call, above the RSS at its start (Linux)."""
-
-    method = "cpu VmHWM - VmRSS"
-
-    def __init__(self):
-        self.base = 0
-
-    @staticmethod
-    def available() -> Optional[str]:
-        """None when usable, else why not."""
-        try:
-            _status_bytes("VmHWM")
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
-        except OSError as exc:
-            return f"cannot reset the RSS high-water mark: {exc}"
-        return None
-
-    def start(self) -> None:
-        gc.collect(1)  # young cycles only: a full collection costs ~0.2 s with torch loaded
-        _malloc_trim()
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # 5 resets VmHWM to the current RSS
-        self.base = _status_bytes("VmRSS")
-
-    def stop(self) -> int:
-        return max(0, _status_bytes("VmHWM") - self.base)
-
-
-def memory_meter(device: torch.device):
-    """A meter with start()/stop() -> bytes, or a string saying why there is none."""
-    if device.type == "cuda":
-        return CudaPeak(device)
-    if device.type == "cpu":
-        return RssPeak.available() or RssPeak()
-    return f"no peak-memory counter on {device.type}"
-
-
-# ------------------------------------------------------------------------------ errors
 
 
 def _sample(n: int, k: int, gen: torch.Generator) -> list[int]:
