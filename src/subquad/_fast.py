@@ -36,6 +36,8 @@ from ._planner import Plan
 SMALL_SCORES = 1 << 16
 """Calls with at most this many scores (256 KiB of float32) may go through torch's SDPA directly."""
 
+_is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+
 _CACHE: Dict[Any, "Entry"] = {}
 _LOCK = threading.Lock()
 CACHE_SIZE = 512
@@ -137,13 +139,13 @@ def key(
         or (attn_mask is not None and attn_mask.requires_grad)
     ):
         return None
-    if torch._C._functorch.is_functorch_wrapped_tensor(query):
+    if _is_wrapped(query):
         return None
+    qs, ks, vs = query.shape, key_.shape, value.shape  # each read makes a new Size: once
     return (
-        tuple(query.shape[:-2]), query.shape[-1], tuple(key_.shape[:-2]), key_.shape[-1], tuple(value.shape[:-2]),
-        value.shape[-1], query.dtype, key_.dtype, value.dtype, query.device, key_.device, value.device,
-        query.stride(-1) == 1, key_.stride(-1) == 1, value.stride(-1) == 1, mask_key, is_causal, scale,
-        enable_gqa, memory_budget, backend, return_lse,
+        qs[:-2], qs[-1], ks[:-2], ks[-1], vs[:-2], vs[-1], query.dtype, key_.dtype, value.dtype,
+        query.device, key_.device, value.device, query.stride(-1) == 1, key_.stride(-1) == 1,
+        value.stride(-1) == 1, mask_key, is_causal, scale, enable_gqa, memory_budget, backend, return_lse,
     )
 
 
