@@ -196,7 +196,7 @@ def _errors(rank: int, P: int) -> Dict[str, str]:
     """Each refusal, checked with pytest.raises on every rank."""
     import pytest
 
-    from subquad._inputs import ArgumentError
+    from subquad._errors import ArgumentError
 
     x = torch.randn(1, 2, 4, 8)
     results: Dict[str, str] = {}

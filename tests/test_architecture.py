@@ -27,7 +27,7 @@ LAYERS: List[Tuple[str, ...]] = [
     ("subquad._cli", "subquad.bench"),
     ("subquad.integrations", "subquad.compat", "subquad.distributed", "subquad.jax"),
     ("subquad",),  # the package face: __init__
-    ("subquad._api",),
+    ("subquad._api", "subquad._api_varlen"),
     ("subquad._compile",),
     ("subquad._call",),
     ("subquad._fast",),
@@ -39,6 +39,7 @@ LAYERS: List[Tuple[str, ...]] = [
     ("subquad.mods",),
     ("subquad._tiles",),
     ("subquad._callbacks",),
+    ("subquad._validate",),
     ("subquad._inputs",),
     ("subquad._budget",),
     ("subquad._errors",),
@@ -49,7 +50,7 @@ LAYERS: List[Tuple[str, ...]] = [
 LAZY_WING = {"subquad"}
 
 # Modules allowed over 600 lines, each for one job that needs it (said in its docstring).
-LONG_MODULES: Set[str] = set()
+LONG_MODULES: Set[str] = {"subquad.mods"}  # each built-in with its drawing and block states
 
 
 def _module_name(path: pathlib.Path) -> str:
@@ -191,7 +192,8 @@ def test_no_caller_reaches_past_the_backend_protocol():
 
 
 @pytest.mark.parametrize("name", ["forward", "forward, tiles", "causal forward+backward", "bool mask, matmul",
-                                  "score_mod forward+backward", "explain", "torch.compile operator"])
+                                  "score_mod forward+backward", "explain", "torch.compile operator",
+                                  "packed sequences forward+backward"])
 def test_memory_budget_goes_down_the_layers(name):
     """Issue 19's bound: at most 10 returns to a module the budget had left, the face entered at
     most twice (at 1765e92: 18 and 4 for the causal backward, 21 and 4 with a score_mod)."""

@@ -235,7 +235,7 @@ def test_dropout_mask_independent_of_tiling():
 
 
 def test_dropout_keep_rate():
-    from subquad._inputs import make_inputs
+    from subquad._validate import make_inputs
     from subquad._tiles import dropout_scale
 
     inp = make_inputs(_rand(2, 4, 64, 8), _rand(2, 4, 256, 8), _rand(2, 4, 256, 8), dropout_p=0.25)

@@ -133,7 +133,7 @@ def test_low_precision_gradients(dtype, backend, chunk):
 
 
 def test_dropout_backward_uses_the_same_masks():
-    from subquad._inputs import make_inputs
+    from subquad._validate import make_inputs
     from subquad._tiles import dropout_scale
 
     q, k, v = _leaf(1, 2, 12, 8), _leaf(1, 2, 20, 8), _leaf(1, 2, 20, 8)

@@ -17,7 +17,8 @@ import torch.nn.functional as F
 import subquad
 from subquad import MemoryBudgetError
 from conftest import assert_close_to_golden, naive_attention
-from subquad._inputs import Inputs, make_inputs
+from subquad._inputs import Inputs
+from subquad._validate import make_inputs
 from subquad._backends import Matmul, Options
 from subquad._backends import MPS_MAX_MATMUL_ELEMENTS
 from subquad._budget import DEFAULT_BUDGET_FRACTION, free_memory_bytes, parse_budget

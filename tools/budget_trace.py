@@ -114,6 +114,8 @@ def representative_calls() -> Dict[str, Callable[[], Any]]:
     q, k, v = t(1, 4, 512, 64), t(1, 4, 512, 64), t(1, 4, 512, 64)
     qg, kg, vg = t(1, 4, 512, 64, grad=True), t(1, 4, 512, 64, grad=True), t(1, 4, 512, 64, grad=True)
     mask = torch.rand(512, 512, generator=g) > 0.1
+    packed = [t(4 * 128, 4, 64, grad=True) for _ in range(3)]
+    cu = torch.tensor([0, 100, 228, 512], dtype=torch.int32)
     return {
         "forward": lambda: subquad.attention(q, k, v, memory_budget=BUDGET),
         "forward, tiles": lambda: subquad.attention(q, k, v, memory_budget=BUDGET, chunk_size=(128, 128)),
@@ -124,6 +126,8 @@ def representative_calls() -> Dict[str, Callable[[], Any]]:
         ).sum().backward(),
         "explain": lambda: subquad.explain(q, k, v, memory_budget=BUDGET),
         "torch.compile operator": lambda: attention_op(q, k, v, None, True, None, False, BUDGET, None, "auto"),
+        "packed sequences forward+backward": lambda: subquad.varlen_attention(
+            *packed, cu, cu, is_causal=True, memory_budget=BUDGET).sum().backward(),
     }
 
 

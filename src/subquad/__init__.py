@@ -6,11 +6,12 @@ tiles with a running max, sum and weighted sum per row, so the ``Lq x Lk`` matri
 
 from . import mods
 from ._api import attention, explain, sdpa
+from ._api_varlen import varlen_attention, varlen_explain
 from ._backends import BACKEND_NAMES as BACKENDS
 from ._errors import MemoryBudgetError
 from ._planner import Plan
 
-__all__ = ["attention", "sdpa", "explain", "Plan", "MemoryBudgetError", "BACKENDS", "mods", "patch_sdpa", "integrations", "distributed"]
+__all__ = ["attention", "sdpa", "explain", "varlen_attention", "varlen_explain", "Plan", "MemoryBudgetError", "BACKENDS", "mods", "patch_sdpa", "integrations", "distributed"]
 __version__ = "0.1.0"
 
 

@@ -9,7 +9,7 @@ as bytes.
 A call runs as:
 
 1. the fast path (:mod:`subquad._fast`) when its plan is remembered;
-2. :func:`prepare`: :func:`~subquad._inputs.make_inputs` validates, :func:`~subquad._traced.normalize`
+2. :func:`prepare`: :func:`~subquad._validate.make_inputs` validates, :func:`~subquad._traced.normalize`
    rewrites the callbacks as what they are, the planner picks the backend and tiles;
 3. a whole-input backend (compiled FlexAttention, torch's SDPA), which hands the call to the tiles
    if it cannot run it after all;
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from typing import Any, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -33,8 +33,9 @@ from ._backends import BACKEND_NAMES, BACKENDS, FlexUnavailable, Options, compil
 from ._budget import Budget, format_seconds, resolve_budget
 from ._callbacks import captured_tensors, from_callback
 from ._errors import ArgumentError
-from ._inputs import BlockPositions, Inputs, MaskMod, ScoreMod, check_bool, make_inputs, parse_chunk_size
-from ._planner import Plan, make_plan
+from ._inputs import BlockPositions, Inputs, MaskMod, ScoreMod
+from ._validate import check_bool, make_inputs, make_packed_inputs, parse_chunk_size
+from ._planner import ESTIMATE_TIME_FROM_TILES, Plan, count_tiles, describe, make_plan, predict_seconds
 from ._tiles import KernelRefused, halve, is_oom
 from ._traced import normalize
 
@@ -53,6 +54,17 @@ class Prepared(NamedTuple):
     budget: int  # bytes
     plan: Plan
     captured: Sequence[Tensor]  # tensors score_mod reads that require grad
+
+
+class Varlen(NamedTuple):
+    """What makes a call one of packed sequences (:func:`subquad.varlen_attention`'s arguments)."""
+
+    cu_seqlens_q: Any
+    cu_seqlens_k: Any
+    max_seqlen_q: Any = None
+    max_seqlen_k: Any = None
+    alignment: str = "top_left"
+    window: Any = None
 
 
 def prepare(
@@ -74,10 +86,13 @@ def prepare(
     allow_compile: Optional[bool] = None,
     estimate_time: bool = False,
     block: Optional[BlockPositions] = None,
+    varlen: Optional[Varlen] = None,
 ) -> Prepared:
     """Validate, normalize and plan a call (raises as :func:`subquad.attention` does).
 
-    ``block`` places the call inside a longer sequence (callbacks see its positions).
+    ``block`` places the call inside a longer sequence (callbacks see its positions); ``varlen``
+    makes it a call of packed sequences (``(total, H, E)`` tensors; no ``attn_mask``), planned
+    by its longest sequences.
     """
     if not isinstance(backend, str) or (backend != "auto" and backend not in BACKEND_NAMES):
         raise ArgumentError(f"Unknown backend={backend!r}; expected 'auto' or one of {', '.join(map(repr, BACKEND_NAMES))}.")
@@ -85,21 +100,35 @@ def prepare(
     if allow_compile is not None:
         check_bool("allow_compile", allow_compile)
     tiles = parse_chunk_size(chunk_size)
-    inp = make_inputs(
-        query, key, value,
-        attn_mask=attn_mask, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
-        dropout_p=dropout_p, score_mod=score_mod, mask_mod=mask_mod,
-    )
+    if varlen is None:
+        inp = make_inputs(
+            query, key, value, attn_mask=attn_mask, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
+            dropout_p=dropout_p, score_mod=score_mod, mask_mod=mask_mod,
+        )
+    else:
+        inp = make_packed_inputs(
+            query, key, value, *varlen[:2], max_seqlen_q=varlen.max_seqlen_q, max_seqlen_k=varlen.max_seqlen_k,
+            is_causal=is_causal, alignment=varlen.alignment, window=varlen.window, scale=scale, enable_gqa=enable_gqa,
+            dropout_p=dropout_p, score_mod=score_mod, mask_mod=mask_mod,
+        )
     if block is not None:
         inp = block.apply(inp)
     inp, notes = normalize(inp)
-    captured = captured_tensors(inp)
+    # What the planner sizes the call by: itself, or a packed call's longest sequences.
+    sized = inp if inp.packed is None else _engine.planning_view(inp)
+    captured = captured_tensors(sized)
     opts = Options(
         return_lse=return_lse, chunk_size=tiles, captured_requires_grad=bool(captured),
-        allow_compile=compile_allowed(allow_compile),
+        allow_compile=compile_allowed(allow_compile), packed=inp.packed is not None,
     )
     budget = resolve_budget(memory_budget, inp.device)
-    plan = make_plan(inp, opts, budget, backend, estimate_time=estimate_time)
+    plan = make_plan(sized, opts, budget, backend, estimate_time=estimate_time)
+    if sized is not inp:  # a packed call: its description, and the tiles of every sequence
+        plan.shape = describe(inp)
+        need_grad = inp.requires_grad or bool(captured)
+        plan.tiles = count_tiles(inp, plan.chunk_size, plan.backward_chunk_size if need_grad else None)
+        if estimate_time or plan.tiles >= ESTIMATE_TIME_FROM_TILES:
+            plan.predicted_seconds = predict_seconds(inp, plan.tiles, need_grad)
     plan.notes[:0] = notes
     return Prepared(inp, opts, budget, plan, captured)
 
@@ -146,6 +175,33 @@ def attention(
     assert lse is not None
     lse = lse.reshape(inp.output_shape[:-1])
     return out, lse if lse.dtype == inp.stats_dtype else lse.to(inp.stats_dtype)
+
+
+def varlen_attention(
+    query: Tensor, key: Tensor, value: Tensor, cu_seqlens_q: Any, cu_seqlens_k: Any, **options: Any
+) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+    """:func:`subquad.varlen_attention`, eagerly: ``out (total_q, Hq, Ev)`` (and ``lse (total_q, Hq)``)."""
+    varlen = _varlen(cu_seqlens_q, cu_seqlens_k, options)
+    call = prepare(query, key, value, **options, varlen=varlen)
+    _warn_if_long(call.plan)
+    out, lse = _run_tiles_per_group(call.inp, call.plan, call.opts, call.budget, options.get("backend", "auto"), call.captured)
+    out = out[0].transpose(0, 1)  # the engine wrote (total, Hq, Ev) rows: this is that tensor
+    if not call.opts.return_lse:
+        return out
+    assert lse is not None
+    return out, lse[0].t()
+
+
+def varlen_explain(query: Tensor, key: Tensor, value: Tensor, cu_seqlens_q: Any, cu_seqlens_k: Any, **options: Any) -> Plan:
+    """:func:`subquad.varlen_explain` (``options``: :func:`subquad.varlen_attention`'s keywords)."""
+    varlen = _varlen(cu_seqlens_q, cu_seqlens_k, options)
+    return prepare(query, key, value, estimate_time=True, **options, varlen=varlen).plan
+
+
+def _varlen(cu_seqlens_q: Any, cu_seqlens_k: Any, options: Dict[str, Any]) -> Varlen:
+    """The packed arguments, taken out of ``options`` (what remains are :func:`prepare`'s)."""
+    names = ("max_seqlen_q", "max_seqlen_k", "alignment", "window")
+    return Varlen(cu_seqlens_q, cu_seqlens_k, **{n: options.pop(n) for n in names if n in options})
 
 
 def explain(query: Tensor, key: Tensor, value: Tensor, **options: Any) -> Plan:
@@ -266,7 +322,7 @@ def _run_tiles_recovering(
                 RuntimeWarning,
                 stacklevel=6,
             )
-            plan = make_plan(inp, opts, budget, "matmul")
+            plan = make_plan(inp if inp.packed is None else _engine.planning_view(inp), opts, budget, "matmul")
             tiles, backward_tiles = plan.chunk_size, plan.backward_chunk_size
         except Exception as e:  # noqa: BLE001 - only real out-of-memory errors are retried
             if attempt == 1 or from_callback(e) or not is_oom(e):

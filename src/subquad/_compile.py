@@ -29,7 +29,7 @@ from torch import Tensor
 from . import _call, mods
 from ._autograd import backward_grads
 from ._backends import BACKEND_NAMES
-from ._inputs import causal_bias_offset, make_inputs, parse_chunk_size
+from ._validate import causal_bias_offset, make_inputs, parse_chunk_size
 from ._planner import make_plan
 
 __all__ = ["compiled_attention", "supports", "attention_op", "attention_backward_op"]

@@ -9,6 +9,7 @@ of blocks.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -17,9 +18,10 @@ from typing import Iterator, Optional, Tuple
 import torch
 from torch import Tensor
 
+from . import mods
 from ._backends import BACKENDS
 from ._callbacks import EMPTY, PARTIAL, mask_mod_state
-from ._inputs import Inputs
+from ._inputs import Inputs, MaskMod
 from ._tiles import TILES, Grads, Segment
 
 log = logging.getLogger("subquad")
@@ -111,32 +113,41 @@ class Progress:
 
 def forward(
     inp: Inputs, backend: str, chunk: Tuple[int, int], seed: int, need_lse: bool,
-    predicted_s: Optional[float] = None,
+    predicted_s: Optional[float] = None, out: Optional[Tensor] = None, lse: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Optional[Tensor]]:
     """Attention of the whole call, ``(out (B, Hq, Lq, Ev), lse (B, Hq, Lq) or None)``.
 
-    An interrupt (Ctrl-C) between tiles leaves nothing behind: the output is returned only once
-    every tile is done.
+    ``out``/``lse``: tensors (views) to write the result into instead of new ones. Packed
+    sequences run one at a time (:func:`sequence_view`). An interrupt (Ctrl-C) between tiles
+    leaves nothing behind: the output is returned only once every tile is done.
     """
+    if inp.packed is not None:
+        return _forward_packed(inp, backend, chunk, seed, need_lse, predicted_s)
     b = BACKENDS[backend]
     q_chunk, kv_chunk = chunk
     B, Hq, Lq = inp.B, inp.Hq, inp.Lq
-    lse = torch.empty((B, Hq, Lq), dtype=inp.stats_dtype, device=inp.device) if need_lse else None
+    if lse is None and need_lse:
+        lse = torch.empty((B, Hq, Lq), dtype=inp.stats_dtype, device=inp.device)
     if inp.empty or inp.Lk == 0:
         # No output element, or no key: rows see nothing, their output is 0 (as SDPA's).
         if lse is not None:
             lse.fill_(float("-inf"))
+        if out is not None:
+            return out.zero_(), lse
         return torch.zeros((B, Hq, Lq, inp.Ev), dtype=inp.dtype, device=inp.device), lse
     coalesce = backend == "fused"
     if b.returns_rows and q_chunk >= Lq:
         # One block of rows: the kernel's own output is the result, no copy.
         segs = _nonempty(kv_segments(inp, 0, Lq, kv_chunk, coalesce))
         if segs is not None:
-            out, rows_lse = b.forward_rows(inp, 0, Lq, segs, None, seed)
+            rows, rows_lse = b.forward_rows(inp, 0, Lq, segs, None, seed)
             if lse is not None:
                 lse.copy_(rows_lse)
-            return out.to(inp.dtype), lse
-    out = torch.empty((B, Hq, Lq, inp.Ev), dtype=inp.dtype, device=inp.device)
+            if out is not None:
+                return out.copy_(rows), lse
+            return rows.to(inp.dtype), lse
+    if out is None:
+        out = torch.empty((B, Hq, Lq, inp.Ev), dtype=inp.dtype, device=inp.device)
     progress = Progress("forward", -(-Lq // q_chunk), predicted_s)
     for i, (qs, qe) in enumerate(_row_blocks(Lq, q_chunk)):
         progress.tick(i)
@@ -150,6 +161,62 @@ def forward(
         if lse is not None:
             lse[:, :, qs:qe].copy_(result[1] if isinstance(result, tuple) else result)
         del result
+    return out, lse
+
+
+# ------------------------------------------------------------------ packed sequences
+def sequence_view(inp: Inputs, s: int) -> Inputs:
+    """Sequence ``s`` of a packed call as a call of its own: views of its rows and keys, its causal
+    and window alignment, callbacks seeing ``b = s`` and positions within the sequence."""
+    p = inp.packed
+    assert p is not None
+    qs, qe, ks, ke = p.rows(s)
+    offset = p.offset(s)
+    return dataclasses.replace(
+        inp, query=inp.query[:, :, qs:qe], key=inp.key[:, :, ks:ke], value=inp.value[:, :, ks:ke], packed=None,
+        b_offset=s, causal_offset=inp.causal_offset + offset if inp.is_causal else 0, mask_mod=_with_window(inp, offset),
+    )
+
+
+def planning_view(inp: Inputs) -> Inputs:
+    """What the planner sizes a packed call by: its longest sequences (any sequence's tiles fit
+    within theirs) and the lse of every row, which the backward keeps."""
+    p = inp.packed
+    assert p is not None
+    misaligned = any(p.offset(s) != 0 for s in range(p.n))
+    return dataclasses.replace(
+        inp, query=inp.query[:, :, : p.max_q], key=inp.key[:, :, : p.max_k], value=inp.value[:, :, : p.max_k],
+        packed=None, lse_rows=inp.Lq, mask_mod=_with_window(inp, 0),
+        # A diagonal that is not tile-aligned needs generated causal masks: the model counts them.
+        causal_offset=1 if inp.is_causal and misaligned else 0,
+    )
+
+
+def _with_window(inp: Inputs, offset: int) -> Optional[MaskMod]:
+    p = inp.packed
+    assert p is not None
+    if p.window is None:
+        return inp.mask_mod
+    band = mods.local_window(p.window[0], p.window[1], offset)
+    return band if inp.mask_mod is None else mods.and_masks(band, inp.mask_mod)
+
+
+def _forward_packed(
+    inp: Inputs, backend: str, chunk: Tuple[int, int], seed: int, need_lse: bool, predicted_s: Optional[float]
+) -> Tuple[Tensor, Optional[Tensor]]:
+    # Written in the caller's packed layout, (total, Hq, Ev) and (total, Hq), viewed as the engine's.
+    rows = torch.empty((inp.Lq, inp.Hq, inp.Ev), dtype=inp.dtype, device=inp.device)
+    out = rows.permute(1, 0, 2).unsqueeze(0)
+    lse = None
+    if need_lse:
+        lse = torch.empty((inp.Lq, inp.Hq), dtype=inp.stats_dtype, device=inp.device).t().unsqueeze(0)
+    p = inp.packed
+    assert p is not None
+    for s in range(p.n):
+        qs, qe, _, _ = p.rows(s)
+        if qe > qs:
+            forward(sequence_view(inp, s), backend, chunk, seed, need_lse, predicted_s,
+                    out=out[:, :, qs:qe], lse=None if lse is None else lse[:, :, qs:qe])
     return out, lse
 
 
@@ -168,8 +235,22 @@ def backward(
     """Accumulate the gradients of the whole call into ``grads``, block by block.
 
     Key segments are never coalesced here: a backward kernel returns dK and dV for all the keys
-    of its segment, so segments stay as long as the planned tiles.
+    of its segment, so segments stay as long as the planned tiles. Packed sequences run one at a
+    time, into views of the accumulators.
     """
+    if inp.packed is not None:
+        for s in range(inp.packed.n):
+            qs, qe, ks, ke = inp.packed.rows(s)
+            if qe == qs or ke == ks:
+                continue
+            q_rows, keys = (slice(None), slice(None), slice(qs, qe)), (slice(None), slice(None), slice(ks, ke))
+            views = grads._replace(
+                dq=None if grads.dq is None else grads.dq[q_rows], dk=None if grads.dk is None else grads.dk[keys],
+                dv=None if grads.dv is None else grads.dv[keys],
+            )
+            backward(sequence_view(inp, s), backend, chunk, seed, grad_out[q_rows], out[q_rows], lse[q_rows], views,
+                     None if grad_lse is None else grad_lse[q_rows], predicted_s)
+        return
     if inp.empty or inp.Lk == 0:
         return
     b = BACKENDS[backend]
@@ -189,7 +270,7 @@ def whole_fused_backward(
 
     The kernel's own gradients are then the result: no accumulators beside them.
     """
-    if chunk[0] < inp.Lq or chunk[1] < inp.Lk or inp.empty or inp.Lk == 0:
+    if inp.packed is not None or chunk[0] < inp.Lq or chunk[1] < inp.Lk or inp.empty or inp.Lk == 0:
         return None
     segs = list(kv_segments(inp, 0, inp.Lq, chunk[1], coalesce=False))
     if len(segs) != 1 or (segs[0].ks, segs[0].ke) != (0, inp.Lk):

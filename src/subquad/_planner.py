@@ -155,11 +155,20 @@ _TILE_OVERHEAD_S = {"cpu": 30e-6, "cuda": 40e-6, "mps": 80e-6}
 _RATES: Dict[str, Tuple[float, float]] = {}  # device type -> (matmul FLOP/s, seconds per score element)
 
 
-def visible_fraction(inp: Inputs) -> float:
-    """The fraction of the ``Lq x Lk`` scores a causal mask leaves visible (1 without one)."""
-    if not inp.is_causal or inp.Lq == 0 or inp.Lk == 0:
+def _parts(inp: Inputs) -> List[Tuple[int, int, int]]:
+    """``(Lq, Lk, causal offset)`` of what one batch group of the call computes: the call, or the
+    sequences of a packed call (each with its own lengths and alignment)."""
+    p = inp.packed
+    if p is None:
+        return [(inp.Lq, inp.Lk, inp.causal_offset)]
+    return [(qe - qs, ke - ks, inp.causal_offset + p.offset(s)) for s in range(p.n) for qs, qe, ks, ke in [p.rows(s)] if qe > qs]
+
+
+def visible_fraction(Lq: int, Lk: int, is_causal: bool, o: int) -> float:
+    """The fraction of the ``Lq x Lk`` scores a causal mask (query ``i`` sees keys ``<= i + o``)
+    leaves visible (1 without one)."""
+    if not is_causal or Lq == 0 or Lk == 0:
         return 1.0
-    Lq, Lk, o = inp.Lq, inp.Lk, inp.causal_offset
     # Row i sees min(max(i + o + 1, 0), Lk) keys: zero below r0, all of them from r2 on.
     r0 = min(max(-o, 0), Lq)
     r2 = min(max(Lk - o - 1, r0), Lq)
@@ -170,14 +179,15 @@ def visible_fraction(inp: Inputs) -> float:
 
 def count_tiles(inp: Inputs, fwd: Optional[Tuple[int, int]], bwd: Optional[Tuple[int, int]]) -> int:
     """Kernel calls of the plan, forward and backward (causal tiles above the diagonal not counted)."""
-    frac = visible_fraction(inp)
     n = 0
-    for tiles in (fwd, bwd):
-        if tiles is None:
-            continue
-        nq = -(-max(inp.Lq, 1) // tiles[0])
-        nk = -(-max(inp.Lk, 1) // tiles[1])
-        n += max(1, math.ceil(nq * nk * frac) + (min(nq, nk) if inp.is_causal else 0))
+    for Lq, Lk, o in _parts(inp):
+        frac = visible_fraction(Lq, Lk, inp.is_causal, o)
+        for tiles in (fwd, bwd):
+            if tiles is None:
+                continue
+            nq = -(-max(Lq, 1) // tiles[0])
+            nk = -(-max(Lk, 1) // tiles[1])
+            n += max(1, math.ceil(nq * nk * frac) + (min(nq, nk) if inp.is_causal else 0))
     return max(n, 1)
 
 
@@ -223,7 +233,8 @@ def predict_seconds(inp: Inputs, tiles: int, need_grad: bool) -> float:
     """An order-of-magnitude estimate of a call's time: FLOPs at the device's matmul rate, the
     softmax work per score, and a per-tile overhead."""
     rate, per_score = _device_rates(inp.device)
-    scores = float(inp.B * inp.Hq * inp.Lq * inp.Lk) * visible_fraction(inp) * inp.n_groups
+    scores = inp.n_groups * sum(float(inp.B * inp.Hq * Lq * Lk) * visible_fraction(Lq, Lk, inp.is_causal, o)
+                                for Lq, Lk, o in _parts(inp))
     t = 2.0 * scores * (inp.E + inp.Ev) / rate + scores * per_score
     if need_grad:
         t *= 3.5
@@ -236,8 +247,13 @@ def describe(inp: Inputs) -> str:
     extras = []
     if inp.attn_mask is not None:
         extras.append(f"{inp.mask_kind} mask {tuple(inp.attn_mask.shape)}")
-    if inp.is_causal:
+    p = inp.packed
+    if inp.is_causal and p is not None:
+        extras.append("causal (bottom-right per sequence)" if p.bottom_right else "causal")
+    elif inp.is_causal:
         extras.append("causal" if inp.causal_offset == 0 else f"causal (bottom-right, offset {inp.causal_offset})")
+    if p is not None and p.window is not None:
+        extras.append(f"window {p.window}")
     if inp.score_mod is not None:
         extras.append("score_mod")
     if inp.mask_mod is not None:
@@ -246,4 +262,7 @@ def describe(inp: Inputs) -> str:
         extras.append(f"dropout {inp.dropout_p}")
     tail = (", " + ", ".join(extras)) if extras else ""
     dt = str(inp.dtype).replace("torch.", "")
+    if p is not None:
+        return (f"{p.n} packed sequences (longest Lq={p.max_q}, Lk={p.max_k}; {inp.Lq} x {inp.Lk} rows in all) "
+                f"H={heads} E={inp.E}{ev} {dt} on {inp.device.type}{tail}")
     return f"B={inp.B} H={heads} Lq={inp.Lq} Lk={inp.Lk} E={inp.E}{ev} {dt} on {inp.device.type}{tail}"

@@ -37,6 +37,9 @@ class Options:
     chunk_size: Optional[Tuple[int, int]] = None
     captured_requires_grad: bool = False
     allow_compile: bool = True
+    packed: bool = False
+    """The call packs sequences along its length: planned by its longest sequences (the
+    :class:`Inputs` the planner sees), run in tiles one sequence at a time."""
 
 
 def compile_allowed(allow_compile: Optional[bool]) -> bool:

@@ -86,6 +86,8 @@ class Flex(Backend):
 
     def not_supported_reasons(self, inp: Inputs, opts: Options) -> List[str]:
         reasons = super().not_supported_reasons(inp, opts)
+        if opts.packed:
+            return reasons + ["packed sequences run in tiles, one sequence at a time"]
         if not opts.allow_compile:
             return reasons + ["compiling is off (allow_compile=False or SUBQUAD_COMPILE=0)"]
         if not inp.has_callbacks:

@@ -36,6 +36,8 @@ class Sdpa(Backend):
 
     def not_supported_reasons(self, inp: Inputs, opts: Options) -> List[str]:
         reasons = super().not_supported_reasons(inp, opts)
+        if opts.packed:
+            reasons.append("packed sequences run in tiles, one sequence at a time")
         if inp.has_callbacks:
             reasons.append("score_mod/mask_mod are not supported by torch's SDPA")
         if opts.return_lse:

@@ -14,7 +14,8 @@ import torch
 from torch import Tensor
 
 from .._errors import ArgumentError, ArgumentTypeError
-from .._inputs import MaskMod, ScoreMod, check_bool, make_inputs
+from .._inputs import MaskMod, ScoreMod
+from .._validate import check_bool, make_inputs
 from ._group import Group, torch_distributed
 from ._layouts import LAYOUTS, pieces
 

@@ -11,7 +11,8 @@ from .. import _call
 from .._budget import Budget, parse_budget, resolve_budget
 from .._callbacks import captured_tensors
 from .._errors import ArgumentError
-from .._inputs import BlockPositions, MaskMod, ScoreMod, make_inputs
+from .._inputs import BlockPositions, MaskMod, ScoreMod
+from .._validate import make_inputs
 from ._agreement import STRATEGIES, Call, agree, check_agreement, validate_local
 from ._all_to_all import run_ulysses
 from ._group import resolve_group
