@@ -9,8 +9,9 @@ along the first batch dim only, broadcast over the others), ``score_mod``: ``"mo
 (a bound method of a module that also holds a large unused layer; its table is learnable),
 ``callbacks``: ``"user-alibi-causal"`` or ``"user-softcap-causal"`` (user-written lambdas, as
 FlexAttention users write them), ``allow_compile`` (the compiled path; off unless given),
-``kv_heads`` (fewer key/value heads: grouped-query attention) and ``threads`` (torch's thread
-count for this case; the fused kernels' working set grows with it).
+``kv_heads`` (fewer key/value heads: grouped-query attention), ``threads`` (torch's thread
+count for this case; the fused kernels' working set grows with it) and ``packed``: ``[n, L]``
+sequences of ``L`` tokens packed (``subquad.varlen_attention``, shape ``[1, H, L, L, E]``).
 """
 
 from __future__ import annotations
@@ -61,10 +62,18 @@ def _run(case: dict) -> dict:
     dt = getattr(torch, case.get("dtype", "float32"))
     g = torch.Generator().manual_seed(0)
     grad = case.get("grad", False)
+    kw: dict = dict(memory_budget=case["budget"], backend=case.get("backend", "auto"), enable_gqa=Hk != H)
+    if case.get("packed"):
+        n, L = case["packed"]
+        q = torch.randn(n * L, H, E, generator=g, dtype=dt).requires_grad_(grad)
+        k = torch.randn(n * L, Hk, E, generator=g, dtype=dt).requires_grad_(grad)
+        v = torch.randn(n * L, Hk, E, generator=g, dtype=dt).requires_grad_(grad)
+        cu = torch.arange(0, n * L + 1, L, dtype=torch.int32)
+        return _measure(case, lambda: subquad.varlen_attention(q, k, v, cu, cu, is_causal=case.get("mask") == "causal", **kw),
+                        lambda: subquad.varlen_explain(q, k, v, cu, cu, **kw), (q, k, v), [], grad)
     q = torch.randn(*batch, H, Lq, E, generator=g, dtype=dt).requires_grad_(grad)
     k = torch.randn(*batch, Hk, Lk, E, generator=g, dtype=dt).requires_grad_(grad)
     v = torch.randn(*batch, Hk, Lk, E, generator=g, dtype=dt).requires_grad_(grad)
-    kw: dict = dict(memory_budget=case["budget"], backend=case.get("backend", "auto"), enable_gqa=Hk != H)
     if case.get("chunk"):
         kw["chunk_size"] = tuple(case["chunk"])
     mask = case.get("mask")
@@ -88,21 +97,24 @@ def _run(case: dict) -> dict:
     if case.get("score_mod") == "module-method":
         module = RelativeBias(H, max(Lq, Lk))
         kw["score_mod"] = module.score_mod
-    plan = subquad.explain(q, k, v, **kw)
     params = [] if module is None else list(module.parameters())
+    return _measure(case, lambda: subquad.attention(q, k, v, **kw), lambda: subquad.explain(q, k, v, **kw), (q, k, v), params, grad)
 
+
+def _measure(case: dict, attend, explain, inputs, params, grad: bool) -> dict:
+    plan = explain()
     grad_out = None
 
     def call():
         nonlocal grad_out
-        out = subquad.attention(q, k, v, **kw)
+        out = attend()
         if grad:
             grad_out = torch.ones_like(out)
             out.backward(grad_out)
         return out
 
     call()  # warm-up: thread pools and lazy initialisation are not the call's memory
-    for t in (q, k, v, *params):
+    for t in (*inputs, *params):
         t.grad = None
     grad_out = None  # (freed during the measured call, it would hide as much of its peak)
     gc.collect()
@@ -114,7 +126,7 @@ def _run(case: dict) -> dict:
     out_bytes = out.numel() * out.element_size()
     if grad:  # the incoming gradient is an input of the backward, the gradients are outputs
         out_bytes += grad_out.numel() * grad_out.element_size()
-        out_bytes += sum(t.grad.numel() * t.grad.element_size() for t in (q, k, v, *params) if t.grad is not None)
+        out_bytes += sum(t.grad.numel() * t.grad.element_size() for t in (*inputs, *params) if t.grad is not None)
     return dict(
         case=case, backend=plan.backend, chunk=plan.chunk_size, predicted=plan.predicted_peak_bytes,
         budget=plan.budget_bytes, measured=peak, output=out_bytes,

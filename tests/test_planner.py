@@ -186,6 +186,10 @@ GRID = [
     # segment's gradients must be freed before the next segment's kernel runs.
     dict(shape=[1, 8, 4096, 4096, 64], kv_heads=2, budget="16MiB", grad=True, mask="causal", threads=1),
     dict(shape=[1, 8, 4096, 4096, 64], kv_heads=2, budget="16MiB", grad=True, mask="causal"),
+    # Issue 20: 64 sequences of 1024 tokens packed, forward and backward (the lse of all 65,536
+    # rows is kept for the backward; each sequence runs within the budget).
+    dict(shape=[1, 8, 1024, 1024, 64], packed=[64, 1024], budget="16MiB", grad=True),
+    dict(shape=[1, 8, 1024, 1024, 64], packed=[64, 1024], budget="16MiB", grad=True, mask="causal"),
 ]
 
 

@@ -239,13 +239,16 @@ def _zero_grads(inp: Inputs, want_q: bool, want_k: bool, want_v: bool, want_mask
     acc_dtype = torch.float32 if half else inp.dtype
 
     def zeros(t: Optional[Tensor], dtype: torch.dtype, want: bool) -> Optional[Tensor]:
-        return torch.zeros(t.shape, dtype=dtype, device=t.device) if want and t is not None else None
+        # In the input's own layout (a transposed (B, L, H, E) caller, packed (total, H, E)
+        # sequences): autograd would otherwise copy each gradient into that layout.
+        return torch.zeros_like(t, dtype=dtype) if want and t is not None else None
 
     return Grads(
         dq=zeros(inp.query, acc_dtype, want_q),
         dk=zeros(inp.key, acc_dtype, want_k),
         dv=zeros(inp.value, acc_dtype, want_v),
-        dmask=zeros(inp.attn_mask, inp.stats_dtype, want_mask),
+        dmask=None if not (want_mask and inp.attn_mask is not None) else torch.zeros(
+            inp.attn_mask.shape, dtype=inp.stats_dtype, device=inp.attn_mask.device),
         proxies={id(c): c.detach().requires_grad_() for c in captured},
         dcaptured=[torch.zeros_like(c) for c in captured],
     )

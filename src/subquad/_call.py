@@ -122,9 +122,8 @@ def prepare(
         allow_compile=compile_allowed(allow_compile), packed=inp.packed is not None,
     )
     budget = resolve_budget(memory_budget, inp.device)
-    plan = make_plan(sized, opts, budget, backend, estimate_time=estimate_time)
-    if sized is not inp:  # a packed call: its description, and the tiles of every sequence
-        plan.shape = describe(inp)
+    plan = make_plan(sized, opts, budget, backend, estimate_time=estimate_time, shape=None if sized is inp else describe(inp))
+    if sized is not inp:  # a packed call: the tiles of every sequence
         need_grad = inp.requires_grad or bool(captured)
         plan.tiles = count_tiles(inp, plan.chunk_size, plan.backward_chunk_size if need_grad else None)
         if estimate_time or plan.tiles >= ESTIMATE_TIME_FROM_TILES:
@@ -185,11 +184,13 @@ def varlen_attention(
     call = prepare(query, key, value, **options, varlen=varlen)
     _warn_if_long(call.plan)
     out, lse = _run_tiles_per_group(call.inp, call.plan, call.opts, call.budget, options.get("backend", "auto"), call.captured)
-    out = out[0].transpose(0, 1)  # the engine wrote (total, Hq, Ev) rows: this is that tensor
+    # The engine wrote (total, Hq, Ev) rows: this is that tensor. (squeeze, not out[0]: the
+    # backward of a select allocates the whole input, that of a squeeze is a view.)
+    out = out.squeeze(0).transpose(0, 1)
     if not call.opts.return_lse:
         return out
     assert lse is not None
-    return out, lse[0].t()
+    return out, lse.squeeze(0).t()
 
 
 def varlen_explain(query: Tensor, key: Tensor, value: Tensor, cu_seqlens_q: Any, cu_seqlens_k: Any, **options: Any) -> Plan:
@@ -322,7 +323,7 @@ def _run_tiles_recovering(
                 RuntimeWarning,
                 stacklevel=6,
             )
-            plan = make_plan(inp if inp.packed is None else _engine.planning_view(inp), opts, budget, "matmul")
+            plan = make_plan(inp if inp.packed is None else _engine.planning_view(inp), opts, budget, "matmul", shape=plan.shape)
             tiles, backward_tiles = plan.chunk_size, plan.backward_chunk_size
         except Exception as e:  # noqa: BLE001 - only real out-of-memory errors are retried
             if attempt == 1 or from_callback(e) or not is_oom(e):

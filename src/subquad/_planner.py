@@ -76,13 +76,17 @@ def make_plan(
     budget: int,
     backend: str = "auto",
     estimate_time: bool = False,
+    shape: Optional[str] = None,
 ) -> Plan:
-    """Choose the path and tiles for a call. Raises :class:`MemoryBudgetError` if nothing fits.
+    """Choose the backend and tiles for a call. Raises :class:`MemoryBudgetError` if nothing fits.
 
     A forced ``chunk_size`` must fit the budget too (the budget is a promise): if its tiles
     are predicted to need more, this raises :class:`MemoryBudgetError` instead of running them.
     ``estimate_time`` fills ``predicted_seconds`` (always filled for calls of many tiles).
+    ``shape``: how plans and errors describe the call (default: :func:`describe` of ``inp``; a
+    packed call is planned on its longest sequences and described whole).
     """
+    shape = describe(inp) if shape is None else shape
     need_grad = inp.requires_grad or opts.captured_requires_grad
     names = priority(inp.device) if backend == "auto" else [backend]
     rejected: Dict[str, List[str]] = {}
@@ -112,7 +116,7 @@ def make_plan(
             rejected=rejected,
             backward_backend=backward_name,
             backward_chunk_size=bwd_tiles,
-            shape=describe(inp),
+            shape=shape,
         )
         if fwd is not None and fwd[1] >= inp.Lk and fwd[0] < inp.Lq:
             plan.notes.append("whole key rows per block (no kv chunking)")
@@ -131,18 +135,18 @@ def make_plan(
     if smallest_overall is not None:
         if opts.chunk_size is not None:
             raise MemoryBudgetError(
-                f"chunk_size={opts.chunk_size} does not fit memory_budget={format_bytes(budget)} for {describe(inp)}: "
+                f"chunk_size={opts.chunk_size} does not fit memory_budget={format_bytes(budget)} for {shape}: "
                 f"those tiles need ≈{format_bytes(smallest_overall)}; pass a smaller chunk_size, chunk_size=None "
                 f"(the planner picks tiles that fit), or memory_budget of at least {smallest_overall} bytes."
                 + "".join(f"\n  {n}: {'; '.join(r)}" for n, r in rejected.items())
             )
         raise MemoryBudgetError(
-            f"memory_budget={format_bytes(budget)} is too small for {describe(inp)}: the smallest tiles "
+            f"memory_budget={format_bytes(budget)} is too small for {shape}: the smallest tiles "
             f"need ≈{format_bytes(smallest_overall)}; pass memory_budget of at least {smallest_overall} bytes."
             + "".join(f"\n  {n}: {'; '.join(r)}" for n, r in rejected.items())
         )
     raise NotImplementedError(
-        f"backend={backend!r} cannot run {describe(inp)}:"
+        f"backend={backend!r} cannot run {shape}:"
         + "".join(f"\n  {n}: {'; '.join(r)}" for n, r in rejected.items())
     )
 
