@@ -263,3 +263,23 @@ def test_window_masks_equal_mods_local_window():
     m = mods.local_window(2, 1, offset=2)
     keep = m(None, None, torch.arange(4).view(1, 1, 4, 1), torch.arange(6).view(1, 1, 1, 6))[0, 0]
     assert torch.equal(keep, visible(4, 6, False, "bottom_right", (2, 1)))
+
+
+@pytest.mark.parametrize("alignment", ["top_left", "bottom_right"])
+def test_seqused_k_uses_the_first_keys_of_each_block(alignment):
+    # Key blocks of 10 (a padded or cached layout), of which each sequence uses a prefix.
+    q, k, v, cu_q, cu_k = packed([4, 7, 3, 1], [10, 10, 10, 10], grad=True)
+    used = torch.tensor([10, 3, 0, 6], dtype=torch.int32)
+    out, lse = subquad.varlen_attention(q, k, v, cu_q, cu_k, seqused_k=used, is_causal=True, alignment=alignment,
+                                        return_lse=True, chunk_size=(2, 4))
+    keep = torch.cat([torch.arange(s * 10, s * 10 + int(n)) for s, n in enumerate(used)])
+    cu_used = torch.tensor([0, *used.cumsum(0).tolist()], dtype=torch.int32)
+    ref, ref_lse = reference(q, k[keep], v[keep], cu_q, cu_used, is_causal=True, alignment=alignment)
+    assert_close_to_golden(out, ref.detach())
+    g = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), g)
+    want = torch.autograd.grad(ref, (q, k, v), g)
+    for name, a, b in zip("qkv", got, want):
+        assert_close_to_golden(a, b, name=f"d{name}")
+    with pytest.raises(ValueError, match=r"seqused_k\[1\] = 11 is outside \[0, 10\]"):
+        subquad.varlen_attention(q, k, v, cu_q, cu_k, seqused_k=torch.tensor([1, 11, 0, 0], dtype=torch.int32))

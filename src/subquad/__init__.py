@@ -11,7 +11,8 @@ from ._backends import BACKEND_NAMES as BACKENDS
 from ._errors import MemoryBudgetError
 from ._planner import Plan
 
-__all__ = ["attention", "sdpa", "explain", "varlen_attention", "varlen_explain", "Plan", "MemoryBudgetError", "BACKENDS", "mods", "patch_sdpa", "integrations", "distributed"]
+__all__ = ["attention", "sdpa", "explain", "varlen_attention", "varlen_explain", "Plan", "MemoryBudgetError", "BACKENDS", "mods",
+           "patch_sdpa", "integrations", "distributed", "compat"]
 __version__ = "0.1.0"
 
 
@@ -20,7 +21,7 @@ def __getattr__(name: str):  # the lazy wing: integrations import host libraries
         from .integrations.patch import patch_sdpa  # the wing imports subquad: it comes after it
 
         return patch_sdpa
-    if name in ("integrations", "distributed", "jax"):  # jax: only when asked for (pip install subquad[jax])
+    if name in ("integrations", "distributed", "jax", "compat"):  # jax: only when asked for (pip install subquad[jax])
         import importlib
 
         return importlib.import_module(f".{name}", __name__)

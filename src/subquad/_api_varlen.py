@@ -26,6 +26,7 @@ def varlen_attention(
     *,
     max_seqlen_q: Optional[int] = None,
     max_seqlen_k: Optional[int] = None,
+    seqused_k: Optional[Tensor] = None,
     is_causal: bool = False,
     alignment: str = "top_left",
     window: Window = None,
@@ -65,6 +66,8 @@ def varlen_attention(
     Args:
         max_seqlen_q, max_seqlen_k: the longest sequences (flash-attn passes them); checked when
             given, computed when not.
+        seqused_k: ``(batch,)`` int32: sequence ``s`` uses only its first ``seqused_k[s]`` keys
+            (flash-attn 3's name; padded or cached key blocks); its alignment counts those.
         window: ``(left, right)``: row ``i`` sees keys from ``left`` before to ``right`` after its
             aligned diagonal (``None``: unbounded on that side); tiles outside are skipped.
         Others as :func:`subquad.attention` (``memory_budget``: tiles are planned for the longest
@@ -77,7 +80,7 @@ def varlen_attention(
     """
     return _call.varlen_attention(
         query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-        is_causal=is_causal, alignment=alignment, window=window, score_mod=score_mod, mask_mod=mask_mod,
+        seqused_k=seqused_k, is_causal=is_causal, alignment=alignment, window=window, score_mod=score_mod, mask_mod=mask_mod,
         scale=scale, enable_gqa=enable_gqa, dropout_p=dropout_p, memory_budget=memory_budget,
         chunk_size=chunk_size, backend=backend, return_lse=return_lse,
     )

@@ -65,6 +65,7 @@ class Varlen(NamedTuple):
     max_seqlen_k: Any = None
     alignment: str = "top_left"
     window: Any = None
+    seqused_k: Any = None
 
 
 def prepare(
@@ -108,6 +109,7 @@ def prepare(
     else:
         inp = make_packed_inputs(
             query, key, value, *varlen[:2], max_seqlen_q=varlen.max_seqlen_q, max_seqlen_k=varlen.max_seqlen_k,
+            seqused_k=varlen.seqused_k,
             is_causal=is_causal, alignment=varlen.alignment, window=varlen.window, scale=scale, enable_gqa=enable_gqa,
             dropout_p=dropout_p, score_mod=score_mod, mask_mod=mask_mod,
         )
@@ -201,7 +203,7 @@ def varlen_explain(query: Tensor, key: Tensor, value: Tensor, cu_seqlens_q: Any,
 
 def _varlen(cu_seqlens_q: Any, cu_seqlens_k: Any, options: Dict[str, Any]) -> Varlen:
     """The packed arguments, taken out of ``options`` (what remains are :func:`prepare`'s)."""
-    names = ("max_seqlen_q", "max_seqlen_k", "alignment", "window")
+    names = ("max_seqlen_q", "max_seqlen_k", "alignment", "window", "seqused_k")
     return Varlen(cu_seqlens_q, cu_seqlens_k, **{n: options.pop(n) for n in names if n in options})
 
 

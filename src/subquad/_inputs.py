@@ -41,8 +41,9 @@ class BatchGroups:
 class Packed:
     """Sequences packed along the length axis (flash-attn's and torch's varlen layout).
 
-    Sequence ``s`` holds query rows ``[cu_q[s], cu_q[s+1])`` and keys ``[cu_k[s], cu_k[s+1])``
-    and attends only within itself. With ``bottom_right`` the causal mask and the window are
+    Sequence ``s`` holds query rows ``[cu_q[s], cu_q[s+1])`` and keys ``[cu_k[s], k_end[s])``
+    (``k_end`` is ``cu_k[1:]``, or shorter ends: keys used of a padded or cached block), and
+    attends only within itself. With ``bottom_right`` the causal mask and the window are
     aligned to each sequence's bottom-right corner (its diagonal at ``j = i + Lk_s - Lq_s``), else
     top-left. ``window = (left, right)``: query ``i`` sees keys from ``left`` before to ``right``
     after the aligned diagonal (``None``: unbounded on that side).
@@ -52,6 +53,7 @@ class Packed:
     cu_k: Tuple[int, ...]
     bottom_right: bool = False
     window: Optional[Tuple[Optional[int], Optional[int]]] = None
+    k_end: Optional[Tuple[int, ...]] = None
 
     @property
     def n(self) -> int:
@@ -59,7 +61,8 @@ class Packed:
 
     def rows(self, s: int) -> Tuple[int, int, int, int]:
         """``(qs, qe, ks, ke)`` of sequence ``s``."""
-        return self.cu_q[s], self.cu_q[s + 1], self.cu_k[s], self.cu_k[s + 1]
+        ke = self.cu_k[s + 1] if self.k_end is None else self.k_end[s]
+        return self.cu_q[s], self.cu_q[s + 1], self.cu_k[s], ke
 
     def offset(self, s: int) -> int:
         """Where sequence ``s``'s aligned diagonal is: query ``i`` faces key ``i + offset``."""
@@ -72,7 +75,8 @@ class Packed:
 
     @property
     def max_k(self) -> int:
-        return max((b - a for a, b in zip(self.cu_k, self.cu_k[1:])), default=0)
+        ends = self.cu_k[1:] if self.k_end is None else self.k_end
+        return max((b - a for a, b in zip(self.cu_k, ends)), default=0)
 
 
 @dataclass(eq=False)

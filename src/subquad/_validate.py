@@ -363,6 +363,7 @@ def make_packed_inputs(
     *,
     max_seqlen_q: object = None,
     max_seqlen_k: object = None,
+    seqused_k: object = None,
     is_causal: bool = False,
     alignment: str = "top_left",
     window: object = None,
@@ -392,9 +393,28 @@ def make_packed_inputs(
         )
     _max_seqlen("max_seqlen_q", max_seqlen_q, cu_q)
     _max_seqlen("max_seqlen_k", max_seqlen_k, cu_k)
+    k_end = None if seqused_k is None else _seqused("seqused_k", seqused_k, cu_k)
     inp = make_inputs(
         query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1), is_causal=is_causal, scale=scale,
         enable_gqa=enable_gqa, dropout_p=dropout_p, score_mod=score_mod, mask_mod=mask_mod,
     )
-    inp.packed = Packed(cu_q, cu_k, bottom_right=alignment == "bottom_right", window=win)
+    inp.packed = Packed(cu_q, cu_k, bottom_right=alignment == "bottom_right", window=win, k_end=k_end)
     return inp
+
+
+def _seqused(name: str, used: object, cu: Sequence[int]) -> Tuple[int, ...]:
+    """Ends of the keys each sequence uses: ``cu[s] + used[s]``, within the sequence's block."""
+    if isinstance(used, Tensor):
+        if used.dim() != 1 or used.dtype not in (torch.int32, torch.int64):
+            raise ArgumentTypeError(f"Expected {name} to be a 1-D int32 tensor (batch,), got {used.dtype} of shape {_shape(used)}.")
+        counts = [int(x) for x in used.tolist()]
+    else:
+        raise ArgumentTypeError(f"Expected {name} to be None or a 1-D int32 tensor (batch,), got {type(used).__name__}.")
+    if len(counts) != len(cu) - 1:
+        raise ArgumentError(f"Expected {name} to have one entry per sequence ({len(cu) - 1}), got {len(counts)}.")
+    for s, n in enumerate(counts):
+        if not 0 <= n <= cu[s + 1] - cu[s]:
+            raise ArgumentError(
+                f"{name}[{s}] = {n} is outside [0, {cu[s + 1] - cu[s]}] (the keys of sequence {s} in cu_seqlens_k)."
+            )
+    return tuple(cu[s] + n for s, n in enumerate(counts))
