@@ -92,9 +92,14 @@ def test_mask_with_is_causal_raises_torchs_text(input_dim, mask_dim, dropout_p, 
 
 def test_unsupported_tensor_kinds_name_the_argument():
     q = _t(1, 2, 5, 8)
-    nested = torch.nested.nested_tensor([torch.randn(3, 2, 8), torch.randn(5, 2, 8)], layout=torch.jagged).transpose(1, 2)
-    with pytest.raises(NotImplementedError, match="query is a nested tensor; subquad takes dense"):
-        subquad.sdpa(nested, nested, nested)
+    jagged = torch.nested.nested_tensor([torch.randn(3, 2, 8), torch.randn(5, 2, 8)], layout=torch.jagged)
+    # (Nested tensors are taken as SDPA takes them, (B, H, j, E): tests/test_nested.py.)
+    with pytest.raises(ValueError, match=r"Expected query to be a jagged nested tensor \(B, H, j, E\)"):
+        subquad.sdpa(jagged, jagged, jagged)
+    with pytest.raises(TypeError, match="Expected query, key and value to be all nested tensors or none, got key Tensor"):
+        subquad.sdpa(jagged.transpose(1, 2), q, q)
+    with pytest.raises(NotImplementedError, match="query is a nested tensor, which this call does not take"):
+        subquad.varlen_attention(jagged, jagged, jagged, torch.tensor([0, 8], dtype=torch.int32), torch.tensor([0, 8], dtype=torch.int32))
     with pytest.raises(TypeError, match="Expected key to be a dense \\(strided\\) tensor, got layout torch.sparse_coo"):
         subquad.sdpa(q, q.to_sparse(), q)
     with pytest.raises(TypeError, match="Expected attn_mask to be a dense \\(strided\\) tensor, got a torch.sparse_coo one"):

@@ -42,7 +42,9 @@ def attention(
     ``out (..., Hq, Lq, Ev)`` (and ``lse (..., Hq, Lq)``). ``...`` are any batch dims; they
     broadcast between the three as in SDPA (a key/value of batch 1 is shared by every query
     batch, never expanded in memory). ``Hq == Hk`` unless ``enable_gqa=True`` (then query head
-    ``h`` reads kv head ``h // (Hq/Hk)``).
+    ``h`` reads kv head ``h // (Hq/Hk)``). Jagged nested tensors ``(B, H, j, E)`` (as SDPA takes
+    them) run as packed sequences (:func:`subquad.varlen_attention`) and give a nested result;
+    their masks are ``mask_mod``\ s (``b`` = the sequence), ``is_causal`` is per sequence.
 
     Equal (up to rounding, without ever building the ``Lq x Lk`` scores) to::
 
@@ -96,7 +98,8 @@ def attention(
         NotImplementedError: a forced ``backend`` cannot run the call (with its reasons).
         Whatever ``score_mod`` / ``mask_mod`` raise, unchanged (never retried or hidden).
     """
-    if torch.compiler.is_compiling() and _compile.supports(score_mod=score_mod, mask_mod=mask_mod, dropout_p=dropout_p):
+    if (torch.compiler.is_compiling() and _compile.supports(score_mod=score_mod, mask_mod=mask_mod, dropout_p=dropout_p)
+            and not getattr(query, "is_nested", False)):
         # Under torch.compile subquad is one opaque operator (fake + autograd registrations); the
         # planner and tile loop run eagerly inside it when the compiled graph executes.
         return _compile.compiled_attention(

@@ -32,7 +32,7 @@ from ._autograd import Meta, attention_with_grad, is_transformed
 from ._backends import BACKEND_NAMES, BACKENDS, FlexUnavailable, Options, compile_allowed
 from ._budget import Budget, format_seconds, resolve_budget
 from ._callbacks import captured_tensors, from_callback
-from ._errors import ArgumentError
+from ._errors import ArgumentError, ArgumentTypeError
 from ._inputs import BlockPositions, Inputs, MaskMod, ScoreMod
 from ._validate import check_bool, make_inputs, make_packed_inputs, parse_chunk_size
 from ._planner import ESTIMATE_TIME_FROM_TILES, Plan, count_tiles, describe, make_plan, predict_seconds
@@ -161,6 +161,12 @@ def attention(
         result = _fast.run(fast_key, query, key, value, attn_mask, is_causal, scale, enable_gqa, return_lse)
         if result is not None:
             return result
+    if any(getattr(t, "is_nested", False) for t in (query, key, value)):
+        return _nested(
+            query, key, value, attn_mask=attn_mask, is_causal=is_causal, score_mod=score_mod, mask_mod=mask_mod,
+            scale=scale, enable_gqa=enable_gqa, dropout_p=dropout_p, memory_budget=memory_budget,
+            chunk_size=chunk_size, backend=backend, return_lse=return_lse,
+        )
     call = prepare(
         query, key, value, attn_mask=attn_mask, is_causal=is_causal, score_mod=score_mod, mask_mod=mask_mod,
         scale=scale, enable_gqa=enable_gqa, dropout_p=dropout_p, memory_budget=memory_budget, chunk_size=chunk_size,
@@ -195,6 +201,42 @@ def varlen_attention(
     return out, lse.squeeze(0).t()
 
 
+def _nested(query: Tensor, key: Tensor, value: Tensor, *, attn_mask: Optional[Tensor], **options: Any) -> Any:
+    """Jagged nested tensors ``(B, H, j, E)`` (SDPA's layout for them) as packed sequences.
+
+    The result is a nested tensor ``(B, H, j, Ev)`` (and the lse ``(B, H, j)``); gradients flow
+    through ``values()`` back to the inputs.
+    """
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not getattr(t, "is_nested", False):
+            raise ArgumentTypeError(f"Expected query, key and value to be all nested tensors or none, got {name} {type(t).__name__}.")
+        if t.layout != torch.jagged:
+            raise NotImplementedError(f"{name} is a strided nested tensor; subquad takes jagged ones (layout=torch.jagged).")
+        if t.dim() != 4 or getattr(t, "_ragged_idx", None) != 2:
+            raise ArgumentError(
+                f"Expected {name} to be a jagged nested tensor (B, H, j, E) (the ragged dim third, as SDPA takes "
+                f"them: nested (B, j, H, E) .transpose(1, 2)), got {t.dim()} dims with the ragged dim at "
+                f"{getattr(t, '_ragged_idx', '?')}."
+            )
+        if t.lengths() is not None:
+            raise NotImplementedError(f"{name} is a nested tensor with holes (lengths); subquad takes contiguous sequences.")
+    if attn_mask is not None:
+        raise NotImplementedError(
+            "attn_mask with nested tensors: pass the mask as a mask_mod (b is the sequence index, q_idx/kv_idx "
+            "positions within it)."
+        )
+    if query.size(0) != key.size(0) or key.size(0) != value.size(0):
+        raise ArgumentError(f"Expected query, key and value to hold the same number of sequences, got {query.size(0)}, {key.size(0)}, {value.size(0)}.")
+    offsets_q = query.offsets()
+    packed = [t.transpose(1, 2).values() for t in (query, key, value)]  # (total, H, E) views
+    result = varlen_attention(*packed, offsets_q, key.offsets(), **options)
+    out, lse = result if options.get("return_lse") else (result, None)
+    out = torch.nested.nested_tensor_from_jagged(out, offsets=offsets_q).transpose(1, 2)
+    if lse is None:
+        return out
+    return out, torch.nested.nested_tensor_from_jagged(lse, offsets=offsets_q).transpose(1, 2)
+
+
 def varlen_explain(query: Tensor, key: Tensor, value: Tensor, cu_seqlens_q: Any, cu_seqlens_k: Any, **options: Any) -> Plan:
     """:func:`subquad.varlen_explain` (``options``: :func:`subquad.varlen_attention`'s keywords)."""
     varlen = _varlen(cu_seqlens_q, cu_seqlens_k, options)
@@ -209,6 +251,12 @@ def _varlen(cu_seqlens_q: Any, cu_seqlens_k: Any, options: Dict[str, Any]) -> Va
 
 def explain(query: Tensor, key: Tensor, value: Tensor, **options: Any) -> Plan:
     """:func:`subquad.explain` (``options``: :func:`prepare`'s keywords)."""
+    if all(getattr(t, "is_nested", False) and getattr(t, "_ragged_idx", None) == 2 for t in (query, key, value)):
+        options.pop("allow_compile", None)
+        if options.pop("attn_mask", None) is not None:
+            raise NotImplementedError("attn_mask with nested tensors: pass the mask as a mask_mod.")
+        packed = [t.transpose(1, 2).values() for t in (query, key, value)]
+        return varlen_explain(*packed, query.offsets(), key.offsets(), **options)
     return prepare(query, key, value, estimate_time=True, **options).plan
 
 

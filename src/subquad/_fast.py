@@ -124,7 +124,7 @@ def key(
     if allow_compile is not None and type(allow_compile) is not bool:
         return None
     nd = query.dim()
-    if nd not in (3, 4) or key_.dim() != nd or value.dim() != nd:
+    if nd not in (3, 4) or key_.dim() != nd or value.dim() != nd or query.is_nested:
         return None
     mask_key = None
     if attn_mask is not None:

@@ -31,8 +31,8 @@ def _check_tensor(name: str, t: object) -> Tensor:
         raise ArgumentTypeError(f"Expected {name} to be a torch.Tensor, got {type(t).__name__}.")
     if t.is_nested:
         raise NotImplementedError(
-            f"{name} is a nested tensor; subquad takes dense (strided) tensors. Pad the sequences "
-            "and pass a key padding mask (attn_mask or subquad.mods.key_padding), or run them one by one."
+            f"{name} is a nested tensor, which this call does not take: subquad.attention and subquad.sdpa take "
+            "jagged ones (B, H, j, E); subquad.varlen_attention takes their values() with cu_seqlens."
         )
     if t.layout != torch.strided:
         raise ArgumentTypeError(f"Expected {name} to be a dense (strided) tensor, got layout {t.layout}.")
