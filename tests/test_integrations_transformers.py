@@ -292,3 +292,91 @@ def test_output_attentions_is_refused():
 def test_register_rejects_unknown_options():
     with pytest.raises(TypeError, match="unexpected option.*'mask_mod'"):
         sqt.register(mask_mod=lambda b, h, q, k: q >= k)
+
+
+# ----------------------------------------------------------------------------- padding-free batches
+def _flattened(lengths, seed=0):
+    """A padding-free batch as transformers' collator makes it (flash-attn kwargs included), and its sequences."""
+    from transformers import DataCollatorWithFlattening
+
+    g = torch.Generator().manual_seed(seed)
+    features = [{"input_ids": torch.randint(1, VOCAB, (n,), generator=g).tolist()} for n in lengths]
+    batch = DataCollatorWithFlattening(return_flash_attn_kwargs=True)(features)
+    batch.pop("labels")
+    return batch, [torch.tensor([f["input_ids"]]) for f in features]
+
+
+@pytest.fixture
+def varlen_calls(monkeypatch):
+    seen = []
+    real = subquad.varlen_attention
+
+    def spy(query, key, value, cu_seqlens_q, cu_seqlens_k, **kwargs):
+        seen.append(dict(kwargs, cu_q=cu_seqlens_q.tolist(), cu_k=cu_seqlens_k.tolist(), Hq=query.shape[1], Hk=key.shape[1]))
+        return real(query, key, value, cu_seqlens_q, cu_seqlens_k, **kwargs)
+
+    monkeypatch.setattr(subquad, "varlen_attention", spy)
+    return seen
+
+
+def _packed_vs_separate(model, batch, sequences, golden_impl):
+    """Logits and parameter gradients of a weighted sum of the logits: the padding-free batch with
+    "subquad", and each sequence on its own with ``golden_impl`` (gradients summed over them)."""
+    cu = batch["cu_seq_lens_q"].tolist()
+    g = torch.Generator().manual_seed(1)
+    weights = torch.randn(1, cu[-1], VOCAB, generator=g, dtype=next(model.parameters()).dtype)
+    model.train()  # dropout is 0 in these configs: training mode, same numbers
+    results = {}
+    for impl in ("subquad", golden_impl):
+        model.set_attn_implementation(impl)
+        model.zero_grad()
+        if impl == "subquad":
+            logits = model(**batch).logits
+            (logits * weights).sum().backward()
+        else:
+            parts = []
+            for s, ids in enumerate(sequences):
+                part = model(ids).logits
+                (part * weights[:, cu[s] : cu[s + 1]]).sum().backward()
+                parts.append(part)
+            logits = torch.cat(parts, dim=1)
+        results[impl] = (logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    return results["subquad"], results[golden_impl]
+
+
+def test_padding_free_batch_runs_packed_and_matches_separate_sequences(calls, varlen_calls):
+    model = _llama()  # float64, GQA 4/2 heads
+    batch, sequences = _flattened((7, 1, 12, 5))
+    (logits, grads), (golden_logits, golden_grads) = _packed_vs_separate(model, batch, sequences, "sdpa")
+    _close(logits, golden_logits, what="packed logits vs each sequence with sdpa")
+    assert grads.keys() == golden_grads.keys()
+    for name, g in golden_grads.items():
+        _close(grads[name], g, tol=1e-8, what=f"grad of {name}")
+    # The packed engine ran (one call per layer), never a mask over the flattened row.
+    assert not calls and len(varlen_calls) == 2
+    for c in varlen_calls:
+        assert c["cu_q"] == c["cu_k"] == [0, 7, 8, 20, 25] and (c["max_seqlen_q"], c["max_seqlen_k"]) == (12, 12)
+        assert c["is_causal"] and c["alignment"] == "bottom_right" and c["window"] is None
+        assert c["enable_gqa"] and (c["Hq"], c["Hk"]) == (4, 2) and c["chunk_size"] == MANY_TILES
+
+
+def test_padding_free_batch_sliding_window_softcap_and_scaling(varlen_calls):
+    # Gemma 2: alternating sliding (window 6) and full layers, logit soft-capping, its own scaling.
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Gemma2Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=6, query_pre_attn_scalar=24,
+        attn_logit_softcapping=2.0, initializer_range=0.3, pad_token_id=0,
+    )
+    model = Gemma2ForCausalLM(cfg).double()
+    batch, sequences = _flattened((9, 3, 14), seed=2)
+    (logits, grads), (golden_logits, golden_grads) = _packed_vs_separate(model, batch, sequences, "eager")
+    # eager takes its softmax in float32, hence the tolerance.
+    _close(logits, golden_logits, tol=1e-5, what="packed logits vs each sequence with eager")
+    for name, g in golden_grads.items():
+        _close(grads[name], g, tol=1e-4, what=f"grad of {name}")
+    assert sorted(c["window"] is not None for c in varlen_calls) == [False, True]
+    for c in varlen_calls:
+        assert c["window"] in (None, (5, 5)) and c["score_mod"] is not None and c["scale"] == 24 ** -0.5

@@ -17,7 +17,10 @@ left to subquad instead of repeating key/value heads. The mask function replaces
 ``(B, 1, Lq, Lk)`` boolean mask that ``"sdpa"`` builds (``Lq·Lk`` bytes per sequence, 4 GiB at
 65,536 tokens) by a :class:`LazyMask`: transformers' own mask function (causal, sliding window,
 chunked, padding, packed sequences), which subquad evaluates per tile as a ``mask_mod``.
-Where ``"sdpa"`` would pass no mask and rely on ``is_causal``, so does ``"subquad"``.
+Where ``"sdpa"`` would pass no mask and rely on ``is_causal``, so does ``"subquad"``. Padding-free
+batches that carry flash-attn's ``cu_seq_lens_q``/``cu_seq_lens_k`` (transformers'
+``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``) run through
+``subquad.varlen_attention`` instead, one sequence per tile group, with no mask at all.
 """
 
 from __future__ import annotations
@@ -44,14 +47,19 @@ class LazyMask:
 
     ``mask_mod(b, h, q_idx, kv_idx) -> bool`` takes the positions *within* the attention call
     (0-based rows and key columns); the cache offsets are already applied. ``shape`` is the
-    ``(B, 1, Lq, Lk)`` of the tensor it stands for, for code that inspects masks.
+    ``(B, 1, Lq, Lk)`` of the tensor it stands for, for code that inspects masks. ``padding``:
+    the 2-D padding mask (True = a real token) folded into it, or None.
     """
 
-    def __init__(self, mask_mod: Callable[..., Tensor], shape: Tuple[int, int, int, int], device: Any) -> None:
+    def __init__(
+        self, mask_mod: Callable[..., Tensor], shape: Tuple[int, int, int, int], device: Any,
+        padding: Optional[Tensor] = None,
+    ) -> None:
         self.mask_mod = mask_mod
         self.shape = torch.Size(shape)
         self.device = torch.device(device)
         self.dtype = torch.bool
+        self.padding = padding
 
     @property
     def ndim(self) -> int:
@@ -151,7 +159,7 @@ def subquad_mask(
         keep = mask_function(b, h, q, k)
         return keep if pad is None else keep & pad[b, k]
 
-    return LazyMask(mask_mod, (batch_size, 1, q_length, kv_length), device)
+    return LazyMask(mask_mod, (batch_size, 1, q_length, kv_length), device, padding=pad)
 
 
 def _softcap_mod(softcap: float) -> Callable[..., Tensor]:
@@ -167,6 +175,55 @@ def _causal_mod(offset: int) -> Callable[..., Tensor]:
         return kv_idx <= q_idx + offset
 
     return mask_mod
+
+
+def _packed_offsets(attention_mask: Any, position_bias: Optional[Tensor], kwargs: Dict[str, Any]) -> Any:
+    """``(cu_seq_lens_q, cu_seq_lens_k)`` when the call is a padding-free batch subquad can run packed, else None.
+
+    transformers passes flash-attn's kwargs through (``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``):
+    ``cu_seq_lens_q``/``cu_seq_lens_k`` offsets into the batch flattened to one row, ``max_length_q``/
+    ``max_length_k``. The mask the model built from the packed ``position_ids`` says the same
+    (causal within each sequence) and is then not needed, unless it also carries padding.
+    """
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if cu_q is None or cu_k is None or position_bias is not None or torch.compiler.is_compiling():
+        return None
+    if isinstance(attention_mask, LazyMask):
+        if attention_mask.padding is not None and not _all_true(attention_mask.padding):
+            return None
+    elif attention_mask is not None:
+        return None  # a tensor mask (a custom one): it is the model's word
+    return cu_q, cu_k
+
+
+def _packed_attention(
+    query: Tensor, key: Tensor, value: Tensor, offsets: Tuple[Tensor, Tensor], *, causal: bool, dropout: float,
+    scaling: Optional[float], softcap: Optional[float], s_aux: Optional[Tensor], kwargs: Dict[str, Any],
+) -> Tensor:
+    """flash-attn's varlen path through ``subquad.varlen_attention``: ``(B, Lq, Hq, Ev)``.
+
+    As transformers' flash path: the batch flattened to ``(B*L, H, E)`` rows, causal with
+    flash-attn's bottom-right alignment, ``sliding_window`` as the window ``(w - 1, w - 1)``.
+    """
+    B, Hq, Lq, _ = query.shape
+    q, k, v = (t.transpose(1, 2).reshape(-1, t.shape[1], t.shape[3]) for t in (query, key, value))
+    lengths = {}
+    for name, given in (("max_seqlen_q", kwargs.get("max_length_q")), ("max_seqlen_k", kwargs.get("max_length_k"))):
+        if given is not None:
+            lengths[name] = int(given)
+    sliding_window = kwargs.get("sliding_window")
+    window = None if sliding_window is None else (int(sliding_window) - 1, int(sliding_window) - 1)
+    result = subquad.varlen_attention(
+        q, k, v, offsets[0].to(torch.int32), offsets[1].to(torch.int32), **lengths, is_causal=causal,
+        alignment="bottom_right", window=window, score_mod=None if softcap is None else _softcap_mod(float(softcap)),
+        scale=scaling, enable_gqa=Hq != key.shape[1], dropout_p=dropout, return_lse=s_aux is not None, **_options,
+    )
+    if s_aux is None:
+        out = result
+    else:
+        out, lse = result  # (B*Lq, Hq, Ev), (B*Lq, Hq)
+        out = out * torch.sigmoid(lse - s_aux.to(lse.dtype).view(1, -1)).unsqueeze(-1).to(out.dtype)
+    return out.reshape(B, Lq, Hq, out.shape[-1])
 
 
 def subquad_attention_forward(
@@ -192,6 +249,12 @@ def subquad_attention_forward(
 
     Beyond ``"sdpa"``: ``softcap`` (Gemma 2) runs as a ``score_mod``, and attention sinks
     (``s_aux``, one logit per head) renormalise the output by the log-sum-exp.
+
+    Padding-free batches: given flash-attn's ``cu_seq_lens_q``/``cu_seq_lens_k`` (and
+    ``max_length_q``/``max_length_k``), as ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``
+    produces them, the call runs through :func:`subquad.varlen_attention`, each sequence in its own
+    tiles (causal bottom-right aligned and ``sliding_window`` as flash-attn's path has them), and no
+    mask is evaluated; not under ``torch.compile``, with a position bias or a padding mask.
     """
     if kwargs.get("output_attentions", False):
         raise NotImplementedError(
@@ -200,6 +263,13 @@ def subquad_attention_forward(
         )
     q_length, kv_length = query.shape[2], key.shape[2]
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    offsets = _packed_offsets(attention_mask, position_bias, kwargs)
+    if offsets is not None:
+        out = _packed_attention(
+            query, key, value, offsets, causal=bool(causal), dropout=dropout, scaling=scaling, softcap=softcap,
+            s_aux=s_aux, kwargs=kwargs,
+        )
+        return out, None
 
     attn_mask: Optional[Tensor] = None
     mask_mod = None
