@@ -1,0 +1,10 @@
+"""``flash_attn.layers.rotary``: ``apply_rotary_emb`` (and its old name ``apply_rotary_emb_func``).
+
+flash-attn's ``RotaryEmbedding`` module and the in-place qkv/kv variants are not provided.
+"""
+
+from .._rotary import apply_rotary_emb
+
+apply_rotary_emb_func = apply_rotary_emb  # flash-attn keeps this alias for backward compatibility
+
+__all__ = ["apply_rotary_emb", "apply_rotary_emb_func"]
