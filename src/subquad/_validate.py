@@ -307,10 +307,10 @@ def _broadcast(*shapes: Sequence[int]) -> Optional[Tuple[int, ...]]:
 ALIGNMENTS = ("top_left", "bottom_right")
 
 
-def _cu_seqlens(name: str, cu: object, total: int, like: Tensor) -> Tuple[int, ...]:
+def _cu_seqlens(name: str, cu: object, total: int) -> Tuple[int, ...]:
     """``cu_seqlens`` as Python offsets: a 1-D integer tensor, 0 first, non-decreasing, ``total`` last."""
     if isinstance(cu, Tensor):
-        if cu.dim() != 1 or cu.dtype not in (torch.int32, torch.int64) or cu.is_floating_point():
+        if cu.dim() != 1 or cu.dtype not in (torch.int32, torch.int64):
             raise ArgumentTypeError(
                 f"Expected {name} to be a 1-D int32 (or int64) tensor of offsets (batch + 1,), got "
                 f"{cu.dtype} of shape {_shape(cu)}."
@@ -384,8 +384,8 @@ def make_packed_inputs(
     if not isinstance(alignment, str) or alignment not in ALIGNMENTS:
         raise ArgumentError(f"Unknown alignment={alignment!r}; expected one of {', '.join(map(repr, ALIGNMENTS))}.")
     win = _window_arg(window)
-    cu_q = _cu_seqlens("cu_seqlens_q", cu_seqlens_q, query.shape[0], query)
-    cu_k = _cu_seqlens("cu_seqlens_k", cu_seqlens_k, key.shape[0], key)
+    cu_q = _cu_seqlens("cu_seqlens_q", cu_seqlens_q, query.shape[0])
+    cu_k = _cu_seqlens("cu_seqlens_k", cu_seqlens_k, key.shape[0])
     if len(cu_q) != len(cu_k):
         raise ArgumentError(
             f"Expected cu_seqlens_q and cu_seqlens_k to describe the same number of sequences, got "
