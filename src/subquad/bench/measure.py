@@ -11,8 +11,11 @@ How, for one case:
    ``/proc/self/clear_refs``) minus its RSS before. The number includes the output (and, with
    backward, the three input gradients). That call's output is checked against a float64
    reference computed for a sample of query rows only (with backward, so are those rows of dQ).
-4. Time: calls until the timing target is met, each with the device synchronized before and
-   after; the median is reported.
+4. Time (``run_all``): the implementations of one case run interleaved, in rounds in which each
+   runs once in an order that rotates (``timing.interleaved``), each call with the device
+   synchronized before and after; each result keeps its per-round times, median and quartiles,
+   and the verdict compares implementations by their per-round ratios (``timing``). A single
+   ``run_case`` times one implementation alone, until the timing target is met.
 
 On CPU the memory phase runs in a worker process started with ``MALLOC_MMAP_THRESHOLD_=131072``:
 glibc then serves every block over 128 KiB with mmap and returns it on free, so RSS falls when a
@@ -30,9 +33,7 @@ import gc
 import json
 import math
 import os
-import platform
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -43,9 +44,10 @@ from typing import Callable, Optional
 
 import torch
 
-import subquad
 from subquad._tiles import TILES
 
+from . import timing as timing_mod
+from .environment import device_name, environment  # noqa: F401 (device_name: for the CLI)
 from .cases import SOFTCAP, WINDOW, BenchInputs, Case, Timing, make_inputs
 from .impls import IMPLS, Impl, is_out_of_memory, refusal_reason
 from .meters import CudaPeak, RssPeak, memory_meter, synchronize  # noqa: F401 (RssPeak, CudaPeak: the meters)
@@ -64,6 +66,9 @@ class Result:
     reason: Optional[str] = None
     median_ms: Optional[float] = None
     min_ms: Optional[float] = None
+    q1_ms: Optional[float] = None  # quartiles of the timed calls (the spread)
+    q3_ms: Optional[float] = None
+    times_ms: list = field(default_factory=list)  # per round, interleaved with the case's others
     reps: int = 0
     memory_call_ms: Optional[float] = None  # the memory-measured call (not in the median)
     first_call_ms: Optional[float] = None  # the very first call in the process (compiling, tracing)
@@ -95,54 +100,6 @@ class Result:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
-
-
-# ------------------------------------------------------------------------- environment
-
-_ENV_CACHE: dict = {}
-
-
-def environment(device: str) -> dict:
-    """device_name, torch_version, subquad_version, threads: the facts every record carries."""
-    if device not in _ENV_CACHE:
-        _ENV_CACHE[device] = {
-            "device_name": device_name(device),
-            "torch_version": torch.__version__,
-            "subquad_version": _subquad_version(),
-            "threads": torch.get_num_threads() if torch.device(device).type == "cpu" else None,
-        }
-    return _ENV_CACHE[device]
-
-
-def device_name(device: str) -> str:
-    dev = torch.device(device)
-    if dev.type == "cuda":
-        return torch.cuda.get_device_name(dev)
-    if dev.type == "mps":
-        return f"Apple MPS ({platform.machine()})"
-    model = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    model = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    return f"{model}, {os.cpu_count()} CPUs"
-
-
-def _subquad_version() -> Optional[str]:
-    try:
-        version = getattr(subquad, "__version__", None)
-        if version is None:
-            from importlib.metadata import version as dist_version
-
-            version = dist_version("subquad")
-        return str(version)
-    except Exception:  # a source checkout without metadata: not worth failing a bench for
-        return None
-
 
 
 def _sample(n: int, k: int, gen: torch.Generator) -> list[int]:
@@ -286,16 +243,7 @@ def run_case(impl: Impl, case: Case, timing: Timing = Timing(), *, seed: int = 0
             if "time" in phases:
                 _time_phase(step, case, timing, result)
     except Exception as exc:  # recorded, never raised: one bad case must not end the bench
-        warnings_text = " | ".join(sorted({str(w.message).strip() for w in caught}))
-        reason = refusal_reason(impl, exc, warnings_text)
-        if reason is not None:
-            result.status, result.reason = "unsupported", reason
-        elif is_out_of_memory(exc):
-            result.status, result.reason = "oom", _first_line(exc)
-        else:
-            result.status, result.reason = "error", f"{type(exc).__name__}: {_first_line(exc)}"
-        result.median_ms = result.min_ms = result.tflops = result.peak_bytes = None
-        result.reps = 0
+        _record_failure(result, impl, exc, caught)
         failed = True
     finally:
         inputs = forward = step = None
@@ -307,6 +255,20 @@ def run_case(impl: Impl, case: Case, timing: Timing = Timing(), *, seed: int = 0
     seen = set(result.warnings) | {str(w.message).strip()[:300] for w in caught}
     result.warnings = sorted(seen)[:5]
     return result
+
+
+def _record_failure(result: Result, impl: Impl, exc: BaseException, caught: list) -> None:
+    warnings_text = " | ".join(sorted({str(w.message).strip() for w in caught}))
+    reason = refusal_reason(impl, exc, warnings_text)
+    if reason is not None:
+        result.status, result.reason = "unsupported", reason
+    elif is_out_of_memory(exc):
+        result.status, result.reason = "oom", _first_line(exc)
+    else:
+        result.status, result.reason = "error", f"{type(exc).__name__}: {_first_line(exc)}"
+    result.median_ms = result.min_ms = result.q1_ms = result.q3_ms = None
+    result.tflops = result.peak_bytes = None
+    result.times_ms, result.reps = [], 0
 
 
 _INPUTS_CACHE: dict = {}
@@ -383,11 +345,78 @@ def _time_phase(step, case: Case, timing: Timing, result: Result) -> None:
         times.append(dt)
         if times[0] >= timing.target_s:
             break  # a slow call is timed once
-    median_s = statistics.median(times)
+    _record_times(result, case, times)
+
+
+def _record_times(result: Result, case: Case, times: list[float]) -> None:
+    s = timing_mod.spread(times)
     result.reps = len(times)
-    result.median_ms = median_s * 1e3
+    result.times_ms = [t * 1e3 for t in times]
+    result.median_ms, result.q1_ms, result.q3_ms = s.median * 1e3, s.q1 * 1e3, s.q3 * 1e3
     result.min_ms = min(times) * 1e3
-    result.tflops = case.flops / median_s / 1e12 if median_s > 0 else None
+    result.tflops = case.flops / s.median / 1e12 if s.median > 0 else None
+
+
+def time_interleaved(rows: list[tuple[Impl, Result]], case: Case, timing: Timing, *,
+                     seed: int = 0) -> None:
+    """Time the implementations of one case together, in rounds (``timing.interleaved``), and
+    record each one's per-round times in its Result. An implementation that fails while being
+    prepared, warmed up or timed gets that status, and the others are timed again without it."""
+    device = torch.device(case.device)
+    inputs = _inputs(case, seed)
+    steps: dict = {}
+    live = {result.impl: (impl, result) for impl, result in rows if result.status == "ok"}
+    try:
+        while live:
+            for name, (impl, result) in list(live.items()):
+                if name in steps:
+                    continue
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    try:
+                        forward, _ = impl.prepare(inputs)
+                        steps[name] = _step(forward, inputs)
+                        if (result.memory_call_ms or 0.0) / 1e3 < timing.target_s:
+                            _warm_up(steps[name], device, timing)
+                    except Exception as exc:  # recorded: the others are still timed
+                        _record_failure(result, impl, exc, caught)
+                        del live[name]
+                        steps.pop(name, None)
+            calls = {name: _synchronized(name, steps[name], device) for name in live}
+            try:
+                times = timing_mod.interleaved(calls, min_rounds=timing.min_reps,
+                                               max_rounds=timing.max_reps, target_s=timing.target_s)
+            except _CallFailed as failed:
+                impl, result = live.pop(failed.name)
+                _record_failure(result, impl, failed.exc, [])
+                steps.pop(failed.name)
+                continue
+            for name, (impl, result) in live.items():
+                _record_times(result, case, times[name])
+            break
+    finally:
+        steps.clear()
+        inputs = None
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+class _CallFailed(Exception):
+    def __init__(self, name: str, exc: BaseException):
+        super().__init__(name)
+        self.name, self.exc = name, exc
+
+
+def _synchronized(name: str, step, device: torch.device):
+    def call():
+        try:
+            synchronize(device)
+            step()
+            synchronize(device)
+        except Exception as exc:
+            raise _CallFailed(name, exc) from exc
+
+    return call
 
 
 # ------------------------------------------------------------------------------ worker
@@ -488,38 +517,48 @@ def run_all(
     worker: Optional[Worker] = None,
 ) -> list[Result]:
     """Run every job. ``isolate`` (default: on for CPU cases) measures the memory of CPU cases
-    in a worker process and then times them here; cases that an implementation declines are
-    answered here without running anything. Ctrl-C stops the run and returns the results so
-    far (fewer than the jobs).
-    ``progress(i, n, impl, case, result)`` is called before (result None) and after each job."""
-    results = []
+    in a worker process; cases that an implementation declines are answered here without
+    running anything. Then the implementations of each case that ran are timed here together,
+    interleaved (``time_interleaved``). Ctrl-C stops the run and returns the results so far
+    (fewer than the jobs).
+    ``progress(i, n, impl, case, result)`` is called before (result None) and after each job's
+    memory phase; the result's times are filled in once its whole case has been timed."""
+    results: list[Result] = []
     worker = worker or Worker()
+    by_case: dict = {}
+    for index, (impl, case) in enumerate(jobs):
+        by_case.setdefault(case, []).append((index, impl))
     try:
-        for index, (impl, case) in enumerate(jobs):
-            if progress:
-                progress(index, len(jobs), impl, case, None)
-            reasons = impl.not_supported_reasons(case, skip_slow=skip_slow)
-            on_cpu = torch.device(case.device).type == "cpu"
-            if reasons or not (on_cpu if isolate is None else isolate):
-                result = run_case(impl, case, timing, seed=seed, skip_slow=skip_slow)
-            else:
-                answer = worker.run(_job(impl, case, timing, seed, skip_slow))
-                if "impl" in answer:
-                    result = Result(**answer)
-                else:
-                    result = Result.for_case(impl.name, case)
-                    result.status, result.reason = answer["status"], answer["reason"]
-                if result.status == "ok":
-                    # Timed here, with the process's normal malloc: the worker's small mmap
-                    # threshold makes RSS exact but adds page faults no real process pays.
-                    result = run_case(impl, case, timing, seed=seed, skip_slow=skip_slow,
-                                      phases=("time",), result=result)
-            results.append(result)
-            if progress:
-                progress(index, len(jobs), impl, case, result)
+        for case, group in by_case.items():
+            rows = []
+            for index, impl in group:
+                if progress:
+                    progress(index, len(jobs), impl, case, None)
+                result = _memory_result(impl, case, timing, seed, skip_slow, isolate, worker)
+                rows.append((impl, result))
+                if progress:
+                    progress(index, len(jobs), impl, case, result)
+            # Timed here, with the process's normal malloc: the worker's small mmap threshold
+            # makes RSS exact but adds page faults no real process pays.
+            time_interleaved(rows, case, timing, seed=seed)
+            results += [result for _, result in rows]
     except KeyboardInterrupt:
         pass  # the caller sees fewer results than jobs
     finally:
         worker.close()
         _INPUTS_CACHE.clear()
     return results
+
+
+def _memory_result(impl: Impl, case: Case, timing: Timing, seed: int, skip_slow: bool,
+                   isolate: Optional[bool], worker: Worker) -> Result:
+    reasons = impl.not_supported_reasons(case, skip_slow=skip_slow)
+    on_cpu = torch.device(case.device).type == "cpu"
+    if reasons or not (on_cpu if isolate is None else isolate):
+        return run_case(impl, case, timing, seed=seed, skip_slow=skip_slow, phases=("memory",))
+    answer = worker.run(_job(impl, case, timing, seed, skip_slow))
+    if "impl" in answer:
+        return Result(**answer)
+    result = Result.for_case(impl.name, case)
+    result.status, result.reason = answer["status"], answer["reason"]
+    return result

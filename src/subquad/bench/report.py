@@ -16,6 +16,7 @@ import sys
 from collections import defaultdict
 from typing import Iterable, Optional, TextIO
 
+from . import timing
 from .measure import Result
 
 REQUIRED_FIELDS = ("impl", "case", "mode", "median_ms", "peak_bytes", "tflops", "rel_err",
@@ -49,13 +50,16 @@ def one_line(result: Result) -> str:
     """A result in one line, for progress output."""
     if result.status != "ok":
         return f"{result.status}: {result.reason or ''}"
+    if result.median_ms is None:  # the memory phase: the case's rounds come after all of them
+        return (f"peak {format_bytes(result.peak_bytes)}, err {_format_err(result.rel_err)}; "
+                "timed with the case's others next")
     return (f"{format_ms(result.median_ms)} ms, {result.tflops or 0:.2f} TFLOP/s, "
             f"peak {format_bytes(result.peak_bytes)}, err {_format_err(result.rel_err)}")
 
 
 # -------------------------------------------------------------------------------- table
 
-COLUMNS = ("impl", "median ms", "TFLOP/s", "peak mem", "rel err", "status")
+COLUMNS = ("impl", "median ms", "IQR ms", "TFLOP/s", "peak mem", "rel err", "status")
 STATUS_WIDTH = 90
 
 
@@ -88,8 +92,11 @@ def plan_summary(plan: dict) -> str:
 
 
 def verdicts(results: list[Result]) -> list[str]:
-    """One line per case: the fastest implementation that ran (within memory: out-of-memory and
-    skipped runs do not count), and what subquad's planner picked, with its time against it."""
+    """Lines per case: what its interleaved timings support (``timing.verdict_lines``: the
+    fastest, those the same within noise, how much slower the others are, by per-round ratios),
+    and what subquad's planner picked, with its time against the fastest. Out-of-memory and
+    skipped runs do not count. Records without per-round times (an older results.json) get the
+    fastest median, marked as having no spread."""
     groups: dict[str, list[Result]] = {}
     for r in results:
         groups.setdefault(f"{r.case} {r.mode}", []).append(r)
@@ -99,7 +106,17 @@ def verdicts(results: list[Result]) -> list[str]:
         if not ok:
             continue
         best = min(ok, key=lambda r: r.median_ms)
-        line = f"{title}: fastest {best.impl} {format_ms(best.median_ms)} ms, peak {format_bytes(best.peak_bytes)}"
+        rounds = {len(r.times_ms) for r in ok}
+        if len(ok) > 1 and len(rounds) == 1 and 0 not in rounds:
+            found = timing.verdict_lines({r.impl: [t / 1e3 for t in r.times_ms] for r in ok})
+            line = f"{title}: {found[0]}, peak {format_bytes(best.peak_bytes)}"
+            more = found[1:]
+        else:
+            line = (f"{title}: fastest {best.impl} {format_ms(best.median_ms)} ms, peak "
+                    f"{format_bytes(best.peak_bytes)}")
+            if len(ok) > 1:
+                line += " (no per-round times: spread unknown)"
+            more = []
         planner = next((r for r in ok if r.impl == "subquad"), None)
         if planner is not None:
             line += (f"; subquad's planner picked {planner.plan.get('backend', '?')}: "
@@ -108,6 +125,7 @@ def verdicts(results: list[Result]) -> list[str]:
             if planner.first_call_ms is not None and planner.first_call_ms > 2 * planner.median_ms:
                 line += f", first call {format_ms(planner.first_call_ms)} ms"
         lines.append(line)
+        lines += more
     return lines
 
 
@@ -127,8 +145,9 @@ def table_sections(results: list[Result]) -> tuple[list[tuple[str, list[list[str
         err = _format_err(r.rel_err)
         if r.rel_err_grad is not None:
             err += f" / {_format_err(r.rel_err_grad)}"
+        iqr = "-" if r.q1_ms is None else f"{format_ms(r.q1_ms)}-{format_ms(r.q3_ms)}"
         sections.setdefault(title, []).append([
-            r.impl, format_ms(r.median_ms), "-" if r.tflops is None else f"{r.tflops:.3f}",
+            r.impl, format_ms(r.median_ms), iqr, "-" if r.tflops is None else f"{r.tflops:.3f}",
             format_bytes(r.peak_bytes), err, status,
         ])
     return list(sections.items()), footer
@@ -371,13 +390,26 @@ MEMORY_FLOOR_BYTES = 1 << 20
 TIME_FLOOR_MS = 0.05
 
 
+def _time_cell(r: Result, o: Result) -> tuple[str, Optional[timing.Comparison]]:
+    """new/old time ratio with its spread where both runs have quartiles (else the bare ratio)."""
+    if r.q1_ms is None or o.q1_ms is None or r.reps < 2 or o.reps < 2:
+        return f"{r.median_ms / o.median_ms:.2f}x", None
+    c = timing.compare_unpaired(r.impl, timing.Spread(r.median_ms, r.q1_ms, r.q3_ms, r.reps),
+                                o.impl, timing.Spread(o.median_ms, o.q1_ms, o.q3_ms, o.reps))
+    word = "same" if c.verdict == timing.SAME else c.verdict
+    return f"{c.ratio:.2f}x [{c.low:.2f}-{c.high:.2f}] {word}", c
+
+
 def compare(new: list[Result], old: list[Result], fail_pct: Optional[float] = None
             ) -> tuple[str, list[str]]:
     """A text table of new/old ratios for records matched on (impl, case, mode), and the list of
     regressions: time or peak memory up by more than ``fail_pct`` percent, or a case that ran
-    before and now runs out of memory or fails."""
+    before and now runs out of memory or fails. Where both runs have quartiles, a time ratio
+    comes with the range their IQRs allow and counts as a regression only when that whole range
+    is above the limit ("same" when it includes 1 ± 3%): two runs are not interleaved, so
+    nothing cancels the drift between them."""
     old_by_key = {(r.impl, r.case, r.mode): r for r in old}
-    lines = [f"{'impl':<16} {'case':<34} {'mode':<7} {'time new/old':>13} {'peak new/old':>13}"]
+    lines = [f"{'impl':<16} {'case':<34} {'mode':<7} {'time new/old':>28} {'peak new/old':>13}"]
     regressions = []
     for r in new:
         o = old_by_key.get((r.impl, r.case, r.mode))
@@ -387,7 +419,7 @@ def compare(new: list[Result], old: list[Result], fail_pct: Optional[float] = No
         if o.status == "ok" and r.status in ("oom", "error"):
             regressions.append(f"{label}: was ok, now {r.status} ({r.reason})")
         if o.status != "ok" or r.status != "ok":
-            lines.append(f"{r.impl:<16} {r.case:<34} {r.mode:<7} {o.status + ' → ' + r.status:>27}")
+            lines.append(f"{r.impl:<16} {r.case:<34} {r.mode:<7} {o.status + ' → ' + r.status:>28}")
             continue
         cells = []
         for new_v, old_v, floor, what in (
@@ -398,12 +430,18 @@ def compare(new: list[Result], old: list[Result], fail_pct: Optional[float] = No
                 cells.append("-")
                 continue
             ratio = new_v / old_v
-            cells.append(f"{ratio:.2f}x")
-            if (fail_pct is not None and ratio > 1 + fail_pct / 100
-                    and new_v - old_v > floor):
+            spread = None
+            if what == "time":
+                text, spread = _time_cell(r, o)
+                cells.append(text)
+            else:
+                cells.append(f"{ratio:.2f}x")
+            sure = spread is None or spread.low > 1 + fail_pct / 100 if fail_pct is not None else False
+            if (fail_pct is not None and ratio > 1 + fail_pct / 100 and new_v - old_v > floor
+                    and sure):
                 regressions.append(f"{label}: {what} {ratio:.2f}x the old run "
                                    f"(limit +{fail_pct:g}%)")
-        lines.append(f"{r.impl:<16} {r.case:<34} {r.mode:<7} {cells[0]:>13} {cells[1]:>13}")
+        lines.append(f"{r.impl:<16} {r.case:<34} {r.mode:<7} {cells[0]:>28} {cells[1]:>13}")
     if len(lines) == 1:
         lines.append("(no (impl, case, mode) in common with the old run)")
     return "\n".join(lines) + "\n", regressions
