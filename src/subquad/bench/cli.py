@@ -6,6 +6,9 @@ Examples::
     subquad bench --preset sd15-1024 --out runs/sd15
     subquad bench --shape 1,8,8192,64 --mask causal alibi --impl 'sdpa-*' 'subquad*'
     subquad bench --preset quick --compare runs/old/results.json --fail-if-regression 10
+    subquad bench --model sd15-unet-small --task infer --out runs/unet
+    subquad bench --model sd-vae-decoder --resolution 256 512 1024 2048 --max-memory 4GiB
+    subquad bench --model llama-small --task train --seq-len 2048 8192
 """
 
 from __future__ import annotations
@@ -20,9 +23,11 @@ import torch
 
 import subquad
 
+from subquad._budget import parse_budget
+
 from . import cases as cases_mod
 from . import impls as impls_mod
-from . import jax_bench, measure, report
+from . import jax_bench, measure, model_impls, model_measure, model_report, models, report
 
 JAX_PRESETS = ("jax", "jax-quick")
 
@@ -79,6 +84,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="time each case for about S seconds (at least 3 calls, one if a call "
                            "takes longer; default: the preset's, 1 s for --shape)")
     what.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
+    model = parser.add_argument_group("whole models (--model)")
+    model.add_argument("--model", metavar="NAME",
+                       help=f"run a whole model with each attention implementation: {', '.join(models.MODELS)}")
+    model.add_argument("--resolution", nargs="+", type=int, metavar="PX",
+                       help="image sizes in pixels, multiples of 8 (the latent is 1/8); default: the model's")
+    model.add_argument("--seq-len", nargs="+", type=int, metavar="TOKENS",
+                       help="sequence lengths for a Llama model; default: the model's")
+    model.add_argument("--task", choices=["infer", "train"], default="infer",
+                       help="infer: one forward (Llama: a prefill and a decode loop); train: "
+                            "forward and backward of a loss (UNet: the LoRA-style step and a full one)")
+    model.add_argument("--batch", type=int, default=1, help="batch size (default 1)")
+    model.add_argument("--rounds", type=int, default=5, metavar="N",
+                       help="interleaved timing rounds per size (default 5; 0: no timing, only the "
+                            "worker's one measured step)")
+    model.add_argument("--max-memory", metavar="BYTES",
+                       help="a memory cap such as 4GiB: each implementation stops growing once its "
+                            "step plus weights passes it (enforced on CUDA); the largest size under "
+                            "it is reported")
     out = parser.add_argument_group("output")
     out.add_argument("--out", metavar="DIR",
                      help="write results.json, results.csv, time.png and memory.png here")
@@ -187,6 +210,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parser.parse_args(argv)
     if args.framework == "jax" or args.preset in JAX_PRESETS:
         return _main_jax(parser, args)
+    if args.model is not None:
+        return _main_model(parser, args)
+    for flag, value in (("--resolution", args.resolution), ("--seq-len", args.seq_len),
+                        ("--max-memory", args.max_memory)):
+        if value is not None:
+            parser.error(f"{flag} needs --model NAME")
     device = args.device or default_device()
     problem = _check_device(device)
     if problem:
@@ -279,4 +308,72 @@ def _main_jax(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if seconds <= 0:
         parser.error(f"--seconds must be positive, got {seconds}")
     jax_bench.main(args.preset or "jax-quick", impls, seconds, args.budget, args.out)
+    return 0
+
+
+def _main_model(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """``--model NAME``: a whole model with each attention implementation (``model_measure``)."""
+    try:
+        spec = models.spec(args.model)
+        models.require(spec.library)
+    except (ValueError, models.MissingDependency) as exc:
+        parser.error(str(exc))
+    unsupported = [flag for flag, value in (("--preset", args.preset), ("--shape", args.shape),
+                                             ("--mask", args.mask), ("--backward", args.backward))
+                   if value]
+    if unsupported:
+        parser.error(f"{', '.join(unsupported)} not supported with --model")
+    wrong = "--seq-len" if spec.family != "llama" else "--resolution"
+    if (args.seq_len if spec.family != "llama" else args.resolution) is not None:
+        parser.error(f"{wrong} does not apply to {spec.name}; use "
+                     f"{'--resolution' if spec.family != 'llama' else '--seq-len'}")
+    sizes = (args.seq_len if spec.family == "llama" else args.resolution) or list(spec.sizes)
+    for size in sizes:
+        problem = models.check_size(spec, size)
+        if problem:
+            parser.error(problem)
+    if args.batch < 1 or args.rounds < 0:
+        parser.error("--batch must be at least 1 and --rounds at least 0")
+    device = args.device or default_device()
+    problem = _check_device(device) or (args.budget is not None and _check_budget(args.budget))
+    if problem:
+        parser.error(problem)
+    cap = None
+    if args.max_memory is not None:
+        try:
+            cap = parse_budget(args.max_memory)
+        except (TypeError, ValueError) as exc:
+            parser.error(f"--max-memory {args.max_memory!r}: {exc}")
+    if args.compare and not os.path.isfile(args.compare):
+        parser.error(f"--compare {args.compare}: no such file")
+    try:
+        impls = model_impls.impls_for(spec, args.impl)
+    except ValueError as exc:
+        parser.error(str(exc))
+    dtype = args.dtype or cases_mod.default_dtype(device)
+    print(f"subquad bench --model {spec.name} ({spec.description}), task {args.task}, "
+          f"{', '.join(map(str, sizes))} {spec.size_unit}, on {measure.device_name(device)}, "
+          f"torch {torch.__version__}", file=sys.stderr, flush=True)
+    busy = _busy_warning()
+    if busy:
+        print(busy, file=sys.stderr, flush=True)
+    results = model_measure.run_model_bench(
+        spec, sizes, args.task, impls, device=device, dtype=dtype, batch=args.batch,
+        budget=args.budget, rounds=args.rounds, cap_bytes=cap, seed=args.seed,
+        progress=lambda text: print(text, file=sys.stderr, flush=True),
+        worker_cls=model_measure.InProcess if args.in_process else None)
+    print(model_report.render(results), end="")
+    if args.out:
+        print("wrote " + ", ".join(model_report.save(results, args.out)))
+    if args.compare:
+        try:
+            old = model_report.load_json(args.compare)
+        except ValueError as exc:
+            parser.error(str(exc))
+        text, regressions = model_report.compare(results, old, args.fail_if_regression)
+        print(f"\ncompared with {args.compare}:\n{text}")
+        if regressions:
+            print("regressions:\n  " + "\n  ".join(regressions))
+            if args.fail_if_regression is not None:
+                return 1
     return 0

@@ -1,5 +1,6 @@
 """The worker process behind ``subquad bench`` on CPU: one JSON job per line on stdin, one JSON
-result per line on stdout (see ``measure.Worker``). Its parent starts it with
+result per line on stdout (see ``measure.Worker``); a job with ``"kind": "model"`` is a whole
+model's memory step (``model_measure.run_memory_job``). Its parent starts it with
 ``MALLOC_MMAP_THRESHOLD_=131072`` so that RSS measures each call honestly."""
 
 import json
@@ -13,13 +14,16 @@ if __name__ == "__main__":
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
 
 from .measure import run_job  # noqa: E402 (after the redirection: importing torch may print)
+from .model_measure import run_memory_job  # noqa: E402
 
 
 def main() -> int:
     protocol = _PROTOCOL
     for line in sys.stdin:
         if line.strip():
-            protocol.write(json.dumps(run_job(json.loads(line))) + "\n")
+            job = json.loads(line)
+            answer = run_memory_job(job) if job.get("kind") == "model" else run_job(job)
+            protocol.write(json.dumps(answer) + "\n")
             protocol.flush()
     return 0
 

@@ -1,0 +1,243 @@
+"""Showing and saving ``subquad bench --model`` results: the table, the verdicts (from the
+interleaved rounds), the ``--max-memory`` summary, results.json / results.csv, the plots
+(memory.png and time.png against the resolution or sequence length, the cap drawn), and
+``--compare``. matplotlib is imported only to plot (``pip install 'subquad[bench]'``).
+
+What the rest of the package uses: ``render``, ``max_memory_lines``, ``save``, ``load_json``,
+``compare``, ``REQUIRED_FIELDS``.
+"""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import json
+import os
+from collections import defaultdict
+from typing import Optional
+
+from . import timing
+from .model_measure import ModelResult
+from .report import format_bytes, format_ms
+
+REQUIRED_FIELDS = ("model", "impl", "task", "mode", "size", "size_unit", "status", "reason",
+                   "median_ms", "q1_ms", "q3_ms", "times_ms", "rounds", "peak_bytes",
+                   "weights_bytes", "memory_method", "max_abs_diff", "device_name",
+                   "torch_version", "dtype", "batch")
+COLUMNS = ("impl", "median ms", "IQR ms", "peak step", "+ weights", "max |diff|", "status")
+
+
+def _title(r: ModelResult) -> str:
+    return f"{r.model} {r.mode} {r.size} {r.size_unit} batch {r.batch} {r.dtype}"
+
+
+def _groups(results: list[ModelResult]) -> dict[str, list[ModelResult]]:
+    groups: dict[str, list[ModelResult]] = {}
+    for r in results:
+        groups.setdefault(_title(r), []).append(r)
+    return groups
+
+
+def _row(r: ModelResult) -> list[str]:
+    status = r.status if not r.reason else f"{r.status}: {r.reason}"
+    if r.over_cap:
+        status += " (over the cap)"
+    iqr = "-" if r.q1_ms is None else f"{format_ms(r.q1_ms)}-{format_ms(r.q3_ms)}"
+    median = format_ms(r.median_ms)
+    if r.median_ms is None and r.memory_step_ms is not None and r.status == "ok":
+        median = f"({format_ms(r.memory_step_ms)})"  # the worker's one step, untimed rounds
+    diff = "-" if r.max_abs_diff is None else f"{r.max_abs_diff:.1e}"
+    return [r.impl, median, iqr, format_bytes(r.peak_bytes), format_bytes(r.total_bytes), diff,
+            status[:100]]
+
+
+def verdicts(rows: list[ModelResult]) -> list[str]:
+    ok = [r for r in rows if r.status == "ok" and r.times_ms]
+    if len({len(r.times_ms) for r in ok}) != 1:
+        return []
+    return timing.verdict_lines({r.impl: [t / 1e3 for t in r.times_ms] for r in ok})
+
+
+def render(results: list[ModelResult]) -> str:
+    """The table of each (model, mode, size), with its verdict."""
+    lines = []
+    for title, rows in _groups(results).items():
+        cells = [list(COLUMNS)] + [_row(r) for r in rows]
+        widths = [max(len(c[i]) for c in cells) for i in range(len(COLUMNS) - 1)]
+        lines.append(f"== {title}")
+        for c in cells:
+            lines.append("  ".join(x.ljust(w) if i == 0 else x.rjust(w)
+                                   for i, (x, w) in enumerate(zip(c, widths))) + "  " + c[-1])
+        found = verdicts(rows)
+        if found:
+            lines.append("verdict: " + found[0])
+            lines += [f"  {line}" for line in found[1:]]
+        lines.append("")
+    lines += max_memory_lines(results)
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def max_memory_lines(results: list[ModelResult]) -> list[str]:
+    """Per mode, the largest size each implementation ran at under the cap:
+    ``at 4.0 GiB, infer: classic up to 768 px, sdpa up to 1024 px``."""
+    capped = [r for r in results if r.cap_bytes]
+    if not capped:
+        return []
+    by_mode: dict = defaultdict(lambda: defaultdict(list))
+    for r in capped:
+        by_mode[(r.model, r.mode)][r.impl].append(r)
+    lines = []
+    for (model, mode), by_impl in by_mode.items():
+        cap = next(iter(by_impl.values()))[0].cap_bytes
+        parts = []
+        for impl, rows in by_impl.items():
+            fits = [r.size for r in rows if r.status == "ok" and not r.over_cap]
+            unit = rows[0].size_unit
+            if all(r.status == "unsupported" for r in rows):
+                continue
+            tried = max(r.size for r in rows if r.status != "skipped")
+            if fits:
+                text = f"{impl} up to {max(fits)} {unit}"
+                if max(fits) == tried:
+                    text += " (the largest tried)"
+            else:
+                text = f"{impl} none of the sizes"
+            parts.append(text)
+        lines.append(f"at {format_bytes(cap)} ({model} {mode}, step peak + weights): " + ", ".join(parts))
+    return lines
+
+
+# ------------------------------------------------------------------------------ files
+
+
+def write_json(results: list[ModelResult], path: str) -> None:
+    with open(path, "w") as f:
+        json.dump([r.to_dict() for r in results], f, indent=1, allow_nan=False)
+        f.write("\n")
+
+
+def load_json(path: str) -> list[ModelResult]:
+    with open(path) as f:
+        data = json.load(f)
+    if not isinstance(data, list) or (data and "model" not in data[0]):
+        raise ValueError(f"{path} is not a subquad bench --model results.json")
+    known = set(ModelResult.__dataclass_fields__)
+    return [ModelResult(**{k: v for k, v in rec.items() if k in known}) for rec in data]
+
+
+def write_csv(results: list[ModelResult], path: str) -> None:
+    names = list(ModelResult.__dataclass_fields__)
+    with open(path, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(names + ["total_bytes"])
+        for r in results:
+            row = []
+            for name in names:
+                value = getattr(r, name)
+                if isinstance(value, (list, dict)):
+                    value = json.dumps(value) if value else ""
+                row.append("" if value is None else value)
+            writer.writerow(row + ["" if r.total_bytes is None else r.total_bytes])
+
+
+def plot(results: list[ModelResult], out_dir: str) -> list[str]:
+    """memory.png (step peak plus weights, the cap as a dashed line) and time.png (median with
+    its IQR as error bars; the worker's single step where no rounds ran), against the size, one
+    panel per mode, one line per implementation. Returns the paths written (none without
+    matplotlib or results)."""
+    if importlib.util.find_spec("matplotlib") is None:
+        return []
+    import matplotlib  # optional dependency (subquad[bench])
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in results if r.status == "ok"]
+    if not ok:
+        return []
+    modes = list(dict.fromkeys(r.mode for r in ok))
+    impls = list(dict.fromkeys(r.impl for r in results))
+    cmap = plt.get_cmap("tab10")
+    written = []
+    for filename, label in (("memory.png", "peak memory of the step + weights (MiB)"),
+                            ("time.png", "step time (ms)")):
+        fig, axes = plt.subplots(1, len(modes), figsize=(5.6 * len(modes), 4.2), squeeze=False)
+        for ax, mode in zip(axes.flat, modes):
+            for i, impl in enumerate(impls):
+                rows = sorted((r for r in ok if r.mode == mode and r.impl == impl), key=lambda r: r.size)
+                if filename == "memory.png":
+                    pts = [(r.size, r.total_bytes / 2**20) for r in rows if r.total_bytes]
+                    if pts:
+                        ax.plot(*zip(*pts), marker="osD^v<>"[i % 7], color=cmap(i), label=impl)
+                else:
+                    pts = [(r.size, r.median_ms if r.median_ms is not None else r.memory_step_ms,
+                            r.q1_ms, r.q3_ms) for r in rows if (r.median_ms or r.memory_step_ms)]
+                    if pts:
+                        xs, ys = [p[0] for p in pts], [p[1] for p in pts]
+                        err = [[max(0.0, y - (p[2] if p[2] is not None else y)) for p, y in zip(pts, ys)],
+                               [max(0.0, (p[3] if p[3] is not None else y) - y) for p, y in zip(pts, ys)]]
+                        ax.errorbar(xs, ys, yerr=err, marker="osD^v<>"[i % 7], color=cmap(i),
+                                    label=impl, capsize=3)
+            cap = next((r.cap_bytes for r in results if r.cap_bytes), None)
+            if filename == "memory.png" and cap:
+                ax.axhline(cap / 2**20, color="red", linestyle="--", linewidth=1,
+                           label=f"cap {format_bytes(cap)}")
+            sizes = sorted({r.size for r in ok if r.mode == mode})
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xticks(sizes, [str(s) for s in sizes])
+            ax.set_xlabel(f"{ok[0].size_unit}")
+            ax.set_ylabel(label)
+            ax.set_title(f"{ok[0].model} {mode}", fontsize=9)
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend(fontsize=7)
+        fig.suptitle(f"subquad bench --model: {label} on {ok[0].device_name}", fontsize=10)
+        fig.tight_layout()
+        path = os.path.join(out_dir, filename)
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def save(results: list[ModelResult], out_dir: str) -> list[str]:
+    os.makedirs(out_dir, exist_ok=True)
+    paths = [os.path.join(out_dir, "results.json"), os.path.join(out_dir, "results.csv")]
+    write_json(results, paths[0])
+    write_csv(results, paths[1])
+    return paths + plot(results, out_dir)
+
+
+def compare(new: list[ModelResult], old: list[ModelResult], fail_pct: Optional[float] = None
+            ) -> tuple[str, list[str]]:
+    """new/old ratios matched on (model, impl, mode, size); times with the range their IQRs
+    allow (``timing.compare_unpaired``: a regression only when that whole range is above the
+    limit), peak memory as a plain ratio (it does not drift)."""
+    old_by = {(r.model, r.impl, r.mode, r.size): r for r in old}
+    lines, regressions = [], []
+    for r in new:
+        o = old_by.get((r.model, r.impl, r.mode, r.size))
+        if o is None:
+            continue
+        label = f"{r.impl} {r.mode} {r.size} {r.size_unit}"
+        if o.status == "ok" and r.status in ("oom", "error"):
+            regressions.append(f"{label}: was ok, now {r.status} ({r.reason})")
+        if o.status != "ok" or r.status != "ok":
+            lines.append(f"{label:<32} {o.status} → {r.status}")
+            continue
+        cells = []
+        if r.median_ms and o.median_ms:
+            c = timing.compare_unpaired(r.impl, timing.Spread(r.median_ms, r.q1_ms, r.q3_ms, r.rounds),
+                                        o.impl, timing.Spread(o.median_ms, o.q1_ms, o.q3_ms, o.rounds))
+            cells.append(f"time {c.describe()} {c.verdict}")
+            if fail_pct is not None and c.low > 1 + fail_pct / 100:
+                regressions.append(f"{label}: time {c.ratio:.2f}x the old run (limit +{fail_pct:g}%)")
+        if r.total_bytes and o.total_bytes:
+            ratio = r.total_bytes / o.total_bytes
+            cells.append(f"peak {ratio:.2f}x")
+            if fail_pct is not None and ratio > 1 + fail_pct / 100 and r.total_bytes - o.total_bytes > 1 << 20:
+                regressions.append(f"{label}: peak memory {ratio:.2f}x the old run (limit +{fail_pct:g}%)")
+        lines.append(f"{label:<32} " + "; ".join(cells))
+    if not lines:
+        lines.append("(nothing in common with the old run)")
+    return "\n".join(lines) + "\n", regressions
