@@ -15,6 +15,10 @@ log-sum-exp, FlashAttention-2 style. Works under ``jit``, ``grad`` and ``vmap``.
 * :func:`attention`: the same plus ``score_mod``/``mask_mod`` callbacks, ``chunk_size``,
   ``memory_budget`` and ``return_lse``; rows that see no key give 0 (lse ``-inf``).
 * :func:`explain`: the chunks a call would use and the memory model's figure.
+* Beyond one device (context parallelism): :func:`ring_attention` and :func:`ulysses_attention`
+  inside ``jax.shard_map``; ``attention(..., mesh=...)`` applies ``shard_map`` itself to globally
+  sharded arrays and picks the strategy; :func:`shard`/:func:`unshard` put a whole sequence in a
+  layout's order (``zigzag``: device ``r`` holds chunks ``r`` and ``2P-1-r`` of ``2P``).
 
 ``import subquad`` never imports JAX; ``import subquad.jax`` does (``pip install subquad[jax]``).
 """
@@ -27,7 +31,12 @@ except ImportError as e:  # pragma: no cover - exercised only without jax
     raise ImportError("subquad.jax needs JAX: pip install 'subquad[jax]' (or pip install jax).") from e
 
 from .._errors import MemoryBudgetError
-from ._api import attention, dot_product_attention, explain
+from ._api import attention, dot_product_attention, explain, ring_attention, ulysses_attention
 from ._call import DEFAULT_CHUNKS, DtypeError
+from ._layouts import LAYOUTS, shard, unshard
+from ._plan import STRATEGIES, ShardedPlan
 
-__all__ = ["attention", "dot_product_attention", "explain", "MemoryBudgetError", "DtypeError", "DEFAULT_CHUNKS"]
+__all__ = [
+    "attention", "dot_product_attention", "explain", "ring_attention", "ulysses_attention", "shard", "unshard",
+    "MemoryBudgetError", "DtypeError", "DEFAULT_CHUNKS", "LAYOUTS", "STRATEGIES", "ShardedPlan",
+]

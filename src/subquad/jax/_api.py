@@ -9,8 +9,9 @@ import jax
 import jax.numpy as jnp
 
 from .._budget import format_bytes
-from .._errors import ArgumentTypeError
+from .._errors import ArgumentError, ArgumentTypeError
 from ._call import Budget, ChunkSize, prepare
+from . import _sharded
 
 
 def attention(
@@ -30,6 +31,10 @@ def attention(
     chunk_size: Optional[ChunkSize] = None,
     memory_budget: Optional[Budget] = None,
     return_lse: bool = False,
+    mesh: Optional[Any] = None,
+    axis_name: Optional[Any] = None,
+    strategy: str = "auto",
+    layout: Optional[str] = None,
 ) -> Any:
     """Exact attention in chunks of queries and keys; ``(B, T, N, Hv)`` (and lse ``(B, T, N)``).
 
@@ -75,18 +80,131 @@ def attention(
             temporary memory of the forward and backward (``memory_analysis().temp_size_in_bytes``)
             as the memory model predicts it; None: no limit.
         return_lse: also return the log-sum-exp ``(B, T, N)`` float32 (differentiable).
+        mesh: a ``jax.sharding.Mesh``: the arrays are global, sharded (or to be sharded) along
+            the sequence over its axis ``axis_name`` (default: the mesh's only axis), and the call
+            runs on every device with ``jax.shard_map``: ``strategy="ring"`` (:func:`ring_attention`),
+            ``"ulysses"`` (:func:`ulysses_attention`) or ``"auto"``, the one that sends fewer bytes
+            (:func:`explain` says which and why). ``layout``: how the ring cuts the sequence;
+            default ``"zigzag"`` for causal calls (the shards are reordered there and back: two
+            ``ppermute`` s each way), else ``"contiguous"``. ``bias``/``mask`` are sharded by rows;
+            ``query_seq_lengths``, ``key_value_seq_lengths`` and ``local_window_size`` are not
+            available with a mesh (use ``mask_mod``).
 
     Raises:
         ValueError / TypeError naming the argument (both also ``RuntimeError`` subclasses, as in
         subquad's PyTorch API); :class:`MemoryBudgetError` when no chunks fit ``memory_budget``;
         ``ImportError`` without JAX.
     """
+    if mesh is not None:
+        for name, given in (("query_seq_lengths", query_seq_lengths), ("key_value_seq_lengths", key_value_seq_lengths),
+                            ("local_window_size", local_window_size)):
+            if given is not None:
+                raise NotImplementedError(f"{name} is not available with mesh=; express it as a mask_mod (global positions).")
+        out, lse = _sharded.mesh_attention(
+            query, key, value, bias, mask, mesh=mesh, axis_name=axis_name, strategy=strategy, layout=layout,
+            is_causal=is_causal, score_mod=score_mod, mask_mod=mask_mod, scale=scale, chunk_size=chunk_size,
+            memory_budget=memory_budget,
+        )
+        return (out, lse) if return_lse else out
+    if axis_name is not None or strategy != "auto" or layout is not None:
+        raise ArgumentError(
+            "axis_name, strategy and layout go with mesh=; inside shard_map call subquad.jax.ring_attention or ulysses_attention."
+        )
     call = prepare(
         query, key, value, bias, mask, scale=scale, is_causal=is_causal, query_seq_lengths=query_seq_lengths,
         key_value_seq_lengths=key_value_seq_lengths, local_window_size=local_window_size, score_mod=score_mod,
         mask_mod=mask_mod, chunk_size=chunk_size, memory_budget=memory_budget,
     )
     out, lse = call.run()
+    return (out, lse) if return_lse else out
+
+
+def ring_attention(
+    query: Any,
+    key: Any,
+    value: Any,
+    *,
+    axis_name: Any,
+    is_causal: bool = False,
+    bias: Optional[Any] = None,
+    mask: Optional[Any] = None,
+    score_mod: Optional[Callable[..., Any]] = None,
+    mask_mod: Optional[Callable[..., Any]] = None,
+    scale: Optional[float] = None,
+    layout: str = "zigzag",
+    chunk_size: Optional[ChunkSize] = None,
+    memory_budget: Optional[Budget] = None,
+    return_lse: bool = False,
+) -> Any:
+    """Exact attention of a sequence sharded over the mesh axis ``axis_name``, inside ``jax.shard_map``.
+
+    Each device passes its shards: ``query (B, T/P, N, H)``, ``key (B, S/P, K, H)``, ``value
+    (B, S/P, K, Hv)`` in ``layout`` (see :func:`shard`) -> ``out (B, T/P, N, Hv)`` (and lse
+    ``(B, T/P, N)``), its rows of the whole attention. Equal, up to rounding, to::
+
+        whole = lambda x: unshard(jax.lax.all_gather(x, axis_name, axis=1, tiled=True), P, layout=layout)
+        out = shard(attention(whole(query), whole(key), whole(value), ...), P, layout=layout)  # this device's part
+
+    without gathering anything: in ``P`` steps each device attends its queries to the K/V shard in
+    hand, which then moves on around the ring (``lax.ppermute``); each step runs the chunk loops of
+    :func:`attention` on blocks at their global positions and merges them by log-sum-exp. Blocks
+    that ``is_causal`` hides entirely are skipped; ``layout="zigzag"`` (device ``r`` holds chunks
+    ``r`` and ``2P-1-r`` of ``2P``) gives every device the same causal work, ``"contiguous"``
+    (device ``r`` holds the ``r``-th run) leaves device ``P-1`` the most. The backward sends
+    dK/dV around the ring with K/V (FlashAttention-2, from the saved output and lse).
+
+    Args:
+        axis_name: the ``shard_map`` mesh axis the sequence is sharded over.
+        bias, mask: this device's rows of a ``(B, N, T, S)`` bias (added) / bool mask (True =
+            attend): ``(B, N, T/P, S)`` with the key columns in global order; each dim 1 or full.
+        score_mod, mask_mod: as in :func:`attention`, called with **global** positions, so ALiBi,
+            sliding windows and document masks are exact across shards.
+        chunk_size, memory_budget: for each block's chunks, as in :func:`attention`.
+        Others as in :func:`attention` (causal is top-left aligned in global positions).
+
+    Raises:
+        ValueError naming the argument: ``axis_name`` not bound (called outside ``shard_map``), an
+        unknown ``layout``, ``zigzag`` shards of odd length, and :func:`attention`'s checks.
+    """
+    out, lse = _sharded.ring_attention(
+        query, key, value, axis_name=axis_name, is_causal=is_causal, bias=bias, mask=mask, score_mod=score_mod,
+        mask_mod=mask_mod, scale=scale, layout=layout, chunk_size=chunk_size, memory_budget=memory_budget,
+    )
+    return (out, lse) if return_lse else out
+
+
+def ulysses_attention(
+    query: Any,
+    key: Any,
+    value: Any,
+    *,
+    axis_name: Any,
+    is_causal: bool = False,
+    score_mod: Optional[Callable[..., Any]] = None,
+    mask_mod: Optional[Callable[..., Any]] = None,
+    scale: Optional[float] = None,
+    layout: str = "zigzag",
+    chunk_size: Optional[ChunkSize] = None,
+    memory_budget: Optional[Budget] = None,
+    return_lse: bool = False,
+) -> Any:
+    """:func:`ring_attention`'s result through two all-to-alls over heads ("Ulysses"), inside ``shard_map``.
+
+    The sequence shards become head shards (the whole sequence for ``N/P`` query heads and ``K/P``
+    key/value heads), each device runs :func:`attention` on its heads (callbacks see global
+    positions and head indices), and one all-to-all brings the output back. Needs ``N`` and ``K``
+    divisible by ``P``; no ``bias``/``mask`` (each device would need every device's rows: use a
+    ``mask_mod``). Per device it holds its heads of the whole sequence, and sends about
+    ``(P-1)/P`` of its shards instead of the ring's ``P-1`` K/V shards.
+
+    Raises:
+        ValueError naming the argument: heads not divisible by ``P``, ``axis_name`` not bound, and
+        :func:`ring_attention`'s checks.
+    """
+    out, lse = _sharded.ulysses_attention(
+        query, key, value, axis_name=axis_name, is_causal=is_causal, score_mod=score_mod, mask_mod=mask_mod,
+        scale=scale, layout=layout, chunk_size=chunk_size, memory_budget=memory_budget,
+    )
     return (out, lse) if return_lse else out
 
 
@@ -150,8 +268,21 @@ def explain(
     mask: Optional[Any] = None,
     **options: Any,
 ) -> str:
-    """What :func:`attention` would do with these arguments: chunks, loops skipped, memory model."""
+    """What :func:`attention` would do with these arguments: chunks, loops skipped, memory model.
+
+    With ``mesh=``: the strategy (and why the other was not taken), the layout, each device's
+    predicted temporaries and the bytes it sends, forward and backward.
+    """
     options.pop("return_lse", None)
+    if options.get("mesh") is not None:
+        sharded = ("mesh", "axis_name", "strategy", "layout", "is_causal", "score_mod", "mask_mod", "scale", "chunk_size", "memory_budget")
+        unknown = set(options) - set(sharded)
+        if unknown:
+            raise ArgumentTypeError(f"explain(mesh=...) got unexpected keyword arguments {sorted(unknown)}.")
+        given = {name: options.get(name) for name in sharded}
+        given["strategy"] = options.get("strategy", "auto")
+        given["is_causal"] = options.get("is_causal", False)
+        return str(_sharded.mesh_plan(query, key, value, bias, mask, **given))
     names = (
         "scale", "is_causal", "query_seq_lengths", "key_value_seq_lengths", "local_window_size",
         "score_mod", "mask_mod", "chunk_size", "memory_budget",

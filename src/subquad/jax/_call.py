@@ -1,13 +1,13 @@
 """One ``subquad.jax`` call: validated, its callbacks converted, its chunks chosen by the memory model.
 
 Used by the rest of ``subquad.jax``: ``prepare`` (keyword-only after the arrays) -> ``Call``
-(``run()``), ``memory_model``, ``DtypeError``, ``DEFAULT_CHUNKS``.
+(``run()``), ``memory_model``, ``grouped_4d``, ``DtypeError``, ``DEFAULT_CHUNKS``.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Optional, Tuple, Union
+from typing import Any, Callable, FrozenSet, Optional, Tuple, Union
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +16,7 @@ from .._budget import format_bytes, parse_budget
 from .._errors import ArgumentError, ArgumentTypeError, MemoryBudgetError
 from . import _engine
 from ._engine import Aux, Spec
+from ._vma import vary, varying_axes
 
 
 class DtypeError(ArgumentTypeError, ValueError):
@@ -41,14 +42,15 @@ class Call:
         self.forward_bytes = memory_model(spec, dtype, need_grad=False)
         self.backward_bytes = memory_model(spec, dtype, need_grad=True, bias_grad=spec.bias_shape is not None)
 
-    def run(self) -> Tuple[Any, Any]:
+    def run(self, head: Any = 0) -> Tuple[Any, Any]:
+        """``(out (B, T, N, Hv), lse (B, T, N))``; ``head``: the global index of head 0 (all-to-all)."""
         s = self.spec
         N = s.K * s.G
         if s.B * s.T * N * s.Hv == 0 or s.S == 0:
             out = jnp.zeros((s.B, s.T, N, s.Hv), self.dtype)
             lse = jnp.full((s.B, s.T, N), -jnp.inf, s.F)
         else:
-            out5, lse4 = _engine.attention(s, self.q_grouped, self.k, self.v_grouped, self.aux)
+            out5, lse4 = _engine.attention(s, self.q_grouped, self.k, self.v_grouped, self.aux, head)
             out = out5.reshape(s.B, s.T, N, s.Hv)
             lse = jnp.moveaxis(lse4.reshape(s.B, N, s.T), 1, 2)
         if self.squeeze:
@@ -133,7 +135,7 @@ def _window(local_window_size: Any) -> Optional[Tuple[int, int]]:
     return left, right
 
 
-def _grouped_4d(x: Any, name: str, full: Tuple[int, int, int, int], K: int, G: int) -> Any:
+def grouped_4d(x: Any, name: str, full: Tuple[int, int, int, int], K: int, G: int) -> Any:
     """Broadcastable ``(B, N, T, S)`` -> grouped 5-D ``(Bb, Kb, Gb, Tb, Sb)``, without copying."""
     if x.ndim > 4:
         raise ArgumentError(f"Expected {name} to have at most 4 dims (B, N, T, S), got shape {tuple(x.shape)}.")
@@ -157,20 +159,23 @@ def _lengths(x: Any, name: str, B: int) -> Optional[Any]:
     return x.astype(jnp.int32)
 
 
-def _convert(fn: Callable[..., Any], *example: Any) -> Tuple[Callable[..., Any], Tuple[Any, ...]]:
+def _convert(fn: Callable[..., Any], axes: FrozenSet[Any], *example: Any) -> Tuple[Callable[..., Any], Tuple[Any, ...]]:
     """Hoist every array a callback closes over into explicit trailing arguments.
 
     Under ``jit`` or ``grad`` those arrays are tracers of the caller's trace; the custom_vjp must
     receive them as arguments (float ones get gradients, integer ones such as document ids just
     travel). ``jax.closure_convert`` hoists only float tracers, so the callback is traced here
     into a jaxpr whose constants are all hoisted.
+
+    Under ``shard_map`` a jaxpr replays with exactly the types it was traced with, so the chunk's
+    arguments are traced and passed as varying over ``axes`` (the call's mesh axes).
     """
-    closed = jax.make_jaxpr(fn)(*example)
+    closed = jax.make_jaxpr(fn)(*vary(example, axes))
     jaxpr, consts = closed.jaxpr, tuple(closed.consts)
     n_args = len(example)
 
     def converted(*args: Any) -> Any:
-        return _eval_jaxpr(jaxpr, args[n_args:], *args[:n_args])[0]
+        return _eval_jaxpr(jaxpr, args[n_args:], *vary(args[:n_args], axes))[0]
 
     return converted, consts
 
@@ -220,8 +225,13 @@ def prepare(
     query: Any, key: Any, value: Any, bias: Any = None, mask: Any = None, *, scale: Any = None, is_causal: Any = False,
     query_seq_lengths: Any = None, key_value_seq_lengths: Any = None, local_window_size: Any = None,
     score_mod: Any = None, mask_mod: Any = None, chunk_size: Any = None, memory_budget: Any = None,
+    mesh_axes: FrozenSet[Any] = frozenset(),
 ) -> Call:
-    """Validate a call (errors name the argument), convert its callbacks, choose its chunks."""
+    """Validate a call (errors name the argument), convert its callbacks, choose its chunks.
+
+    ``mesh_axes`` (ring and all-to-all attention): mesh axes that the chunks' positions vary over
+    beyond the inputs' (the callbacks are traced with that type).
+    """
     arrays = []
     for name, x in (("query", query), ("key", key), ("value", value)):
         try:
@@ -271,12 +281,12 @@ def prepare(
         bias = jnp.asarray(bias)
         if not jnp.issubdtype(bias.dtype, jnp.floating):
             raise DtypeError(f"Expected bias to have a floating dtype (use mask for bool), got {bias.dtype}.")
-        bias = _grouped_4d(bias, "bias", (B, N, T, S), K, G)
+        bias = grouped_4d(bias, "bias", (B, N, T, S), K, G)
     if mask is not None:
         mask = jnp.asarray(mask)
         if mask.dtype != jnp.bool_:
             raise DtypeError(f"Expected mask to be bool (True = attend; additive masks go in bias), got {mask.dtype}.")
-        mask = _grouped_4d(mask, "mask", (B, N, T, S), K, G)
+        mask = grouped_4d(mask, "mask", (B, N, T, S), K, G)
     q_lengths = _lengths(query_seq_lengths, "query_seq_lengths", B)
     kv_lengths = _lengths(key_value_seq_lengths, "key_value_seq_lengths", B)
     for name, fn in (("score_mod", score_mod), ("mask_mod", mask_mod)):
@@ -298,12 +308,13 @@ def prepare(
     mask_consts: Tuple[Any, ...] = ()
     score_fn = masker_fn = None
     if spec.tq > 0 and spec.tk > 0:
-        index = _engine._index_arrays(spec, jnp.int32(0), jnp.int32(0))
+        index = _engine.index_arrays(spec, jnp.int32(0), jnp.int32(0))
+        axes = varying_axes(q, k, v, bias, mask, scale) | frozenset(mesh_axes)
         if score_mod is not None:
             example = jnp.zeros((B, N, spec.tq, spec.tk), spec.F)
-            score_fn, consts = _convert(_checked_score_mod(score_mod, example.shape), example, *index)
+            score_fn, consts = _convert(_checked_score_mod(score_mod, example.shape), axes, example, *index)
         if mask_mod is not None:
-            masker_fn, mask_consts = _convert(_checked_mask_mod(mask_mod, (B, N, spec.tq, spec.tk)), *index)
+            masker_fn, mask_consts = _convert(_checked_mask_mod(mask_mod, (B, N, spec.tq, spec.tk)), axes, *index)
     spec = make(spec.tq, spec.tk, score_fn, masker_fn)
     aux = Aux(bias, mask, q_lengths, kv_lengths, consts, mask_consts, scale)
     return Call(spec, q.reshape(B, T, K, G, H), k, v, aux, squeeze, q.dtype, budget)
