@@ -164,7 +164,10 @@ def run_memory_job(job: dict) -> dict:
         warnings.simplefilter("always")
         try:
             dtype = models_mod.DTYPES[job["dtype"]]
-            model = models_mod.build(spec, device=job["device"], dtype=dtype, seed=job["seed"])
+            if job.get("reuse_model"):
+                model = _built(spec, job["device"], dtype, job["seed"])
+            else:
+                model = models_mod.build(spec, device=job["device"], dtype=dtype, seed=job["seed"])
             answer["weights_bytes"] = sum(t.numel() * t.element_size() for t in
                                           [*model.parameters(), *model.buffers()])
             inputs = models_mod.make_inputs(spec, job["size"], batch=job["batch"],
@@ -231,12 +234,25 @@ def _guard_bytes() -> Optional[int]:
     return guard
 
 
+_BUILT: dict = {}
+
+
+def _built(spec: ModelSpec, device: str, dtype: torch.dtype, seed: int) -> torch.nn.Module:
+    """One model per (name, device, dtype, seed) in this process: the timing process and
+    in-process memory jobs share it (run_model_bench frees it at the end)."""
+    key = (spec.name, device, dtype, seed)
+    if key not in _BUILT:
+        _BUILT.clear()
+        _BUILT[key] = models_mod.build(spec, device=device, dtype=dtype, seed=seed)
+    return _BUILT[key]
+
+
 class InProcess:
     """Runs memory jobs in this process instead of a fresh one (``--in-process``: faster to
-    start, the peak less exact; no RSS guard)."""
+    start, the model built once, the peak less exact; no RSS guard)."""
 
     def run(self, job: dict) -> dict:
-        return run_memory_job({**job, "rss_guard": None})
+        return run_memory_job({**job, "rss_guard": None, "reuse_model": True})
 
     def close(self) -> None:
         gc.collect()
@@ -314,6 +330,8 @@ def run_model_bench(
                     results += rows
     except KeyboardInterrupt:
         pass
+    finally:
+        _BUILT.clear()
     return results
 
 
@@ -350,7 +368,7 @@ class _Timer:
             return
         dtype = models_mod.DTYPES[self.dtype]
         if self.model is None:
-            self.model = models_mod.build(self.spec, device=self.device, dtype=dtype, seed=self.seed)
+            self.model = _built(self.spec, self.device, dtype, self.seed)
         inputs = models_mod.make_inputs(self.spec, size, batch=batch, device=self.device,
                                         dtype=dtype, seed=self.seed + 1)
         by_name = {impl.name: impl for impl in impls_for(self.spec)}

@@ -209,7 +209,7 @@ class Comparison:
             return f"{self.ratio:.2f}x (one round: no spread)"
         if not self.paired:
             return f"{self.ratio:.2f}x (from the IQRs: {self.low:.2f}-{self.high:.2f})"
-        return (f"{self.ratio:.2f}x (IQR {self.q1:.2f}-{self.q3:.2f}; {self.coverage:.0%} CI "
+        return (f"{self.ratio:.2f}x (IQR {self.q1:.2f}-{self.q3:.2f}; {math.floor(self.coverage * 100)}% CI "
                 f"{self.low:.2f}-{self.high:.2f}, {self.rounds} rounds)")
 
 
