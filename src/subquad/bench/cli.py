@@ -200,6 +200,10 @@ def print_list(device: str) -> None:
         reasons = impl.not_supported_reasons(probe)
         state = "available" if not reasons else "; ".join(reasons)
         print(f"  {impl.name:<16} {impl.description}\n  {'':<16} [{state}]")
+    print("\nwhole models (--model NAME; pip install 'subquad[diffusers,transformers]'):")
+    for spec in models.MODELS.values():
+        sizes = ", ".join(map(str, spec.sizes))
+        print(f"  {spec.name:<21} {spec.description} (default {sizes} {spec.size_unit})")
 
 
 def main(argv: Optional[list[str]] = None) -> int:

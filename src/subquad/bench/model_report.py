@@ -3,7 +3,7 @@ interleaved rounds), the ``--max-memory`` summary, results.json / results.csv, t
 (memory.png and time.png against the resolution or sequence length, the cap drawn), and
 ``--compare``. matplotlib is imported only to plot (``pip install 'subquad[bench]'``).
 
-What the rest of the package uses: ``render``, ``max_memory_lines``, ``save``, ``load_json``,
+What the rest of the package uses: ``render``, ``markdown``, ``max_memory_lines``, ``save``, ``load_json``,
 ``compare``, ``REQUIRED_FIELDS``.
 """
 
@@ -105,6 +105,26 @@ def max_memory_lines(results: list[ModelResult]) -> list[str]:
             parts.append(text)
         lines.append(f"at {format_bytes(cap)} ({model} {mode}, step peak + weights): " + ", ".join(parts))
     return lines
+
+
+def markdown(results: list[ModelResult]) -> str:
+    """The results as one Markdown table (for docs): a row per (mode, size, implementation)."""
+    lines = ["| mode | size | impl | step time, median (IQR) | peak step | + weights | max abs diff vs sdpa | status |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        if r.median_ms is not None:
+            time_text = f"{format_ms(r.median_ms)} ms ({format_ms(r.q1_ms)}-{format_ms(r.q3_ms)}, {r.rounds} rounds)"
+        elif r.memory_step_ms is not None and r.status == "ok":
+            time_text = f"{format_ms(r.memory_step_ms)} ms (one step)"
+        else:
+            time_text = "-"
+        diff = "-" if r.max_abs_diff is None else f"{r.max_abs_diff:.1e}"
+        status = r.status + (f": {r.reason}" if r.reason and r.status != "ok" else "")
+        if r.over_cap:
+            status += " (over the cap)"
+        lines.append(f"| {r.mode} | {r.size} {r.size_unit} | {r.impl} | {time_text} | "
+                     f"{format_bytes(r.peak_bytes)} | {format_bytes(r.total_bytes)} | {diff} | {status[:90]} |")
+    return "\n".join(lines) + "\n"
 
 
 # ------------------------------------------------------------------------------ files
