@@ -161,7 +161,7 @@ def write_csv(results: list[ModelResult], path: str) -> None:
 
 
 def plot(results: list[ModelResult], out_dir: str) -> list[str]:
-    """memory.png (step peak plus weights, the cap as a dashed line) and time.png (median with
+    """memory.png (the step's peak; with a cap, plus the weights, the cap dashed) and time.png (median with
     its IQR as error bars; the worker's single step where no rounds ran), against the size, one
     panel per mode, one line per implementation. Returns the paths written (none without
     matplotlib or results)."""
@@ -178,15 +178,20 @@ def plot(results: list[ModelResult], out_dir: str) -> list[str]:
     modes = list(dict.fromkeys(r.mode for r in ok))
     impls = list(dict.fromkeys(r.impl for r in results))
     cmap = plt.get_cmap("tab10")
+    cap = next((r.cap_bytes for r in results if r.cap_bytes), None)
+    # With a cap, what it is compared with (the step and the weights); without one, the step
+    # alone, which is what the attention changes.
+    memory = (lambda r: r.total_bytes) if cap else (lambda r: r.peak_bytes)
     written = []
-    for filename, label in (("memory.png", "peak memory of the step + weights (MiB)"),
+    for filename, label in (("memory.png", "peak memory of the step + weights (MiB)" if cap
+                             else "peak memory of the step (MiB)"),
                             ("time.png", "step time (ms)")):
         fig, axes = plt.subplots(1, len(modes), figsize=(5.6 * len(modes), 4.2), squeeze=False)
         for ax, mode in zip(axes.flat, modes):
             for i, impl in enumerate(impls):
                 rows = sorted((r for r in ok if r.mode == mode and r.impl == impl), key=lambda r: r.size)
                 if filename == "memory.png":
-                    pts = [(r.size, r.total_bytes / 2**20) for r in rows if r.total_bytes]
+                    pts = [(r.size, memory(r) / 2**20) for r in rows if memory(r)]
                     if pts:
                         ax.plot(*zip(*pts), marker="osD^v<>"[i % 7], color=cmap(i), label=impl)
                 else:
@@ -198,7 +203,6 @@ def plot(results: list[ModelResult], out_dir: str) -> list[str]:
                                [max(0.0, (p[3] if p[3] is not None else y) - y) for p, y in zip(pts, ys)]]
                         ax.errorbar(xs, ys, yerr=err, marker="osD^v<>"[i % 7], color=cmap(i),
                                     label=impl, capsize=3)
-            cap = next((r.cap_bytes for r in results if r.cap_bytes), None)
             if filename == "memory.png" and cap:
                 ax.axhline(cap / 2**20, color="red", linestyle="--", linewidth=1,
                            label=f"cap {format_bytes(cap)}")
@@ -211,7 +215,8 @@ def plot(results: list[ModelResult], out_dir: str) -> list[str]:
             ax.set_title(f"{ok[0].model} {mode}", fontsize=9)
             ax.grid(True, which="both", alpha=0.3)
             ax.legend(fontsize=7)
-        fig.suptitle(f"subquad bench --model: {label} on {ok[0].device_name}", fontsize=10)
+        fig.suptitle(f"subquad bench --model: {label}\n{ok[0].device_name}, torch {ok[0].torch_version}",
+                     fontsize=9)
         fig.tight_layout()
         path = os.path.join(out_dir, filename)
         fig.savefig(path, dpi=100)
