@@ -340,6 +340,12 @@ def refusals_name_the_argument():
         run(lambda a, b, c: sj.ulysses_attention(a, b, c, axis_name="seq"), q, k, v)
     with pytest.raises(ValueError, match=r"Expected bias to broadcast to \(B, N, T, S\) = \(1, 2, 8, 32\)"):
         run(lambda a, b, c: sj.ring_attention(a, b, c, axis_name="seq", bias=jnp.zeros((1, 2, 8, 8))), q, k, v)
+    with pytest.raises(TypeError, match="Expected bias to have a floating dtype"):
+        run(lambda a, b, c: sj.ring_attention(a, b, c, axis_name="seq", bias=jnp.zeros((1, 1, 1, 32), jnp.int32)), q, k, v)
+    with pytest.raises(TypeError, match="Expected mask to be bool"):
+        run(lambda a, b, c: sj.ring_attention(a, b, c, axis_name="seq", mask=jnp.zeros((1, 1, 1, 32))), q, k, v)
+    with pytest.raises(ValueError, match="axis_name='seq' is not bound"):
+        sj.ulysses_attention(q, k, v, axis_name="seq")
     with pytest.raises(ValueError, match="Unknown strategy='fast'"):
         sj.attention(q, k, v, mesh=mesh, strategy="fast")
     with pytest.raises(ValueError, match="strategy='ulysses' cannot run this call: the heads"):
@@ -356,7 +362,13 @@ def refusals_name_the_argument():
         sj.attention(*arrays(T=30, S=30), mesh=mesh, is_causal=True)
     with pytest.raises(ValueError, match="Unknown layout='rows'"):
         sj.shard(q, 4, layout="rows")
-    return "11 refusals"
+    with pytest.raises(ValueError, match="Unknown layout='rows'"):
+        sj.attention(q, k, v, mesh=mesh, layout="rows")
+    with pytest.raises(TypeError, match=r"explain\(mesh=...\) got unexpected keyword arguments \['local_window_size'\]"):
+        sj.explain(q, k, v, mesh=mesh, local_window_size=3)
+    with pytest.raises(ValueError, match="mesh has axes \\('data', 'seq'\\): pass axis_name="):
+        sj.attention(q, k, v, mesh=jax.sharding.Mesh(np.array(jax.devices()).reshape(2, 2), ("data", "seq")))
+    return "19 refusals"
 
 
 def main(names):

@@ -102,7 +102,7 @@ def ulysses_attention(
     P = _axis_size(axis_name, "ulysses_attention")
     layout = check_layout(layout)
     q, k, v, squeeze = _four_d(query, key, value)
-    whole = prepare(q, k, v, scale=scale, is_causal=is_causal)  # errors with the shapes that were passed
+    prepare(q, k, v, scale=scale, is_causal=is_causal)  # validation first: errors show the shapes that were passed
     N, K = q.shape[2], k.shape[2]
     if N % P or K % P:
         raise ArgumentError(
@@ -119,7 +119,6 @@ def ulysses_attention(
     out, lse = call.run(head=lax.axis_index(axis_name) * (N // P))
     out = heads_to_seq(out, axis_name, P, layout)
     lse = heads_to_seq(lse[..., None], axis_name, P, layout)[..., 0]
-    del whole
     return (out[0], lse[0]) if squeeze else (out, lse)
 
 
