@@ -238,18 +238,17 @@ def vmap_over_batch_and_jit():
     mesh = mesh_of(4)
     q, k, v = arrays(B=3)
     fn = jax.shard_map(lambda a, b, c: sj.ring_attention(a, b, c, axis_name="seq", is_causal=True), mesh=mesh,
-                       in_specs=(P("seq"),) * 3, out_specs=P("seq"))
-    per_example = jax.jit(jax.vmap(fn))  # (T, N, H) per example, sharded along T
+                       in_specs=(P("seq"),) * 3, out_specs=P("seq"))  # (T, N, H) per example, sharded along T
     sh = lambda x: jax.vmap(lambda e: sj.shard(e, 4, axis=0))(x)  # noqa: E731
-    got = jax.vmap(lambda e: sj.unshard(e, 4, axis=0))(per_example(sh(q), sh(k), sh(v)))
-    want = sj.attention(q, k, v, is_causal=True)
-    err = float(np.abs(np.asarray(got - want)).max())
-    assert err < 1e-10, err
-    g = jax.jit(jax.vmap(jax.grad(lambda a, b, c: fn(a, b, c).sum())))(sh(q), sh(k), sh(v))
-    g_want = jax.vmap(jax.grad(lambda a, b, c: sj.attention(a, b, c, is_causal=True).sum()))(q, k, v)
-    gerr = float(np.abs(np.asarray(jax.vmap(lambda e: sj.unshard(e, 4, axis=0))(g) - g_want)).max())
-    assert gerr < 1e-10, gerr
-    return f"vmap out {err:.1e}, vmap of grad {gerr:.1e}"
+    un = lambda x: jax.vmap(lambda e: sj.unshard(e, 4, axis=0))(x)  # noqa: E731
+    per_example = jax.jit(jax.vmap(jax.value_and_grad(lambda a, b, c: (fn(a, b, c) ** 2).sum(), argnums=(0, 1, 2))))
+    loss, grads = per_example(sh(q), sh(k), sh(v))
+    want_loss, want_grads = jax.jit(jax.vmap(jax.value_and_grad(
+        lambda a, b, c: (sj.attention(a, b, c, is_causal=True) ** 2).sum(), argnums=(0, 1, 2))))(q, k, v)
+    err = float(np.abs(np.asarray(loss - want_loss)).max())
+    gerr = max(float(np.abs(np.asarray(un(g) - w)).max()) for g, w in zip(grads, want_grads))
+    assert err < 1e-10 and gerr < 1e-10, (err, gerr)
+    return f"vmap of value_and_grad: per-example loss {err:.1e}, gradients {gerr:.1e}"
 
 
 @case
@@ -328,7 +327,7 @@ def refusals_name_the_argument():
 
     mesh = mesh_of(4)
     q, k, v = arrays()
-    run = lambda fn, *x: jax.shard_map(fn, mesh=mesh, in_specs=(SEQ,) * len(x), out_specs=SEQ)(*x)  # noqa: E731
+    run = lambda fn, *x: jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(SEQ,) * len(x), out_specs=SEQ)).trace(*x)  # noqa: E731
     with pytest.raises(ValueError, match="axis_name='seq' is not bound"):
         sj.ring_attention(q, k, v, axis_name="seq")
     with pytest.raises(ValueError, match="Unknown layout='spiral'"):

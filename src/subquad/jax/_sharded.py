@@ -7,7 +7,7 @@ Used by the rest of ``subquad.jax``: ``ring_attention``, ``ulysses_attention``, 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional, Tuple
+from typing import Any, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -16,16 +16,22 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from .._errors import ArgumentError, ArgumentTypeError
 from ._all_to_all import heads_to_seq, seq_to_heads
-from ._call import DtypeError, grouped_4d, memory_model, prepare
+from ._call import DtypeError, grouped_4d, prepare
 from ._engine import Aux
 from ._layouts import check_divisible, check_layout, piece_count, reorder
 from ._plan import STRATEGIES, Shapes, ShardedPlan, choose, ring_memory, ring_steps, stats_itemsize, traffic, ulysses_memory
 from ._ring import Ring, ring
 
+shard_map = getattr(jax, "shard_map", None)
+if shard_map is None:  # pragma: no cover - JAX before 0.6 keeps it in experimental
+    from jax.experimental.shard_map import shard_map
+
 
 def _axis_size(axis_name: Any, fn: str) -> int:
     try:
-        return int(lax.axis_size(axis_name))
+        if hasattr(lax, "axis_size"):
+            return int(lax.axis_size(axis_name))
+        return int(lax.psum(1, axis_name))  # JAX before 0.6: a constant under shard_map
     except (NameError, KeyError, ValueError, TypeError):
         raise ArgumentError(
             f"{fn} runs inside jax.shard_map over a mesh axis: axis_name={axis_name!r} is not bound here. "
@@ -249,7 +255,7 @@ def mesh_attention(
     arrays = [q, k, v] + [x for x in extras if x is not None]
     in_specs = (seq, seq, seq) + tuple(_spec_for(x, axis, T, 2) for x in arrays[3:])
     args = [_placed(x, mesh, spec) for x, spec in zip(arrays, in_specs)]
-    out, lse = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=(seq, seq))(*args)
+    out, lse = shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=(seq, seq))(*args)
     return (out[0], lse[0]) if squeeze else (out, lse)
 
 
