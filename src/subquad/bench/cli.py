@@ -34,10 +34,14 @@ JAX_PRESETS = ("jax", "jax-quick")
 EPILOG = """\
 status: ok, unsupported (missing, or the implementation refuses the case: the reason says why),
 oom (out of memory, recorded rather than raised), error (anything else, with the exception).
-Metrics: median time over timed calls after a warm-up, with the device synchronized around each
-call; TFLOP/s = 4·B·H·Lq·Lk·E (÷2 causal, ×3.5 forward+backward) / time; peak extra memory above
+Metrics: median time and IQR over calls timed in interleaved rounds (each implementation of a
+case once per round, in a rotating order) after a warm-up, the device synchronized around each
+call; the verdict names a winner only when the 99% interval of the per-round ratios lies beyond
+3%; TFLOP/s = 4·B·H·Lq·Lk·E (÷2 causal, ×3.5 forward+backward) / time; peak extra memory above
 the inputs, output included (CUDA allocator peak, or on CPU the RSS high-water mark in a worker
-process); relative error against a float64 reference on sampled query rows. See docs/bench.md.
+process); relative error against a float64 reference on sampled query rows. --model NAME runs
+a whole model (SD 1.5 UNet, SD VAE decoder, Llama) with each attention implementation. See
+docs/bench.md.
 """
 
 
