@@ -5,13 +5,14 @@ Implementations of one case are timed interleaved: each round runs each once, in
 rotates; figures are medians over rounds with the interquartile range. Peak memory is not taken
 here (see the RSS grid in tests/test_planner.py for the packed budget case).
 
-    python benchmarks/bench_varlen.py [--rounds 7] [--json docs/benchmarks/varlen-cpu.json]
+    python benchmarks/bench_varlen.py [--rounds 7] [--threads 1] [--json docs/benchmarks/varlen-cpu.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import time
@@ -40,7 +41,6 @@ def block_diagonal(lengths: List[int], causal: bool) -> torch.Tensor:
 
 def impls(lengths: List[int], H: int, E: int, causal: bool, backward: bool, dense: bool) -> Dict[str, Callable[[], None]]:
     q, k, v, cu = packed(lengths, H, E, backward)
-    cuts = list(zip(cu[:-1].tolist(), cu[1:].tolist()))
 
     def step(f: Callable[[], torch.Tensor]) -> Callable[[], None]:
         def run() -> None:
@@ -52,10 +52,12 @@ def impls(lengths: List[int], H: int, E: int, causal: bool, backward: bool, dens
         return run
 
     def loop() -> torch.Tensor:
+        # split, not slicing: the backward of a slice writes a gradient of the whole packed tensor
+        # per sequence (quadratic in the count), split's backward concatenates once
         return torch.cat([
-            F.scaled_dot_product_attention(q[a:b].transpose(0, 1), k[a:b].transpose(0, 1), v[a:b].transpose(0, 1),
+            F.scaled_dot_product_attention(qs.transpose(0, 1), ks.transpose(0, 1), vs.transpose(0, 1),
                                            is_causal=causal).transpose(0, 1)
-            for a, b in cuts
+            for qs, ks, vs in zip(q.split(lengths), k.split(lengths), v.split(lengths))
         ])
 
     out = {
@@ -98,7 +100,12 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--json")
+    p.add_argument("--threads", type=int, help="torch threads (default: torch's); 1 keeps a shared machine's "
+                   "OpenMP oversubscription out of thousands of tiny kernels")
+    p.add_argument("--only", help="run the cases whose name contains this text; with --json, merged into the file")
     args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     rng = torch.Generator().manual_seed(0)
     cases = {
         "16 x 512 causal, 8x64 fp32, fwd+bwd": dict(lengths=[512] * 16, H=8, E=64, causal=True, backward=True, dense=True),
@@ -111,7 +118,12 @@ def main() -> int:
     }
     report = {"machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads",
               "torch": torch.__version__, "cases": {}}
+    if args.only and args.json and os.path.exists(args.json):
+        with open(args.json) as f:
+            report["cases"] = json.load(f)["cases"]
     for name, case in cases.items():
+        if args.only and args.only not in name:
+            continue
         rounds = args.rounds if not case["dense"] or sum(case["lengths"]) <= 8192 else 3
         res = interleaved(impls(**case), rounds)
         base = res["per-sequence SDPA loop"]["median_ms"]
@@ -123,9 +135,9 @@ def main() -> int:
             r["vs_loop"] = r["median_ms"] / base
             print(f"  {impl:34s} {r['median_ms']:10.1f} ms  IQR [{r['iqr_ms'][0]:.1f}, {r['iqr_ms'][1]:.1f}]  {r['vs_loop']:.2f}x the loop")
         report["cases"][name] = res
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
+        if args.json:  # after every case: a long run that is stopped keeps what it measured
+            with open(args.json, "w") as f:
+                json.dump(report, f, indent=1)
     return 0
 
 

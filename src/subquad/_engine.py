@@ -172,8 +172,8 @@ def sequence_view(inp: Inputs, s: int) -> Inputs:
     assert p is not None
     qs, qe, ks, ke = p.rows(s)
     offset = p.offset(s)
-    return dataclasses.replace(
-        inp, query=inp.query[:, :, qs:qe], key=inp.key[:, :, ks:ke], value=inp.value[:, :, ks:ke], packed=None,
+    return inp.derive(
+        query=inp.query[:, :, qs:qe], key=inp.key[:, :, ks:ke], value=inp.value[:, :, ks:ke], packed=None,
         b_offset=s, causal_offset=inp.causal_offset + offset if inp.is_causal else 0, mask_mod=_with_window(inp, offset),
     )
 

@@ -129,6 +129,16 @@ class Inputs:
     packed: Optional[Packed] = None
     lse_rows: Optional[int] = None
 
+    def derive(self, **changes: object) -> "Inputs":
+        """This call with some fields changed: ``dataclasses.replace`` without re-running
+        ``__init__`` (a shallow copy), which a packed call does once per sequence."""
+        unknown = changes.keys() - self.__dataclass_fields__.keys()
+        if unknown:
+            raise TypeError(f"Inputs has no field {sorted(unknown)}")
+        new = object.__new__(Inputs)
+        new.__dict__.update(self.__dict__, **changes)
+        return new
+
     # ----------------------------------------------------------------- shapes
     @property
     def B(self) -> int:
