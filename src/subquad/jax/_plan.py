@@ -68,7 +68,7 @@ class ShardedPlan:
         lines = [
             f"subquad.jax: {self.strategy} over {self.devices} devices (mesh axis {self.axis_name!r}), layout={self.layout}",
             f"  per device: temporaries ≈{format_bytes(self.forward_bytes)} forward, ≈{format_bytes(self.backward_bytes)}"
-            f" forward+backward (one device, whole sequence: {format_bytes(fwd1)}, {format_bytes(bwd1)})",
+            f" forward+backward (one device, whole sequence, as modelled: {format_bytes(fwd1)}, {format_bytes(bwd1)})",
             f"  sent per device: {format_bytes(self.sent_forward)} forward, {format_bytes(self.sent_backward)} backward",
         ]
         if self.strategy == "ring":
