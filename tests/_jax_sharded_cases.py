@@ -288,12 +288,15 @@ def memory_per_device_at_most_a_quarter_plus_kv_in_flight():
     temporaries as the memory model counts them (a chunk's scores do not shrink with P).
     """
     from subquad.jax._call import memory_model, prepare
+    from subquad.jax._sharded import mesh_plan
 
     mesh = mesh_of(4)
     B, T, N, H = 1, 16384, 2, 16
     whole = jax.ShapeDtypeStruct((B, T, N, H), jnp.float32)
     local = dict(chunk_size=(64, 64))
     block = prepare(*(jnp.zeros((B, T // 4, N, H), jnp.float32),) * 3, is_causal=True, **local).spec
+    plan = mesh_plan(whole, whole, whole, None, None, mesh=mesh, axis_name="seq", strategy="ring", layout="contiguous",
+                     is_causal=True, score_mod=None, mask_mod=None, scale=None, memory_budget=None, **local)
 
     def temp(fn, *args):
         return jax.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes
@@ -318,6 +321,9 @@ def memory_per_device_at_most_a_quarter_plus_kv_in_flight():
                      f"{per_device / 2**20:.2f} MiB <= {bound / 2**20:.2f} MiB (1/4: {single / 4 / 2**20:.2f}, K/V in flight "
                      f"{kv_in_flight / 2**20:.2f}, one block {block_bytes / 2**20:.2f})")
         assert per_device <= bound, lines[-1]
+        predicted = plan.backward_bytes if grad else plan.forward_bytes
+        lines[-1] += f"; explain's model {predicted / 2**20:.2f} MiB"
+        assert per_device <= predicted, lines[-1]  # the per-device memory model is an upper bound
     return "; ".join(lines)
 
 
