@@ -48,7 +48,7 @@ def _malloc_trim() -> None:
         pass
 
 
-def _status_bytes(key: str) -> int:
+def status_bytes(key: str) -> int:
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith(key):
@@ -68,7 +68,7 @@ class RssPeak:
     def available() -> Optional[str]:
         """None when usable, else why not."""
         try:
-            _status_bytes("VmHWM")
+            status_bytes("VmHWM")
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")
         except OSError as exc:
@@ -80,10 +80,10 @@ class RssPeak:
         _malloc_trim()
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # 5 resets VmHWM to the current RSS
-        self.base = _status_bytes("VmRSS")
+        self.base = status_bytes("VmRSS")
 
     def stop(self) -> int:
-        return max(0, _status_bytes("VmHWM") - self.base)
+        return max(0, status_bytes("VmHWM") - self.base)
 
 
 def memory_meter(device: torch.device):

@@ -49,7 +49,7 @@ from . import timing as timing_mod
 from .environment import environment
 from .impls import is_out_of_memory
 from .measure import Worker
-from .meters import CudaPeak, RssPeak, _status_bytes, synchronize
+from .meters import CudaPeak, RssPeak, status_bytes, synchronize
 from .model_impls import REFERENCE, ModelImpl, impls_for
 from .models import ModelSpec
 
@@ -117,7 +117,7 @@ class _RssGuard:
     def _watch(self) -> None:
         while True:
             try:
-                rss = _status_bytes("VmRSS")
+                rss = status_bytes("VmRSS")
             except OSError:
                 return
             if rss > self.limit:
@@ -191,7 +191,7 @@ def run_memory_job(job: dict) -> dict:
             if guard is not None and job.get("cap_bytes"):
                 # The cap is on the step's peak plus the weights: stop the step once it passes.
                 gc.collect()
-                cap_limit = _status_bytes("VmRSS") + job["cap_bytes"] - answer["weights_bytes"]
+                cap_limit = status_bytes("VmRSS") + job["cap_bytes"] - answer["weights_bytes"]
                 guard.limit = min(guard.limit, cap_limit)
             meter = _meter(device)
             measured = not isinstance(meter, str)
