@@ -110,7 +110,8 @@ def test_explain_predicts_the_time_of_a_huge_call():
     plan = subquad.explain(q, q, q, memory_budget="1MiB")
     assert plan.tiles > 10**4
     assert plan.predicted_seconds is not None and plan.predicted_seconds > 3600  # hours, not seconds
-    assert "time:" in str(plan) and "hours" in str(plan)
+    # hours on an idle machine; days where the measured matmul rate is that of a loaded one
+    assert "time:" in str(plan) and ("hours" in str(plan) or "days" in str(plan))
     small = subquad.explain(*_qkv())
     assert small.predicted_seconds is not None and small.predicted_seconds < 1
 

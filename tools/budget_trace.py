@@ -49,7 +49,9 @@ def _record_reads() -> Set[Any]:
             continue
         for obj in list(vars(module).values()):
             if inspect.isclass(obj):
-                codes |= {v.fget.__code__ for v in vars(obj).values() if isinstance(v, property) and v.fget is not None}
+                # getters written in Python only (classes re-exported from compiled libraries have others)
+                codes |= {v.fget.__code__ for v in vars(obj).values()
+                          if isinstance(v, property) and hasattr(v.fget, "__code__")}
     return codes
 
 
