@@ -287,13 +287,17 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     if args.compare:
         old = report.load_json(args.compare)
-        text, regressions = report.compare(results, old, args.fail_if_regression)
-        print(f"\ncompared with {args.compare}:\n{text}")
-        if regressions:
-            print("regressions:\n  " + "\n  ".join(regressions))
-            if args.fail_if_regression is not None:
-                return 1
+        if _print_comparison(args, *report.compare(results, old, args.fail_if_regression)):
+            return 1
     return 130 if interrupted else 0
+
+
+def _print_comparison(args: argparse.Namespace, text: str, regressions: list[str]) -> bool:
+    """Prints a ``--compare`` against ``args.compare``; True when a regression should fail the run."""
+    print(f"\ncompared with {args.compare}:\n{text}")
+    if regressions:
+        print("regressions:\n  " + "\n  ".join(regressions))
+    return bool(regressions) and args.fail_if_regression is not None
 
 
 def _main_jax(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
@@ -378,10 +382,6 @@ def _main_model(parser: argparse.ArgumentParser, args: argparse.Namespace) -> in
             old = model_report.load_json(args.compare)
         except ValueError as exc:
             parser.error(str(exc))
-        text, regressions = model_report.compare(results, old, args.fail_if_regression)
-        print(f"\ncompared with {args.compare}:\n{text}")
-        if regressions:
-            print("regressions:\n  " + "\n  ".join(regressions))
-            if args.fail_if_regression is not None:
-                return 1
+        if _print_comparison(args, *model_report.compare(results, old, args.fail_if_regression)):
+            return 1
     return 0

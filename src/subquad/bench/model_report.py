@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import csv
 import importlib.util
-import json
 import os
 from collections import defaultdict
 from typing import Optional
 
 from . import timing
 from .model_measure import ModelResult
-from .report import format_bytes, format_ms
+from .report import csv_cell, format_bytes, format_ms, read_records, write_json
 
 REQUIRED_FIELDS = ("model", "impl", "task", "mode", "size", "size_unit", "status", "reason",
                    "median_ms", "q1_ms", "q3_ms", "times_ms", "rounds", "peak_bytes",
@@ -130,19 +129,8 @@ def markdown(results: list[ModelResult]) -> str:
 # ------------------------------------------------------------------------------ files
 
 
-def write_json(results: list[ModelResult], path: str) -> None:
-    with open(path, "w") as f:
-        json.dump([r.to_dict() for r in results], f, indent=1, allow_nan=False)
-        f.write("\n")
-
-
 def load_json(path: str) -> list[ModelResult]:
-    with open(path) as f:
-        data = json.load(f)
-    if not isinstance(data, list) or (data and "model" not in data[0]):
-        raise ValueError(f"{path} is not a subquad bench --model results.json")
-    known = set(ModelResult.__dataclass_fields__)
-    return [ModelResult(**{k: v for k, v in rec.items() if k in known}) for rec in data]
+    return read_records(path, ModelResult, "subquad bench --model", key="model")
 
 
 def write_csv(results: list[ModelResult], path: str) -> None:
@@ -151,13 +139,7 @@ def write_csv(results: list[ModelResult], path: str) -> None:
         writer = csv.writer(f)
         writer.writerow(names + ["total_bytes"])
         for r in results:
-            row = []
-            for name in names:
-                value = getattr(r, name)
-                if isinstance(value, (list, dict)):
-                    value = json.dumps(value) if value else ""
-                row.append("" if value is None else value)
-            writer.writerow(row + ["" if r.total_bytes is None else r.total_bytes])
+            writer.writerow([csv_cell(getattr(r, name)) for name in names] + [csv_cell(r.total_bytes)])
 
 
 def plot(results: list[ModelResult], out_dir: str) -> list[str]:

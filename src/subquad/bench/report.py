@@ -14,7 +14,7 @@ import math
 import os
 import sys
 from collections import defaultdict
-from typing import Iterable, Optional, TextIO
+from typing import Any, Iterable, Optional, Sequence, TextIO
 
 from . import timing
 from .measure import Result
@@ -254,20 +254,33 @@ class Progress:
 # ---------------------------------------------------------------------------- files
 
 
-def write_json(results: list[Result], path: str) -> None:
+def write_json(results: Sequence[Any], path: str) -> None:
+    """Records (``Result`` or ``ModelResult``) as a results.json."""
     with open(path, "w") as f:
         json.dump([r.to_dict() for r in results], f, indent=1, allow_nan=False)
         f.write("\n")
 
 
-def load_json(path: str) -> list[Result]:
-    """Records of a results.json (unknown keys, e.g. from a newer version, are ignored)."""
+def read_records(path: str, record: type, what: str, key: Optional[str] = None) -> list:
+    """The ``record`` dataclasses of a results.json; unknown keys (e.g. from a newer version) are
+    ignored. ``key``: a field every record of this kind has (tells the two kinds apart)."""
     with open(path) as f:
         data = json.load(f)
-    if not isinstance(data, list):
-        raise ValueError(f"{path} is not a subquad bench results.json (expected a list of records)")
-    known = set(Result.__dataclass_fields__)
-    return [Result(**{k: v for k, v in rec.items() if k in known}) for rec in data]
+    if not isinstance(data, list) or (key is not None and data and key not in data[0]):
+        raise ValueError(f"{path} is not a {what} results.json (expected a list of records)")
+    known = set(record.__dataclass_fields__)
+    return [record(**{k: v for k, v in rec.items() if k in known}) for rec in data]
+
+
+def load_json(path: str) -> list[Result]:
+    return read_records(path, Result, "subquad bench")
+
+
+def csv_cell(value: Any) -> Any:
+    """A record's field as a CSV cell: lists and dicts as JSON (empty ones as nothing), None as nothing."""
+    if isinstance(value, (list, dict)):
+        return json.dumps(value) if value else ""
+    return "" if value is None else value
 
 
 def write_csv(results: list[Result], path: str) -> None:
@@ -276,15 +289,8 @@ def write_csv(results: list[Result], path: str) -> None:
         writer = csv.writer(f)
         writer.writerow(names)
         for r in results:
-            row = []
-            for name in names:
-                value = getattr(r, name)
-                if name == "shape":
-                    value = "x".join(map(str, value))
-                elif isinstance(value, (list, dict)):
-                    value = json.dumps(value) if value else ""
-                row.append("" if value is None else value)
-            writer.writerow(row)
+            writer.writerow(["x".join(map(str, r.shape)) if name == "shape" else csv_cell(getattr(r, name))
+                             for name in names])
 
 
 def _groups(results: Iterable[Result]) -> dict[str, dict[str, list[tuple[int, Result]]]]:
