@@ -23,6 +23,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from .cases import DTYPES  # noqa: F401 (the dtype names of --dtype, for the model's callers)
 
 TEXT_TOKENS = 77  # CLIP's context length: SD 1.5's cross-attention keys
 DECODE_TOKENS = 8  # tokens of the decode loop after a prefill
