@@ -10,10 +10,24 @@ from ._api_varlen import varlen_attention, varlen_explain
 from ._backends import BACKEND_NAMES as BACKENDS
 from ._errors import MemoryBudgetError
 from ._planner import Plan
+from ._version import __version__
 
-__all__ = ["attention", "sdpa", "explain", "varlen_attention", "varlen_explain", "Plan", "MemoryBudgetError", "BACKENDS", "mods",
-           "patch_sdpa", "integrations", "distributed", "compat"]
-__version__ = "0.1.0"
+__all__ = [
+    "attention",
+    "sdpa",
+    "explain",
+    "varlen_attention",
+    "varlen_explain",
+    "Plan",
+    "MemoryBudgetError",
+    "BACKENDS",
+    "mods",
+    "patch_sdpa",
+    "integrations",
+    "distributed",
+    "compat",
+    "__version__",
+]
 
 
 def __getattr__(name: str):  # the lazy wing: integrations import host libraries only when used

@@ -98,18 +98,42 @@ def attention(
         NotImplementedError: a forced ``backend`` cannot run the call (with its reasons).
         Whatever ``score_mod`` / ``mask_mod`` raise, unchanged (never retried or hidden).
     """
-    if (torch.compiler.is_compiling() and _compile.supports(score_mod=score_mod, mask_mod=mask_mod, dropout_p=dropout_p)
-            and not getattr(query, "is_nested", False)):
+    if (
+        torch.compiler.is_compiling()
+        and _compile.supports(score_mod=score_mod, mask_mod=mask_mod, dropout_p=dropout_p)
+        and not getattr(query, "is_nested", False)
+    ):
         # Under torch.compile subquad is one opaque operator (fake + autograd registrations); the
         # planner and tile loop run eagerly inside it when the compiled graph executes.
         return _compile.compiled_attention(
-            query, key, value, attn_mask=attn_mask, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
-            memory_budget=memory_budget, chunk_size=chunk_size, backend=backend, return_lse=return_lse,
+            query,
+            key,
+            value,
+            attn_mask=attn_mask,
+            is_causal=is_causal,
+            scale=scale,
+            enable_gqa=enable_gqa,
+            memory_budget=memory_budget,
+            chunk_size=chunk_size,
+            backend=backend,
+            return_lse=return_lse,
         )
     return _call.attention(
-        query, key, value, attn_mask=attn_mask, is_causal=is_causal, score_mod=score_mod, mask_mod=mask_mod, scale=scale,
-        enable_gqa=enable_gqa, dropout_p=dropout_p, memory_budget=memory_budget, chunk_size=chunk_size,
-        backend=backend, return_lse=return_lse, allow_compile=allow_compile,
+        query,
+        key,
+        value,
+        attn_mask=attn_mask,
+        is_causal=is_causal,
+        score_mod=score_mod,
+        mask_mod=mask_mod,
+        scale=scale,
+        enable_gqa=enable_gqa,
+        dropout_p=dropout_p,
+        memory_budget=memory_budget,
+        chunk_size=chunk_size,
+        backend=backend,
+        return_lse=return_lse,
+        allow_compile=allow_compile,
     )
 
 
@@ -137,10 +161,19 @@ def sdpa(
     dropout_p, is_causal, scale, enable_gqa=enable_gqa)``, computed in tiles.
     """
     if "return_lse" in options:
-        raise ArgumentTypeError("sdpa() returns the output only; use subquad.attention(..., return_lse=True) for the lse.")
+        raise ArgumentTypeError(
+            "sdpa() returns the output only; use subquad.attention(..., return_lse=True) for the lse."
+        )
     out = attention(
-        query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
-        enable_gqa=enable_gqa, **options,  # type: ignore[arg-type]
+        query,
+        key,
+        value,
+        attn_mask=attn_mask,
+        dropout_p=dropout_p,
+        is_causal=is_causal,
+        scale=scale,
+        enable_gqa=enable_gqa,
+        **options,  # type: ignore[arg-type]
     )
     assert isinstance(out, Tensor)
     return out
@@ -171,7 +204,19 @@ def explain(
     Raises like :func:`attention` (e.g. :class:`MemoryBudgetError`).
     """
     return _call.explain(
-        query, key, value, attn_mask=attn_mask, is_causal=is_causal, score_mod=score_mod, mask_mod=mask_mod, scale=scale,
-        enable_gqa=enable_gqa, dropout_p=dropout_p, memory_budget=memory_budget, chunk_size=chunk_size,
-        backend=backend, return_lse=return_lse, allow_compile=allow_compile,
+        query,
+        key,
+        value,
+        attn_mask=attn_mask,
+        is_causal=is_causal,
+        score_mod=score_mod,
+        mask_mod=mask_mod,
+        scale=scale,
+        enable_gqa=enable_gqa,
+        dropout_p=dropout_p,
+        memory_budget=memory_budget,
+        chunk_size=chunk_size,
+        backend=backend,
+        return_lse=return_lse,
+        allow_compile=allow_compile,
     )

@@ -79,10 +79,26 @@ def varlen_attention(
         a sequence, an unknown ``alignment``; as :func:`subquad.attention` otherwise.
     """
     return _call.varlen_attention(
-        query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-        seqused_k=seqused_k, is_causal=is_causal, alignment=alignment, window=window, score_mod=score_mod, mask_mod=mask_mod,
-        scale=scale, enable_gqa=enable_gqa, dropout_p=dropout_p, memory_budget=memory_budget,
-        chunk_size=chunk_size, backend=backend, return_lse=return_lse,
+        query,
+        key,
+        value,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k,
+        seqused_k=seqused_k,
+        is_causal=is_causal,
+        alignment=alignment,
+        window=window,
+        score_mod=score_mod,
+        mask_mod=mask_mod,
+        scale=scale,
+        enable_gqa=enable_gqa,
+        dropout_p=dropout_p,
+        memory_budget=memory_budget,
+        chunk_size=chunk_size,
+        backend=backend,
+        return_lse=return_lse,
     )
 
 

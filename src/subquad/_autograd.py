@@ -54,7 +54,9 @@ class _Attention(torch.autograd.Function):
         *captured: Tensor,
     ) -> Tuple[Tensor, Tensor]:
         inp = dataclasses.replace(meta.inp, query=query, key=key, value=value, attn_mask=attn_mask)
-        out, lse = _engine.forward(inp, meta.backend, meta.tiles, meta.seed, need_lse=True, predicted_s=meta.predicted_s)
+        out, lse = _engine.forward(
+            inp, meta.backend, meta.tiles, meta.seed, need_lse=True, predicted_s=meta.predicted_s
+        )
         assert lse is not None
         return out, lse
 
@@ -72,7 +74,9 @@ class _Attention(torch.autograd.Function):
         if grad_out is None:
             grad_out = torch.zeros_like(out)
         wanted = tuple(ctx.needs_input_grad[1:])  # query, key, value, attn_mask, *captured
-        grads = iter(_Backward.apply(ctx.meta, wanted, grad_out, grad_lse, query, key, value, attn_mask, out, lse, *captured))
+        grads = iter(
+            _Backward.apply(ctx.meta, wanted, grad_out, grad_lse, query, key, value, attn_mask, out, lse, *captured)
+        )
         return (None, *[next(grads) if w else None for w in wanted])
 
     @staticmethod
@@ -106,15 +110,35 @@ class _Backward(torch.autograd.Function):
 
     @staticmethod
     def forward(  # type: ignore[override]
-        meta: Meta, wanted: Tuple[bool, ...], grad_out: Tensor, grad_lse: Optional[Tensor], query: Tensor,
-        key: Tensor, value: Tensor, attn_mask: Optional[Tensor], out: Tensor, lse: Tensor, *captured: Tensor,
+        meta: Meta,
+        wanted: Tuple[bool, ...],
+        grad_out: Tensor,
+        grad_lse: Optional[Tensor],
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        attn_mask: Optional[Tensor],
+        out: Tensor,
+        lse: Tensor,
+        *captured: Tensor,
     ) -> Tuple[Tensor, ...]:
-        def grads_of(go: Tensor, gl: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, m: Optional[Tensor],
-                     o: Tensor, l: Tensor) -> Tuple[Optional[Tensor], ...]:
+        def grads_of(
+            go: Tensor, gl: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, m: Optional[Tensor], o: Tensor, l: Tensor
+        ) -> Tuple[Optional[Tensor], ...]:
             inp = dataclasses.replace(meta.inp, query=q, key=k, value=v, attn_mask=m)
             dq, dk, dv, dmask, dcaptured = backward_grads(
-                inp, meta.backward_backend, meta.backward_tiles, meta.seed, meta.budget, go, o, l, gl,
-                wanted=wanted[:4], captured=captured, predicted_s=meta.predicted_s,
+                inp,
+                meta.backward_backend,
+                meta.backward_tiles,
+                meta.seed,
+                meta.budget,
+                go,
+                o,
+                l,
+                gl,
+                wanted=wanted[:4],
+                captured=captured,
+                predicted_s=meta.predicted_s,
             )
             return tuple(g for g, w in zip((dq, dk, dv, dmask, *dcaptured), wanted) if w)
 
@@ -133,7 +157,9 @@ class _Backward(torch.autograd.Function):
         )
 
     @staticmethod
-    def vmap(info: Any, in_dims: Tuple[Optional[int], ...], meta: Meta, wanted: Tuple[bool, ...], *tensors: Optional[Tensor]) -> Any:
+    def vmap(
+        info: Any, in_dims: Tuple[Optional[int], ...], meta: Meta, wanted: Tuple[bool, ...], *tensors: Optional[Tensor]
+    ) -> Any:
         if any(d is not None for d in in_dims[10:]):
             raise NotImplementedError("vmap over a tensor that score_mod captures is not supported.")
         results = []
@@ -144,7 +170,9 @@ class _Backward(torch.autograd.Function):
         return stacked, tuple(0 for _ in stacked)
 
 
-def per_example(fn: Callable[..., Tuple[Optional[Tensor], ...]], *tensors: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:
+def per_example(
+    fn: Callable[..., Tuple[Optional[Tensor], ...]], *tensors: Optional[Tensor]
+) -> Tuple[Optional[Tensor], ...]:
     """``fn(*tensors)`` computed on plain tensors.
 
     ``torch.autograd.grad(..., is_grads_batched=True)`` (and ``gradcheck``'s batched check) run
@@ -229,12 +257,17 @@ def backward_grads(
         return None if g is None or like is None else g.to(like.dtype)
 
     return (
-        cast(grads.dq, query), cast(grads.dk, key), cast(grads.dv, value), cast(grads.dmask, attn_mask),
+        cast(grads.dq, query),
+        cast(grads.dk, key),
+        cast(grads.dv, value),
+        cast(grads.dmask, attn_mask),
         list(grads.dcaptured),
     )
 
 
-def _zero_grads(inp: Inputs, want_q: bool, want_k: bool, want_v: bool, want_mask: bool, captured: Sequence[Tensor]) -> Grads:
+def _zero_grads(
+    inp: Inputs, want_q: bool, want_k: bool, want_v: bool, want_mask: bool, captured: Sequence[Tensor]
+) -> Grads:
     half = inp.dtype in (torch.float16, torch.bfloat16)
     acc_dtype = torch.float32 if half else inp.dtype
 
@@ -247,8 +280,9 @@ def _zero_grads(inp: Inputs, want_q: bool, want_k: bool, want_v: bool, want_mask
         dq=zeros(inp.query, acc_dtype, want_q),
         dk=zeros(inp.key, acc_dtype, want_k),
         dv=zeros(inp.value, acc_dtype, want_v),
-        dmask=None if not (want_mask and inp.attn_mask is not None) else torch.zeros(
-            inp.attn_mask.shape, dtype=inp.stats_dtype, device=inp.attn_mask.device),
+        dmask=None
+        if not (want_mask and inp.attn_mask is not None)
+        else torch.zeros(inp.attn_mask.shape, dtype=inp.stats_dtype, device=inp.attn_mask.device),
         proxies={id(c): c.detach().requires_grad_() for c in captured},
         dcaptured=[torch.zeros_like(c) for c in captured],
     )

@@ -29,17 +29,29 @@ DEFAULT_BUDGET_FRACTION = 0.5
 MAX_BUDGET = (1 << 63) - 1
 
 _UNITS = {
-    "": 1, "b": 1,
-    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-    "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40,
-    "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "k": 1 << 10,
+    "m": 1 << 20,
+    "g": 1 << 30,
+    "t": 1 << 40,
+    "kib": 1 << 10,
+    "mib": 1 << 20,
+    "gib": 1 << 30,
+    "tib": 1 << 40,
 }
 
 
 def parse_budget(memory_budget: Union[int, str]) -> int:
     """Bytes from an int or a string such as ``"512MiB"``, ``"2GB"``, ``"1.5GiB"``."""
     if isinstance(memory_budget, bool):
-        raise ArgumentError(f"Expected memory_budget to be None, an int of bytes or a string like '512MiB', got {memory_budget!r}.")
+        raise ArgumentError(
+            f"Expected memory_budget to be None, an int of bytes or a string like '512MiB', got {memory_budget!r}."
+        )
     if isinstance(memory_budget, int):
         value = memory_budget
     elif isinstance(memory_budget, float) and memory_budget.is_integer():

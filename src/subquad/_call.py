@@ -34,10 +34,10 @@ from ._budget import Budget, format_seconds, resolve_budget
 from ._callbacks import captured_tensors, from_callback
 from ._errors import ArgumentError, ArgumentTypeError
 from ._inputs import BlockPositions, Inputs, MaskMod, ScoreMod
-from ._validate import check_bool, make_inputs, make_packed_inputs, parse_chunk_size
 from ._planner import ESTIMATE_TIME_FROM_TILES, Plan, count_tiles, describe, make_plan, predict_seconds
 from ._tiles import KernelRefused, halve, is_oom
 from ._traced import normalize
+from ._validate import check_bool, make_inputs, make_packed_inputs, parse_chunk_size
 
 Tiles = Tuple[int, int]
 ChunkSize = Union[int, Tiles, None]
@@ -96,22 +96,43 @@ def prepare(
     by its longest sequences.
     """
     if not isinstance(backend, str) or (backend != "auto" and backend not in BACKEND_NAMES):
-        raise ArgumentError(f"Unknown backend={backend!r}; expected 'auto' or one of {', '.join(map(repr, BACKEND_NAMES))}.")
+        raise ArgumentError(
+            f"Unknown backend={backend!r}; expected 'auto' or one of {', '.join(map(repr, BACKEND_NAMES))}."
+        )
     check_bool("return_lse", return_lse)
     if allow_compile is not None:
         check_bool("allow_compile", allow_compile)
     tiles = parse_chunk_size(chunk_size)
     if varlen is None:
         inp = make_inputs(
-            query, key, value, attn_mask=attn_mask, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
-            dropout_p=dropout_p, score_mod=score_mod, mask_mod=mask_mod,
+            query,
+            key,
+            value,
+            attn_mask=attn_mask,
+            is_causal=is_causal,
+            scale=scale,
+            enable_gqa=enable_gqa,
+            dropout_p=dropout_p,
+            score_mod=score_mod,
+            mask_mod=mask_mod,
         )
     else:
         inp = make_packed_inputs(
-            query, key, value, *varlen[:2], max_seqlen_q=varlen.max_seqlen_q, max_seqlen_k=varlen.max_seqlen_k,
+            query,
+            key,
+            value,
+            *varlen[:2],
+            max_seqlen_q=varlen.max_seqlen_q,
+            max_seqlen_k=varlen.max_seqlen_k,
             seqused_k=varlen.seqused_k,
-            is_causal=is_causal, alignment=varlen.alignment, window=varlen.window, scale=scale, enable_gqa=enable_gqa,
-            dropout_p=dropout_p, score_mod=score_mod, mask_mod=mask_mod,
+            is_causal=is_causal,
+            alignment=varlen.alignment,
+            window=varlen.window,
+            scale=scale,
+            enable_gqa=enable_gqa,
+            dropout_p=dropout_p,
+            score_mod=score_mod,
+            mask_mod=mask_mod,
         )
     if block is not None:
         inp = block.apply(inp)
@@ -120,11 +141,16 @@ def prepare(
     sized = inp if inp.packed is None else _engine.planning_view(inp)
     captured = captured_tensors(sized)
     opts = Options(
-        return_lse=return_lse, chunk_size=tiles, captured_requires_grad=bool(captured),
-        allow_compile=compile_allowed(allow_compile), packed=inp.packed is not None,
+        return_lse=return_lse,
+        chunk_size=tiles,
+        captured_requires_grad=bool(captured),
+        allow_compile=compile_allowed(allow_compile),
+        packed=inp.packed is not None,
     )
     budget = resolve_budget(memory_budget, inp.device)
-    plan = make_plan(sized, opts, budget, backend, estimate_time=estimate_time, shape=None if sized is inp else describe(inp))
+    plan = make_plan(
+        sized, opts, budget, backend, estimate_time=estimate_time, shape=None if sized is inp else describe(inp)
+    )
     if sized is not inp:  # a packed call: the tiles of every sequence
         need_grad = inp.requires_grad or bool(captured)
         plan.tiles = count_tiles(inp, plan.chunk_size, plan.backward_chunk_size if need_grad else None)
@@ -154,8 +180,21 @@ def attention(
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """:func:`subquad.attention`, eagerly (see its docstring)."""
     fast_key = _fast.key(
-        query, key, value, attn_mask, is_causal, score_mod, mask_mod, scale, enable_gqa, dropout_p, memory_budget,
-        chunk_size, backend, return_lse, allow_compile,
+        query,
+        key,
+        value,
+        attn_mask,
+        is_causal,
+        score_mod,
+        mask_mod,
+        scale,
+        enable_gqa,
+        dropout_p,
+        memory_budget,
+        chunk_size,
+        backend,
+        return_lse,
+        allow_compile,
     )
     if fast_key is not None:
         result = _fast.run(fast_key, query, key, value, attn_mask, is_causal, scale, enable_gqa, return_lse)
@@ -163,14 +202,37 @@ def attention(
             return result
     if any(getattr(t, "is_nested", False) for t in (query, key, value)):
         return _nested(
-            query, key, value, attn_mask=attn_mask, is_causal=is_causal, score_mod=score_mod, mask_mod=mask_mod,
-            scale=scale, enable_gqa=enable_gqa, dropout_p=dropout_p, memory_budget=memory_budget,
-            chunk_size=chunk_size, backend=backend, return_lse=return_lse,
+            query,
+            key,
+            value,
+            attn_mask=attn_mask,
+            is_causal=is_causal,
+            score_mod=score_mod,
+            mask_mod=mask_mod,
+            scale=scale,
+            enable_gqa=enable_gqa,
+            dropout_p=dropout_p,
+            memory_budget=memory_budget,
+            chunk_size=chunk_size,
+            backend=backend,
+            return_lse=return_lse,
         )
     call = prepare(
-        query, key, value, attn_mask=attn_mask, is_causal=is_causal, score_mod=score_mod, mask_mod=mask_mod,
-        scale=scale, enable_gqa=enable_gqa, dropout_p=dropout_p, memory_budget=memory_budget, chunk_size=chunk_size,
-        backend=backend, return_lse=return_lse, allow_compile=allow_compile,
+        query,
+        key,
+        value,
+        attn_mask=attn_mask,
+        is_causal=is_causal,
+        score_mod=score_mod,
+        mask_mod=mask_mod,
+        scale=scale,
+        enable_gqa=enable_gqa,
+        dropout_p=dropout_p,
+        memory_budget=memory_budget,
+        chunk_size=chunk_size,
+        backend=backend,
+        return_lse=return_lse,
+        allow_compile=allow_compile,
     )
     _fast.remember(fast_key, call.inp, call.plan, memory_budget)
     _warn_if_long(call.plan)
@@ -191,7 +253,9 @@ def varlen_attention(
     varlen = _varlen(cu_seqlens_q, cu_seqlens_k, options)
     call = prepare(query, key, value, **options, varlen=varlen)
     _warn_if_long(call.plan)
-    out, lse = _run_tiles_per_group(call.inp, call.plan, call.opts, call.budget, options.get("backend", "auto"), call.captured)
+    out, lse = _run_tiles_per_group(
+        call.inp, call.plan, call.opts, call.budget, options.get("backend", "auto"), call.captured
+    )
     # The engine wrote (total, Hq, Ev) rows: this is that tensor. (squeeze, not out[0]: the
     # backward of a select allocates the whole input, that of a squeeze is a view.)
     out = out.squeeze(0).transpose(0, 1)
@@ -209,9 +273,13 @@ def _nested(query: Tensor, key: Tensor, value: Tensor, *, attn_mask: Optional[Te
     """
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not getattr(t, "is_nested", False):
-            raise ArgumentTypeError(f"Expected query, key and value to be all nested tensors or none, got {name} {type(t).__name__}.")
+            raise ArgumentTypeError(
+                f"Expected query, key and value to be all nested tensors or none, got {name} {type(t).__name__}."
+            )
         if t.layout != torch.jagged:
-            raise NotImplementedError(f"{name} is a strided nested tensor; subquad takes jagged ones (layout=torch.jagged).")
+            raise NotImplementedError(
+                f"{name} is a strided nested tensor; subquad takes jagged ones (layout=torch.jagged)."
+            )
         if t.dim() != 4 or getattr(t, "_ragged_idx", None) != 2:
             raise ArgumentError(
                 f"Expected {name} to be a jagged nested tensor (B, H, j, E) (the ragged dim third, as SDPA takes "
@@ -219,14 +287,18 @@ def _nested(query: Tensor, key: Tensor, value: Tensor, *, attn_mask: Optional[Te
                 f"{getattr(t, '_ragged_idx', '?')}."
             )
         if t.lengths() is not None:
-            raise NotImplementedError(f"{name} is a nested tensor with holes (lengths); subquad takes contiguous sequences.")
+            raise NotImplementedError(
+                f"{name} is a nested tensor with holes (lengths); subquad takes contiguous sequences."
+            )
     if attn_mask is not None:
         raise NotImplementedError(
             "attn_mask with nested tensors: pass the mask as a mask_mod (b is the sequence index, q_idx/kv_idx "
             "positions within it)."
         )
     if query.size(0) != key.size(0) or key.size(0) != value.size(0):
-        raise ArgumentError(f"Expected query, key and value to hold the same number of sequences, got {query.size(0)}, {key.size(0)}, {value.size(0)}.")
+        raise ArgumentError(
+            f"Expected query, key and value to hold the same number of sequences, got {query.size(0)}, {key.size(0)}, {value.size(0)}."
+        )
     offsets_q = query.offsets()
     packed = [t.transpose(1, 2).values() for t in (query, key, value)]  # (total, H, E) views
     result = varlen_attention(*packed, offsets_q, key.offsets(), **options)
@@ -237,7 +309,9 @@ def _nested(query: Tensor, key: Tensor, value: Tensor, *, attn_mask: Optional[Te
     return out, torch.nested.nested_tensor_from_jagged(lse, offsets=offsets_q).transpose(1, 2)
 
 
-def varlen_explain(query: Tensor, key: Tensor, value: Tensor, cu_seqlens_q: Any, cu_seqlens_k: Any, **options: Any) -> Plan:
+def varlen_explain(
+    query: Tensor, key: Tensor, value: Tensor, cu_seqlens_q: Any, cu_seqlens_k: Any, **options: Any
+) -> Plan:
     """:func:`subquad.varlen_explain` (``options``: :func:`subquad.varlen_attention`'s keywords)."""
     varlen = _varlen(cu_seqlens_q, cu_seqlens_k, options)
     return prepare(query, key, value, estimate_time=True, **options, varlen=varlen).plan
@@ -284,8 +358,18 @@ def attention_block(
     the probe of the tensors ``score_mod`` reads.
     """
     call = prepare(
-        query, key, value, attn_mask=attn_mask, is_causal=is_causal, score_mod=score_mod, mask_mod=mask_mod,
-        scale=scale, enable_gqa=enable_gqa, memory_budget=memory_budget, return_lse=True, allow_compile=False,
+        query,
+        key,
+        value,
+        attn_mask=attn_mask,
+        is_causal=is_causal,
+        score_mod=score_mod,
+        mask_mod=mask_mod,
+        scale=scale,
+        enable_gqa=enable_gqa,
+        memory_budget=memory_budget,
+        return_lse=True,
+        allow_compile=False,
         block=block,
     )
     inp, opts, budget, plan, probed = call
@@ -373,7 +457,9 @@ def _run_tiles_recovering(
                 RuntimeWarning,
                 stacklevel=6,
             )
-            plan = make_plan(inp if inp.packed is None else _engine.planning_view(inp), opts, budget, "matmul", shape=plan.shape)
+            plan = make_plan(
+                inp if inp.packed is None else _engine.planning_view(inp), opts, budget, "matmul", shape=plan.shape
+            )
             tiles, backward_tiles = plan.chunk_size, plan.backward_chunk_size
         except Exception as e:  # noqa: BLE001 - only real out-of-memory errors are retried
             if attempt == 1 or from_callback(e) or not is_oom(e):
@@ -391,7 +477,11 @@ def _run_tiles_recovering(
 
 
 def _run_tiles_once(
-    inp: Inputs, plan: Plan, opts: Options, captured: Sequence[Tensor], tiles: Optional[Tiles],
+    inp: Inputs,
+    plan: Plan,
+    opts: Options,
+    captured: Sequence[Tensor],
+    tiles: Optional[Tiles],
     backward_tiles: Optional[Tiles],
 ) -> Tuple[Tensor, Optional[Tensor]]:
     """The tile loop on these tiles: through the autograd Function when a gradient may be needed."""
@@ -399,11 +489,19 @@ def _run_tiles_once(
     forward_tiles = tiles or (max(inp.Lq, 1), max(inp.Lk, 1))
     if inp.requires_grad or captured or is_transformed(inp.query, inp.key, inp.value, inp.attn_mask):
         meta = Meta(
-            inp, plan.backend, forward_tiles, plan.backward_backend or plan.backend, backward_tiles or forward_tiles,
-            seed, plan.budget_bytes, plan.predicted_seconds,
+            inp,
+            plan.backend,
+            forward_tiles,
+            plan.backward_backend or plan.backend,
+            backward_tiles or forward_tiles,
+            seed,
+            plan.budget_bytes,
+            plan.predicted_seconds,
         )
         return attention_with_grad(inp, meta, captured)
-    return _engine.forward(inp, plan.backend, forward_tiles, seed, need_lse=opts.return_lse, predicted_s=plan.predicted_seconds)
+    return _engine.forward(
+        inp, plan.backend, forward_tiles, seed, need_lse=opts.return_lse, predicted_s=plan.predicted_seconds
+    )
 
 
 def _draw_seed() -> int:

@@ -17,7 +17,11 @@ from subquad.bench.cli import main as bench_main
 def _info(args: argparse.Namespace) -> int:
     device = torch.device(args.device)
     print(f"subquad {subquad.__version__}, torch {torch.__version__}")
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{device.type} ({torch.get_num_threads()} threads)"
+    name = (
+        torch.cuda.get_device_name(device)
+        if device.type == "cuda"
+        else f"{device.type} ({torch.get_num_threads()} threads)"
+    )
     print(f"device: {name}; free memory ≈ {format_bytes(free_memory_bytes(device))}")
     why = cpu_flash_unavailable_reason()
     print(f"fused CPU flash kernel (per tile, with lse): {'available' if why is None else 'unavailable: ' + why}")
@@ -43,7 +47,9 @@ def _info(args: argparse.Namespace) -> int:
         if device.type == "cuda":
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0
-        print(f"\nran {plan.backend}: {dt * 1e3:.1f} ms, output {tuple(out.shape)} {str(out.dtype).replace('torch.', '')}")
+        print(
+            f"\nran {plan.backend}: {dt * 1e3:.1f} ms, output {tuple(out.shape)} {str(out.dtype).replace('torch.', '')}"
+        )
     return 0
 
 
@@ -55,8 +61,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     sub = parser.add_subparsers(dest="command")
     p = sub.add_parser("info", help="device, available kernels, and the plan for a sample input")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--shape", type=lambda s: tuple(int(x) for x in s.split(",")), default=(1, 8, 4096, 64),
-                   help="B,H,L,E of the sample input (default 1,8,4096,64)")
+    p.add_argument(
+        "--shape",
+        type=lambda s: tuple(int(x) for x in s.split(",")),
+        default=(1, 8, 4096, 64),
+        help="B,H,L,E of the sample input (default 1,8,4096,64)",
+    )
     p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16", "float64"])
     p.add_argument("--budget", default=None, help="memory budget, e.g. 64MiB (default: half the free memory)")
     p.add_argument("--causal", action="store_true")

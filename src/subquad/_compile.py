@@ -29,8 +29,8 @@ from torch import Tensor
 from . import _call, mods
 from ._autograd import backward_grads
 from ._backends import BACKEND_NAMES
-from ._validate import causal_bias_offset, make_inputs, parse_chunk_size
 from ._planner import make_plan
+from ._validate import causal_bias_offset, make_inputs, parse_chunk_size
 
 __all__ = ["compiled_attention", "supports", "attention_op", "attention_backward_op"]
 
@@ -63,7 +63,9 @@ def _chunk_arg(chunk_size: Union[int, Sequence[int], None]) -> Optional[List[int
 
 def _backend_arg(backend: str) -> str:
     if not isinstance(backend, str) or (backend != "auto" and backend not in BACKEND_NAMES):
-        raise ValueError(f"Unknown backend={backend!r}; expected 'auto' or one of {', '.join(map(repr, BACKEND_NAMES))}.")
+        raise ValueError(
+            f"Unknown backend={backend!r}; expected 'auto' or one of {', '.join(map(repr, BACKEND_NAMES))}."
+        )
     return backend
 
 
@@ -144,7 +146,16 @@ def attention_op(
     """``(out, lse)`` of ``subquad.attention``: out ``(..., Hq, Lq, Ev)``, lse ``(..., Hq, Lq)``."""
     with torch.no_grad():
         out, lse = _eager(
-            query, key, value, attn_mask, is_causal, scale, enable_gqa, memory_budget, chunk_size, backend,
+            query,
+            key,
+            value,
+            attn_mask,
+            is_causal,
+            scale,
+            enable_gqa,
+            memory_budget,
+            chunk_size,
+            backend,
             lower_right,
         )
     inputs = (query, key, value, attn_mask)
@@ -194,9 +205,18 @@ def _engine_grads(
     # A custom op runs below autograd, so this drives the engine directly, as subquad's own
     # autograd Function does.
     inp, opts, budget, _plan, _ = _call.prepare(
-        query, key, value, attn_mask=attn_mask, is_causal=is_causal, mask_mod=_lower_right(query, key, lower_right),
-        scale=scale, enable_gqa=enable_gqa, memory_budget=_budget_value(memory_budget),
-        chunk_size=tuple(chunk_size) if chunk_size is not None else None, backend=backend, return_lse=True,
+        query,
+        key,
+        value,
+        attn_mask=attn_mask,
+        is_causal=is_causal,
+        mask_mod=_lower_right(query, key, lower_right),
+        scale=scale,
+        enable_gqa=enable_gqa,
+        memory_budget=_budget_value(memory_budget),
+        chunk_size=tuple(chunk_size) if chunk_size is not None else None,
+        backend=backend,
+        return_lse=True,
     )
     # Inputs that require grad make the planner plan (and budget) a backward.
     wants = dataclasses.replace(
@@ -213,8 +233,14 @@ def _engine_grads(
     chunk = plan.backward_chunk_size or plan.chunk_size or (max(inp.Lq, 1), max(inp.Lk, 1))
     rows = (inp.B, inp.Hq, inp.Lq)
     dq, dk, dv, dmask, _ = backward_grads(
-        wants, plan.backward_backend, chunk, 0, budget,
-        grad_out.reshape(*rows, inp.Ev), out.reshape(*rows, inp.Ev), lse.reshape(rows),
+        wants,
+        plan.backward_backend,
+        chunk,
+        0,
+        budget,
+        grad_out.reshape(*rows, inp.Ev),
+        out.reshape(*rows, inp.Ev),
+        lse.reshape(rows),
         None if grad_lse is None else grad_lse.reshape(rows),
         wanted=(True, True, True, mask_grad),
     )
@@ -246,8 +272,22 @@ def attention_backward_op(
     """``(dq, dk, dv, dmask)`` from the saved ``out`` and ``lse`` (and the lse's own gradient, if
     any); ``dmask`` is empty unless ``mask_grad``."""
     dq, dk, dv, dmask = _engine_grads(
-        grad_out, query, key, value, attn_mask, out, lse, is_causal, scale, enable_gqa,
-        memory_budget, chunk_size, backend, lower_right, mask_grad, grad_lse,
+        grad_out,
+        query,
+        key,
+        value,
+        attn_mask,
+        out,
+        lse,
+        is_causal,
+        scale,
+        enable_gqa,
+        memory_budget,
+        chunk_size,
+        backend,
+        lower_right,
+        mask_grad,
+        grad_lse,
     )
     if dmask is None:
         dmask = query.new_empty(0)

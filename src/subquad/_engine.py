@@ -108,12 +108,25 @@ class Progress:
         self.last = now
         elapsed = now - self.start
         eta = elapsed * (self.blocks - done) / max(done, 1)
-        log.info("subquad %s: %d/%d row blocks, %.0f s elapsed, about %.0f s left", self.what, done, self.blocks, elapsed, eta)
+        log.info(
+            "subquad %s: %d/%d row blocks, %.0f s elapsed, about %.0f s left",
+            self.what,
+            done,
+            self.blocks,
+            elapsed,
+            eta,
+        )
 
 
 def forward(
-    inp: Inputs, backend: str, chunk: Tuple[int, int], seed: int, need_lse: bool,
-    predicted_s: Optional[float] = None, out: Optional[Tensor] = None, lse: Optional[Tensor] = None,
+    inp: Inputs,
+    backend: str,
+    chunk: Tuple[int, int],
+    seed: int,
+    need_lse: bool,
+    predicted_s: Optional[float] = None,
+    out: Optional[Tensor] = None,
+    lse: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Optional[Tensor]]:
     """Attention of the whole call, ``(out (B, Hq, Lq, Ev), lse (B, Hq, Lq) or None)``.
 
@@ -173,8 +186,13 @@ def sequence_view(inp: Inputs, s: int) -> Inputs:
     qs, qe, ks, ke = p.rows(s)
     offset = p.offset(s)
     return inp.derive(
-        query=inp.query[:, :, qs:qe], key=inp.key[:, :, ks:ke], value=inp.value[:, :, ks:ke], packed=None,
-        b_offset=s, causal_offset=inp.causal_offset + offset if inp.is_causal else 0, mask_mod=_with_window(inp, offset),
+        query=inp.query[:, :, qs:qe],
+        key=inp.key[:, :, ks:ke],
+        value=inp.value[:, :, ks:ke],
+        packed=None,
+        b_offset=s,
+        causal_offset=inp.causal_offset + offset if inp.is_causal else 0,
+        mask_mod=_with_window(inp, offset),
     )
 
 
@@ -185,8 +203,13 @@ def planning_view(inp: Inputs) -> Inputs:
     assert p is not None
     misaligned = any(p.offset(s) != 0 for s in range(p.n))
     return dataclasses.replace(
-        inp, query=inp.query[:, :, : p.max_q], key=inp.key[:, :, : p.max_k], value=inp.value[:, :, : p.max_k],
-        packed=None, lse_rows=inp.Lq, mask_mod=_with_window(inp, 0),
+        inp,
+        query=inp.query[:, :, : p.max_q],
+        key=inp.key[:, :, : p.max_k],
+        value=inp.value[:, :, : p.max_k],
+        packed=None,
+        lse_rows=inp.Lq,
+        mask_mod=_with_window(inp, 0),
         # A diagonal that is not tile-aligned needs generated causal masks: the model counts them.
         causal_offset=1 if inp.is_causal and misaligned else 0,
     )
@@ -215,8 +238,16 @@ def _forward_packed(
     for s in range(p.n):
         qs, qe, _, _ = p.rows(s)
         if qe > qs:
-            forward(sequence_view(inp, s), backend, chunk, seed, need_lse, predicted_s,
-                    out=out[:, :, qs:qe], lse=None if lse is None else lse[:, :, qs:qe])
+            forward(
+                sequence_view(inp, s),
+                backend,
+                chunk,
+                seed,
+                need_lse,
+                predicted_s,
+                out=out[:, :, qs:qe],
+                lse=None if lse is None else lse[:, :, qs:qe],
+            )
     return out, lse
 
 
@@ -245,11 +276,22 @@ def backward(
                 continue
             q_rows, keys = (slice(None), slice(None), slice(qs, qe)), (slice(None), slice(None), slice(ks, ke))
             views = grads._replace(
-                dq=None if grads.dq is None else grads.dq[q_rows], dk=None if grads.dk is None else grads.dk[keys],
+                dq=None if grads.dq is None else grads.dq[q_rows],
+                dk=None if grads.dk is None else grads.dk[keys],
                 dv=None if grads.dv is None else grads.dv[keys],
             )
-            backward(sequence_view(inp, s), backend, chunk, seed, grad_out[q_rows], out[q_rows], lse[q_rows], views,
-                     None if grad_lse is None else grad_lse[q_rows], predicted_s)
+            backward(
+                sequence_view(inp, s),
+                backend,
+                chunk,
+                seed,
+                grad_out[q_rows],
+                out[q_rows],
+                lse[q_rows],
+                views,
+                None if grad_lse is None else grad_lse[q_rows],
+                predicted_s,
+            )
         return
     if inp.empty or inp.Lk == 0:
         return

@@ -78,7 +78,8 @@ def _fits(entry: Entry, inp: Inputs, Lq: int, Lk: int, need_lse: bool) -> bool:
     if longer > Lk:  # the model at a longer key, on shapes alone (meta tensors)
         k, v = inp.key, inp.value
         inp = dataclasses.replace(
-            inp, key=torch.empty((*k.shape[:2], longer, k.shape[3]), dtype=k.dtype, device="meta"),
+            inp,
+            key=torch.empty((*k.shape[:2], longer, k.shape[3]), dtype=k.dtype, device="meta"),
             value=torch.empty((*v.shape[:2], longer, v.shape[3]), dtype=v.dtype, device="meta"),
         )
     need = backend.forward_bytes(inp, Lq, longer, need_lse)
@@ -93,7 +94,8 @@ def _fits(entry: Entry, inp: Inputs, Lq: int, Lk: int, need_lse: bool) -> bool:
 def _fits_exactly(entry: Entry, backend: Any, inp: Inputs, Lq: int, Lk: int, need_lse: bool, budget: int) -> bool:
     k, v = inp.key, inp.value  # meta tensors of the longer length: the model at this one
     inp = dataclasses.replace(
-        inp, key=torch.empty((*k.shape[:2], Lk, k.shape[3]), dtype=k.dtype, device="meta"),
+        inp,
+        key=torch.empty((*k.shape[:2], Lk, k.shape[3]), dtype=k.dtype, device="meta"),
         value=torch.empty((*v.shape[:2], Lk, v.shape[3]), dtype=v.dtype, device="meta"),
     )
     need = backend.forward_bytes(inp, Lq, Lk, need_lse)
@@ -104,8 +106,20 @@ def _fits_exactly(entry: Entry, backend: Any, inp: Inputs, Lq: int, Lk: int, nee
 
 
 def key(
-    query: Any, key_: Any, value: Any, attn_mask: Any, is_causal: Any, score_mod: Any, mask_mod: Any, scale: Any,
-    enable_gqa: Any, dropout_p: Any, memory_budget: Any, chunk_size: Any, backend: Any, return_lse: Any,
+    query: Any,
+    key_: Any,
+    value: Any,
+    attn_mask: Any,
+    is_causal: Any,
+    score_mod: Any,
+    mask_mod: Any,
+    scale: Any,
+    enable_gqa: Any,
+    dropout_p: Any,
+    memory_budget: Any,
+    chunk_size: Any,
+    backend: Any,
+    return_lse: Any,
     allow_compile: Any,
 ) -> Optional[Tuple[Any, ...]]:
     """The call's key, or ``None`` when it cannot take the fast path."""
@@ -131,11 +145,17 @@ def key(
         if type(attn_mask) is not Tensor or not 2 <= attn_mask.dim() <= nd:
             return None
         mask_key = (
-            attn_mask.dim(), tuple(attn_mask.shape[:-2]), attn_mask.shape[-2] == 1, attn_mask.shape[-1] == 1,
-            attn_mask.dtype, attn_mask.device,
+            attn_mask.dim(),
+            tuple(attn_mask.shape[:-2]),
+            attn_mask.shape[-2] == 1,
+            attn_mask.shape[-1] == 1,
+            attn_mask.dtype,
+            attn_mask.device,
         )
     if torch.is_grad_enabled() and (
-        query.requires_grad or key_.requires_grad or value.requires_grad
+        query.requires_grad
+        or key_.requires_grad
+        or value.requires_grad
         or (attn_mask is not None and attn_mask.requires_grad)
     ):
         return None
@@ -143,9 +163,28 @@ def key(
         return None
     qs, ks, vs = query.shape, key_.shape, value.shape  # each read makes a new Size: once
     return (
-        qs[:-2], qs[-1], ks[:-2], ks[-1], vs[:-2], vs[-1], query.dtype, key_.dtype, value.dtype,
-        query.device, key_.device, value.device, query.stride(-1) == 1, key_.stride(-1) == 1,
-        value.stride(-1) == 1, mask_key, is_causal, scale, enable_gqa, memory_budget, backend, return_lse,
+        qs[:-2],
+        qs[-1],
+        ks[:-2],
+        ks[-1],
+        vs[:-2],
+        vs[-1],
+        query.dtype,
+        key_.dtype,
+        value.dtype,
+        query.device,
+        key_.device,
+        value.device,
+        query.stride(-1) == 1,
+        key_.stride(-1) == 1,
+        value.stride(-1) == 1,
+        mask_key,
+        is_causal,
+        scale,
+        enable_gqa,
+        memory_budget,
+        backend,
+        return_lse,
     )
 
 
@@ -158,8 +197,13 @@ def remember(k: Optional[Tuple[Any, ...]], inp: Inputs, plan: Plan, memory_budge
     if any("budget is" in reason for reasons in plan.rejected.values() for reason in reasons):
         return  # a faster backend was passed over for lack of memory: another length may fit it
     direct = (
-        plan.backend == "fused" and inp.attn_mask is None and inp.E == inp.Ev and inp.scale > 0
-        and inp.query.stride(-1) == 1 and inp.key.stride(-1) == 1 and inp.value.stride(-1) == 1
+        plan.backend == "fused"
+        and inp.attn_mask is None
+        and inp.E == inp.Ev
+        and inp.scale > 0
+        and inp.query.stride(-1) == 1
+        and inp.key.stride(-1) == 1
+        and inp.value.stride(-1) == 1
     )
     plain = direct and len(inp.batch_shape) == 1 and not inp.kv_broadcast and inp.query.shape[0] == inp.B
     entry = Entry(
@@ -171,8 +215,17 @@ def remember(k: Optional[Tuple[Any, ...]], inp: Inputs, plan: Plan, memory_budge
         _CACHE[k] = entry
 
 
-def run(k: Tuple[Any, ...], query: Tensor, key_: Tensor, value: Tensor, attn_mask: Optional[Tensor],
-        is_causal: bool, scale: Optional[float], enable_gqa: bool, return_lse: bool) -> Optional[Any]:
+def run(
+    k: Tuple[Any, ...],
+    query: Tensor,
+    key_: Tensor,
+    value: Tensor,
+    attn_mask: Optional[Tensor],
+    is_causal: bool,
+    scale: Optional[float],
+    enable_gqa: bool,
+    return_lse: bool,
+) -> Optional[Any]:
     """The call's result through its remembered plan, or ``None`` to take the full path."""
     entry = _CACHE.get(k)
     if entry is None:
@@ -202,8 +255,17 @@ def run(k: Tuple[Any, ...], query: Tensor, key_: Tensor, value: Tensor, attn_mas
     return out
 
 
-def _run_plain(entry: Entry, query: Tensor, key_: Tensor, value: Tensor, is_causal: bool, scale: Optional[float],
-               return_lse: bool, Lq: int, Lk: int) -> Optional[Any]:
+def _run_plain(
+    entry: Entry,
+    query: Tensor,
+    key_: Tensor,
+    value: Tensor,
+    is_causal: bool,
+    scale: Optional[float],
+    return_lse: bool,
+    Lq: int,
+    Lk: int,
+) -> Optional[Any]:
     """One fused kernel call on the caller's own tensors; Inputs are built only to re-check the fit."""
     fq, fk, fb = entry.fits
     if not (fq == Lq and Lk <= fk and _budget(entry, query.device) >= fb):
@@ -224,8 +286,9 @@ def _run_plain(entry: Entry, query: Tensor, key_: Tensor, value: Tensor, is_caus
     return out
 
 
-def _inputs(query: Tensor, key_: Tensor, value: Tensor, attn_mask: Optional[Tensor], is_causal: bool,
-            scale: Optional[float]) -> Inputs:
+def _inputs(
+    query: Tensor, key_: Tensor, value: Tensor, attn_mask: Optional[Tensor], is_causal: bool, scale: Optional[float]
+) -> Inputs:
     """The call's :class:`Inputs`, built without validation (the key guarantees it would pass)."""
     if query.dim() == 3:
         query, key_, value = query.unsqueeze(0), key_.unsqueeze(0), value.unsqueeze(0)
@@ -240,8 +303,14 @@ def _inputs(query: Tensor, key_: Tensor, value: Tensor, attn_mask: Optional[Tens
             mask = mask.unsqueeze(0)
     E = query.shape[-1]
     return Inputs(
-        query=query, key=key_, value=value, batch_shape=batch_shape, attn_mask=mask, is_causal=is_causal,
-        scale=(1.0 / math.sqrt(E) if E > 0 else 1.0) if scale is None else float(scale), dropout_p=0.0,
+        query=query,
+        key=key_,
+        value=value,
+        batch_shape=batch_shape,
+        attn_mask=mask,
+        is_causal=is_causal,
+        scale=(1.0 / math.sqrt(E) if E > 0 else 1.0) if scale is None else float(scale),
+        dropout_p=0.0,
         batch=batch,
     )
 

@@ -253,8 +253,7 @@ class Inputs:
     @property
     def requires_grad(self) -> bool:
         return torch.is_grad_enabled() and any(
-            t is not None and t.requires_grad
-            for t in (self.query, self.key, self.value, self.attn_mask)
+            t is not None and t.requires_grad for t in (self.query, self.key, self.value, self.attn_mask)
         )
 
     def causal_visible(self, qs: int, qe: int, ks: int, ke: int) -> Tensor:
@@ -363,7 +362,10 @@ class BlockPositions:
 
     def apply(self, inp: Inputs) -> Inputs:
         return replace(
-            inp, q_offset=self.q_offset, kv_offset=self.kv_offset, total_lengths=self.total_lengths,
+            inp,
+            q_offset=self.q_offset,
+            kv_offset=self.kv_offset,
+            total_lengths=self.total_lengths,
             h_offset=self.h_offset,
             causal_offset=self.causal_offset if inp.is_causal else inp.causal_offset,
         )

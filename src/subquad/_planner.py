@@ -23,6 +23,7 @@ from ._budget import format_bytes, format_seconds
 from ._errors import MemoryBudgetError
 from ._inputs import Inputs
 
+
 # ------------------------------------------------------------------ the plan
 @dataclass
 class Plan:
@@ -51,7 +52,8 @@ class Plan:
         lines.append(f"  backend:   {self.backend} ({tiles})")
         if self.backward_backend is not None:
             btiles = (
-                "whole input" if self.backward_chunk_size is None
+                "whole input"
+                if self.backward_chunk_size is None
                 else f"tiles of {self.backward_chunk_size[0]} x {self.backward_chunk_size[1]}"
             )
             lines.append(f"  backward:  {self.backward_backend} ({btiles})")
@@ -61,7 +63,9 @@ class Plan:
         )
         if self.predicted_seconds is not None:
             calls = "one kernel call" if self.tiles == 1 else f"{self.tiles:,} tiles"
-            lines.append(f"  time:      about {format_seconds(self.predicted_seconds)} ({calls}; an order of magnitude)")
+            lines.append(
+                f"  time:      about {format_seconds(self.predicted_seconds)} ({calls}; an order of magnitude)"
+            )
         for note in self.notes:
             lines.append(f"  note:      {note}")
         for name, reasons in self.rejected.items():
@@ -98,7 +102,9 @@ def make_plan(
             rejected[name] = reasons
             continue
         backward_name = b.backward_backend(inp, opts) if need_grad else None
-        fwd, bwd_tiles, pred, smallest = b.fit(inp, opts, budget, BACKENDS[backward_name] if backward_name is not None else None)
+        fwd, bwd_tiles, pred, smallest = b.fit(
+            inp, opts, budget, BACKENDS[backward_name] if backward_name is not None else None
+        )
         if pred > budget or (b.tiled and fwd is None):
             if opts.chunk_size is not None and b.tiled:
                 tiles = f"chunk_size={opts.chunk_size} needs"
@@ -146,8 +152,7 @@ def make_plan(
             + "".join(f"\n  {n}: {'; '.join(r)}" for n, r in rejected.items())
         )
     raise NotImplementedError(
-        f"backend={backend!r} cannot run {shape}:"
-        + "".join(f"\n  {n}: {'; '.join(r)}" for n, r in rejected.items())
+        f"backend={backend!r} cannot run {shape}:" + "".join(f"\n  {n}: {'; '.join(r)}" for n, r in rejected.items())
     )
 
 
@@ -165,7 +170,12 @@ def _parts(inp: Inputs) -> List[Tuple[int, int, int]]:
     p = inp.packed
     if p is None:
         return [(inp.Lq, inp.Lk, inp.causal_offset)]
-    return [(qe - qs, ke - ks, inp.causal_offset + p.offset(s)) for s in range(p.n) for qs, qe, ks, ke in [p.rows(s)] if qe > qs]
+    return [
+        (qe - qs, ke - ks, inp.causal_offset + p.offset(s))
+        for s in range(p.n)
+        for qs, qe, ks, ke in [p.rows(s)]
+        if qe > qs
+    ]
 
 
 def visible_fraction(Lq: int, Lk: int, is_causal: bool, o: int) -> float:
@@ -214,7 +224,9 @@ def _measure_rates(device: torch.device) -> Tuple[float, float]:
     a = torch.randn(8, 256, 64, device=device)
     b = torch.randn(8, 64, 256, device=device)
     s = torch.empty(8, 256, 256, device=device)
-    sync = {"cuda": torch.cuda.synchronize, "mps": getattr(getattr(torch, "mps", None), "synchronize", None)}.get(device.type)
+    sync = {"cuda": torch.cuda.synchronize, "mps": getattr(getattr(torch, "mps", None), "synchronize", None)}.get(
+        device.type
+    )
 
     def best_of(fn: Callable[[], object]) -> float:
         best = float("inf")
@@ -237,8 +249,9 @@ def predict_seconds(inp: Inputs, tiles: int, need_grad: bool) -> float:
     """An order-of-magnitude estimate of a call's time: FLOPs at the device's matmul rate, the
     softmax work per score, and a per-tile overhead."""
     rate, per_score = _device_rates(inp.device)
-    scores = inp.n_groups * sum(float(inp.B * inp.Hq * Lq * Lk) * visible_fraction(Lq, Lk, inp.is_causal, o)
-                                for Lq, Lk, o in _parts(inp))
+    scores = inp.n_groups * sum(
+        float(inp.B * inp.Hq * Lq * Lk) * visible_fraction(Lq, Lk, inp.is_causal, o) for Lq, Lk, o in _parts(inp)
+    )
     t = 2.0 * scores * (inp.E + inp.Ev) / rate + scores * per_score
     if need_grad:
         t *= 3.5
@@ -267,6 +280,8 @@ def describe(inp: Inputs) -> str:
     tail = (", " + ", ".join(extras)) if extras else ""
     dt = str(inp.dtype).replace("torch.", "")
     if p is not None:
-        return (f"{p.n} packed sequences (longest Lq={p.max_q}, Lk={p.max_k}; {inp.Lq} x {inp.Lk} rows in all) "
-                f"H={heads} E={inp.E}{ev} {dt} on {inp.device.type}{tail}")
+        return (
+            f"{p.n} packed sequences (longest Lq={p.max_q}, Lk={p.max_k}; {inp.Lq} x {inp.Lk} rows in all) "
+            f"H={heads} E={inp.E}{ev} {dt} on {inp.device.type}{tail}"
+        )
     return f"B={inp.B} H={heads} Lq={inp.Lq} Lk={inp.Lk} E={inp.E}{ev} {dt} on {inp.device.type}{tail}"

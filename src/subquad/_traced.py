@@ -52,7 +52,9 @@ _STRUCTURE_CACHE_SIZE = 256
 _STRUCTURE_LOCK = threading.Lock()
 
 
-def _cached(kind: str, fn: Callable[..., Any], dtype: torch.dtype, device: torch.device, trace: Callable[[], Any]) -> Any:
+def _cached(
+    kind: str, fn: Callable[..., Any], dtype: torch.dtype, device: torch.device, trace: Callable[[], Any]
+) -> Any:
     refs: List[weakref.ref] = []
     key = callback_key(fn, refs, 0)
     if key is not None:
@@ -103,6 +105,7 @@ def callback_key(x: Any, refs: List[weakref.ref], depth: int = 0, values: bool =
         return ("tensor", x.dtype, x.dim(), x.device.type)
     if isinstance(x, types.ModuleType):
         return ("module", x.__name__)
+
     def sub(y: Any) -> Any:
         return callback_key(y, refs, depth + 1, values)
 
@@ -178,9 +181,17 @@ def _trace_structure(fn: Callable[..., Tensor], dtype: torch.dtype, device: torc
 
 
 _SHAPE_ONLY = {
-    "aten.full_like.default", "aten.zeros_like.default", "aten.ones_like.default", "aten.empty_like.default",
-    "aten.new_full.default", "aten.new_zeros.default", "aten.new_ones.default", "aten.new_empty.default",
-    "aten.sym_size.int", "aten.sym_numel.default", "aten.sym_stride.int",
+    "aten.full_like.default",
+    "aten.zeros_like.default",
+    "aten.ones_like.default",
+    "aten.empty_like.default",
+    "aten.new_full.default",
+    "aten.new_zeros.default",
+    "aten.new_ones.default",
+    "aten.new_empty.default",
+    "aten.sym_size.int",
+    "aten.sym_numel.default",
+    "aten.sym_stride.int",
 }
 _PASS_THROUGH = {"aten.clone.default", "aten.alias.default", "aten.detach.default", "aten.lift_fresh_copy.default"}
 _SAME_SHAPE = {"aten.view.default", "aten.reshape.default", "aten.expand.default", "aten._unsafe_view.default"}
@@ -248,7 +259,11 @@ def _is_neg_inf(graph: Any, x: Any) -> bool:
         return x == float("-inf")
     if not hasattr(x, "op"):
         return False
-    if x.op == "call_function" and str(x.target) in ("aten.scalar_tensor.default", "aten.full.default", "aten.full_like.default"):
+    if x.op == "call_function" and str(x.target) in (
+        "aten.scalar_tensor.default",
+        "aten.full.default",
+        "aten.full_like.default",
+    ):
         value = x.args[0] if str(x.target) == "aten.scalar_tensor.default" else x.args[1]
         return isinstance(value, (int, float)) and value == float("-inf")
     if x.op == "call_function" and str(x.target) in _PASS_THROUGH | _SAME_SHAPE | {"aten._to_copy.default"}:
@@ -405,7 +420,12 @@ def _value(values: Dict[Any, Any], a: Any) -> Any:
 
 def _mask_value(target: str, args: List[Any]) -> Any:
     """The symbolic value of one aten op of a mask_mod graph, or ``None`` if outside the fragment."""
-    if any(a is None for a in args[:2]) and target not in ("aten.bitwise_not.default", "aten.logical_not.default", "aten.neg.default", "aten.abs.default"):
+    if any(a is None for a in args[:2]) and target not in (
+        "aten.bitwise_not.default",
+        "aten.logical_not.default",
+        "aten.neg.default",
+        "aten.abs.default",
+    ):
         return None
     kind = lambda i: args[i][0]  # noqa: E731
     if target in ("aten.add.Tensor", "aten.sub.Tensor", "aten.add.Scalar", "aten.sub.Scalar"):
@@ -426,7 +446,12 @@ def _mask_value(target: str, args: List[Any]) -> Any:
         return ("abs", args[0][1]) if args[0] is not None and args[0][0] == "affine" else None
     if target in ("aten.bitwise_not.default", "aten.logical_not.default"):
         return ("bool", ("not", args[0][1])) if args[0] is not None and args[0][0] == "bool" else None
-    if target in ("aten.bitwise_and.Tensor", "aten.logical_and.default", "aten.bitwise_or.Tensor", "aten.logical_or.default"):
+    if target in (
+        "aten.bitwise_and.Tensor",
+        "aten.logical_and.default",
+        "aten.bitwise_or.Tensor",
+        "aten.logical_or.default",
+    ):
         if kind(0) != "bool" or kind(1) != "bool":
             return None
         return ("bool", ("and" if "and" in target else "or", args[0][1], args[1][1]))
@@ -500,7 +525,9 @@ def _traced_score_mod(inp: Inputs) -> Tuple[Inputs, Optional[str]]:
         return inp, None
     found = score_mod_structure(fn, inp.stats_dtype, inp.device)
     if found.kind == "identity":
-        return dataclasses.replace(inp, score_mod=None), "score_mod returns the score unchanged (traced): it is left out"
+        return dataclasses.replace(
+            inp, score_mod=None
+        ), "score_mod returns the score unchanged (traced): it is left out"
     if found.kind == "mask":
         mask = ScoreModAsMask(fn, inp.stats_dtype)
         mask_mod = mask if inp.mask_mod is None else mods.and_masks(inp.mask_mod, mask)

@@ -219,7 +219,8 @@ def make_inputs(
     else:
         # The first split whose inner batch dims fold into one as views (the last one always does).
         split = next(
-            j for j in range(nb + 1)
+            j
+            for j in range(nb + 1)
             if all(t is None or fold_batch(t[(0,) * j] if j else t, batch_shape[j:]) is not None for t in tensors)
         )
         groups = BatchGroups(tensors, batch_shape, split) if split else None
@@ -301,8 +302,6 @@ def _broadcast(*shapes: Sequence[int]) -> Optional[Tuple[int, ...]]:
     return tuple(out)
 
 
-
-
 # ----------------------------------------------------------------- packed sequences
 ALIGNMENTS = ("top_left", "bottom_right")
 
@@ -319,11 +318,15 @@ def _cu_seqlens(name: str, cu: object, total: int) -> Tuple[int, ...]:
     elif isinstance(cu, (list, tuple)) and all(isinstance(x, int) and not isinstance(x, bool) for x in cu):
         offsets = tuple(cu)
     else:
-        raise ArgumentTypeError(f"Expected {name} to be a 1-D int32 tensor of offsets (batch + 1,), got {type(cu).__name__}.")
+        raise ArgumentTypeError(
+            f"Expected {name} to be a 1-D int32 tensor of offsets (batch + 1,), got {type(cu).__name__}."
+        )
     if len(offsets) < 1:
         raise ArgumentError(f"Expected {name} to hold at least one offset (0), got an empty tensor.")
     if offsets[0] != 0 or any(b < a for a, b in zip(offsets, offsets[1:])):
-        raise ArgumentError(f"Expected {name} to start at 0 and never decrease, got {list(offsets)[:12]}{' ...' if len(offsets) > 12 else ''}.")
+        raise ArgumentError(
+            f"Expected {name} to start at 0 and never decrease, got {list(offsets)[:12]}{' ...' if len(offsets) > 12 else ''}."
+        )
     if offsets[-1] != total:
         raise ArgumentError(
             f"Expected {name}[-1] == {total} (the packed length of {'query' if name.endswith('q') else 'key'}), got {offsets[-1]}."
@@ -340,7 +343,9 @@ def _max_seqlen(name: str, given: object, offsets: Sequence[int]) -> None:
         raise ArgumentTypeError(f"Expected {name} to be None or an int >= 0, got {given!r}.")
     longest = max((b - a for a, b in zip(offsets, offsets[1:])), default=0)
     if given < longest:
-        raise ArgumentError(f"{name}={given} is smaller than the longest sequence ({longest} tokens); pass at least {longest} or None.")
+        raise ArgumentError(
+            f"{name}={given} is smaller than the longest sequence ({longest} tokens); pass at least {longest} or None."
+        )
 
 
 def _window_arg(window: object) -> Optional[Tuple[Optional[int], Optional[int]]]:
@@ -395,8 +400,15 @@ def make_packed_inputs(
     _max_seqlen("max_seqlen_k", max_seqlen_k, cu_k)
     k_end = None if seqused_k is None else _seqused("seqused_k", seqused_k, cu_k)
     inp = make_inputs(
-        query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1), is_causal=is_causal, scale=scale,
-        enable_gqa=enable_gqa, dropout_p=dropout_p, score_mod=score_mod, mask_mod=mask_mod,
+        query.transpose(0, 1),
+        key.transpose(0, 1),
+        value.transpose(0, 1),
+        is_causal=is_causal,
+        scale=scale,
+        enable_gqa=enable_gqa,
+        dropout_p=dropout_p,
+        score_mod=score_mod,
+        mask_mod=mask_mod,
     )
     inp.packed = Packed(cu_q, cu_k, bottom_right=alignment == "bottom_right", window=win, k_end=k_end)
     return inp
@@ -406,10 +418,14 @@ def _seqused(name: str, used: object, cu: Sequence[int]) -> Tuple[int, ...]:
     """Ends of the keys each sequence uses: ``cu[s] + used[s]``, within the sequence's block."""
     if isinstance(used, Tensor):
         if used.dim() != 1 or used.dtype not in (torch.int32, torch.int64):
-            raise ArgumentTypeError(f"Expected {name} to be a 1-D int32 tensor (batch,), got {used.dtype} of shape {_shape(used)}.")
+            raise ArgumentTypeError(
+                f"Expected {name} to be a 1-D int32 tensor (batch,), got {used.dtype} of shape {_shape(used)}."
+            )
         counts = [int(x) for x in used.tolist()]
     else:
-        raise ArgumentTypeError(f"Expected {name} to be None or a 1-D int32 tensor (batch,), got {type(used).__name__}.")
+        raise ArgumentTypeError(
+            f"Expected {name} to be None or a 1-D int32 tensor (batch,), got {type(used).__name__}."
+        )
     if len(counts) != len(cu) - 1:
         raise ArgumentError(f"Expected {name} to have one entry per sequence ({len(cu) - 1}), got {len(counts)}.")
     for s, n in enumerate(counts):

@@ -331,9 +331,7 @@ def document(ids: object, kv_ids: object = None) -> _Mask:
     if q.device != k.device:
         raise ValueError(f"document: q_ids is on {q.device} and kv_ids on {k.device}; put them on one device.")
     if q.dim() == 2 and k.dim() == 2 and q.shape[0] != k.shape[0]:
-        raise ValueError(
-            f"document: q_ids {tuple(q.shape)} and kv_ids {tuple(k.shape)} disagree on the batch size B."
-        )
+        raise ValueError(f"document: q_ids {tuple(q.shape)} and kv_ids {tuple(k.shape)} disagree on the batch size B.")
     if q.dim() != k.dim():
         # One per-batch, one shared: give both the batch dim.
         B = max(q.shape[0] if q.dim() == 2 else 1, k.shape[0] if k.dim() == 2 else 1)

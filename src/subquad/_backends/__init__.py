@@ -12,6 +12,22 @@ from .fused import FusedCPU, cpu_flash_forward, cpu_flash_unavailable_reason
 from .matmul import Matmul
 from .sdpa import TORCH_SDPA, Sdpa
 
-__all__ = ["BACKENDS", "BACKEND_NAMES", "Backend", "Fit", "Flex", "FlexUnavailable", "FusedCPU", "Matmul",
-           "MPS_MAX_MATMUL_ELEMENTS", "Options", "Sdpa", "TARGET_TILE_BYTES", "TORCH_SDPA", "compile_allowed",
-           "cpu_flash_forward", "cpu_flash_unavailable_reason", "priority"]
+__all__ = [
+    "BACKENDS",
+    "BACKEND_NAMES",
+    "Backend",
+    "Fit",
+    "Flex",
+    "FlexUnavailable",
+    "FusedCPU",
+    "Matmul",
+    "MPS_MAX_MATMUL_ELEMENTS",
+    "Options",
+    "Sdpa",
+    "TARGET_TILE_BYTES",
+    "TORCH_SDPA",
+    "compile_allowed",
+    "cpu_flash_forward",
+    "cpu_flash_unavailable_reason",
+    "priority",
+]

@@ -194,8 +194,17 @@ class Backend:
         raise NotImplementedError
 
     def backward_rows(
-        self, inp: Inputs, qs: int, qe: int, segments: Iterable[Segment], grad_out: Tensor, out: Tensor,
-        lse: Tensor, seed: int, grads: Grads, grad_lse: Optional[Tensor] = None,
+        self,
+        inp: Inputs,
+        qs: int,
+        qe: int,
+        segments: Iterable[Segment],
+        grad_out: Tensor,
+        out: Tensor,
+        lse: Tensor,
+        seed: int,
+        grads: Grads,
+        grad_lse: Optional[Tensor] = None,
     ) -> None:
         """Accumulate the gradients of rows ``[qs, qe)`` over ``segments`` into ``grads``."""
         raise NotImplementedError

@@ -51,6 +51,7 @@ def _eval_keys(inp: Inputs) -> int:
     per_key = BLOCK * (inp.B * inp.Hq * 2 + 2 * 8)
     return max(BLOCK, _EVAL_BYTES // per_key // BLOCK * BLOCK)
 
+
 _COMPILED: List[Any] = []
 _LOCK = threading.Lock()
 _FAILED: Dict[Any, str] = {}  # signature -> why compiling failed; None key: for every call
@@ -249,15 +250,23 @@ def _environmental(e: BaseException) -> bool:
         return True
     # (A C++ compile *error* is not one of these: it can be one signature's, or a passing fault.)
     text = f"{type(e).__name__} {e}".lower()
-    return any(word in text for word in ("invalidcxxcompiler", "no working c++ compiler", "no such file or directory: 'g++'"))
+    return any(
+        word in text for word in ("invalidcxxcompiler", "no working c++ compiler", "no such file or directory: 'g++'")
+    )
 
 
 def _signature(inp: Inputs) -> Any:
     """What a compiled FlexAttention kernel depends on, approximately (torch keeps the real guards)."""
     refs: List[Any] = []
     return (
-        callback_key(_unwrapped(inp.score_mod), refs, 0), callback_key(inp.mask_mod, refs, 0), inp.is_causal, inp.dtype,
-        inp.device.type, inp.E, inp.Ev, inp.G > 1,
+        callback_key(_unwrapped(inp.score_mod), refs, 0),
+        callback_key(inp.mask_mod, refs, 0),
+        inp.is_causal,
+        inp.dtype,
+        inp.device.type,
+        inp.E,
+        inp.Ev,
+        inp.G > 1,
     )
 
 
@@ -319,8 +328,13 @@ def _build_block_mask(inp: Inputs) -> Tuple[Any, Tuple[int, int]]:
     full_idx = torch.sort((~full).to(torch.int8), dim=-1, stable=True).indices.to(torch.int32)
     dev = inp.device
     mask = BlockMask.from_kv_blocks(
-        kv_num.to(dev), kv_idx.to(dev), full_num.to(dev), full_idx.to(dev), BLOCK_SIZE=BLOCK,
-        mask_mod=_flex_mask_mod(inp), seq_lengths=(inp.Lq, inp.Lk),
+        kv_num.to(dev),
+        kv_idx.to(dev),
+        full_num.to(dev),
+        full_idx.to(dev),
+        BLOCK_SIZE=BLOCK,
+        mask_mod=_flex_mask_mod(inp),
+        seq_lengths=(inp.Lq, inp.Lk),
     )
     used = (states != EMPTY).flatten(0, 1).any(dim=0)
     computed = int(used.sum())
@@ -342,12 +356,18 @@ def _evaluated_row(inp: Inputs, states: Tensor, i: int, qs: int, qe: int, j0: in
         keep = eval_mask_mod(inp, qs, qe, ks, ke)  # (B or 1, Hq or 1, qn or 1, kn or 1)
         keep = keep.expand(keep.shape[0], keep.shape[1], qe - qs, ke - ks)
         pad = (c1 - c0) * BLOCK - (ke - ks)
-        any_ = torch.nn.functional.pad(keep, (0, pad), value=False).unflatten(-1, (c1 - c0, BLOCK)).any(dim=-1).any(dim=-2)
-        all_ = torch.nn.functional.pad(keep, (0, pad), value=True).unflatten(-1, (c1 - c0, BLOCK)).all(dim=-1).all(dim=-2)
+        any_ = (
+            torch.nn.functional.pad(keep, (0, pad), value=False).unflatten(-1, (c1 - c0, BLOCK)).any(dim=-1).any(dim=-2)
+        )
+        all_ = (
+            torch.nn.functional.pad(keep, (0, pad), value=True).unflatten(-1, (c1 - c0, BLOCK)).all(dim=-1).all(dim=-2)
+        )
         mask_states = torch.where(~any_, EMPTY, torch.where(all_, FULL, PARTIAL)).to(torch.int8)
         if mask_states.shape[:2] != states.shape[:2]:
             states = states.expand(
-                max(states.shape[0], mask_states.shape[0]), max(states.shape[1], mask_states.shape[1]), *states.shape[2:]
+                max(states.shape[0], mask_states.shape[0]),
+                max(states.shape[1], mask_states.shape[1]),
+                *states.shape[2:],
             ).clone()
         combined = _combine(states[:, :, i, c0:c1], mask_states)
         states[:, :, i, c0:c1] = combined

@@ -14,15 +14,16 @@ from torch import Tensor
 
 from .._callbacks import call_user, index_grids
 from .._inputs import Inputs
-from .._tiles import NEG_INF, Grads, Segment, EMPTY_CHECK_ELEMENTS, add_into, call_kernel, empty_rows, tile_bias
+from .._tiles import EMPTY_CHECK_ELEMENTS, NEG_INF, Grads, Segment, add_into, call_kernel, empty_rows, tile_bias
 from .._traced import TracedScoreMod
 from .base import Backend, Options, _bh, _generated_causal, _strided, _threads, candidates
-
 
 _OPS: List[Tuple[Any, Any]] = []
 
 
-def _cpu_flash_ops() -> Tuple[Optional[Callable[..., Tuple[Tensor, Tensor]]], Optional[Callable[..., Tuple[Tensor, Tensor, Tensor]]]]:
+def _cpu_flash_ops() -> Tuple[
+    Optional[Callable[..., Tuple[Tensor, Tensor]]], Optional[Callable[..., Tuple[Tensor, Tensor, Tensor]]]
+]:
     if not _OPS:  # looked up once: the attribute lookups cost a microsecond per call
         ops = torch.ops.aten
         fwd = getattr(ops, "_scaled_dot_product_flash_attention_for_cpu", None)
@@ -223,7 +224,9 @@ class FusedCPU(Backend):
     def _may_mask(inp: Inputs, seg: Segment) -> bool:
         # An additive score_mod without -inf never masks a whole row: no empty-row check then.
         return (
-            inp.attn_mask is not None or seg.causal != "none" or seg.needs_mask_mod
+            inp.attn_mask is not None
+            or seg.causal != "none"
+            or seg.needs_mask_mod
             or bool(getattr(inp.score_mod, "may_mask", False))
         )
 
@@ -318,7 +321,9 @@ class FusedCPU(Backend):
         assert bwd is not None
         # The kernel's own convention for fully masked rows is lse = 0 (their P is 0 either way).
         lse_t = lse[:, :, qs:qe]
-        lse_t = lse_t.masked_fill(lse_t == NEG_INF, 0.0).to(torch.float64 if inp.dtype == torch.float64 else torch.float32)
+        lse_t = lse_t.masked_fill(lse_t == NEG_INF, 0.0).to(
+            torch.float64 if inp.dtype == torch.float64 else torch.float32
+        )
         return call_kernel(
             bwd,
             _unit_stride(grad_out[:, :, qs:qe]),

@@ -196,7 +196,11 @@ class Matmul(Backend):
             dp = torch.bmm(do_t, v_t.transpose(1, 2))
             pd = p
             if inp.dropout_p > 0.0:
-                z = dropout_scale(inp, seed, qs, qe, seg.ks, seg.ke, sdt).expand(B, Hq, qn, kn).reshape(B * Hk, G * qn, kn)
+                z = (
+                    dropout_scale(inp, seed, qs, qe, seg.ks, seg.ke, sdt)
+                    .expand(B, Hq, qn, kn)
+                    .reshape(B * Hk, G * qn, kn)
+                )
                 pd = p * z
                 dp.mul_(z)
                 del z

@@ -19,7 +19,9 @@ from .fused import FusedCPU
 
 # Torch's own SDPA: its builtin, never what ``F.scaled_dot_product_attention`` happens to be when
 # subquad is imported (a profiling wrapper, another library's patch, subquad.patch_sdpa itself).
-TORCH_SDPA = getattr(getattr(torch._C, "_nn", None), "scaled_dot_product_attention", None) or F.scaled_dot_product_attention
+TORCH_SDPA = (
+    getattr(getattr(torch._C, "_nn", None), "scaled_dot_product_attention", None) or F.scaled_dot_product_attention
+)
 
 MiB = 1 << 20
 
@@ -92,7 +94,11 @@ class Sdpa(Backend):
             kwargs["enable_gqa"] = True
         if inp.device.type == "mps":
             return TORCH_SDPA(inp.query, inp.key, inp.value, **kwargs), None
-        fused = [getattr(SDPBackend, n) for n in ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION") if hasattr(SDPBackend, n)]
+        fused = [
+            getattr(SDPBackend, n)
+            for n in ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION")
+            if hasattr(SDPBackend, n)
+        ]
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # SDPA warns about every kernel it declines
             with sdpa_kernel(fused):

@@ -20,10 +20,13 @@ DTYPES = {
     "fp64": torch.float64,
 }
 _DTYPE_ALIASES = {
-    "float16": "fp16", "half": "fp16",
+    "float16": "fp16",
+    "half": "fp16",
     "bfloat16": "bf16",
-    "float32": "fp32", "float": "fp32",
-    "float64": "fp64", "double": "fp64",
+    "float32": "fp32",
+    "float": "fp32",
+    "float64": "fp64",
+    "double": "fp64",
 }
 
 MASKS = ("none", "causal", "key-padding", "alibi", "softcap", "window", "document")
@@ -205,8 +208,7 @@ PRESETS: dict[str, Preset] = {
         ),
         Preset(
             "sd15-1024",
-            "Stable Diffusion 1.5 at 1024 px: 128x128 latent = 16384 tokens, 8 heads of 40, "
-            "batch 2, fp16.",
+            "Stable Diffusion 1.5 at 1024 px: 128x128 latent = 16384 tokens, 8 heads of 40, batch 2, fp16.",
             _cases([(2, 8, 16384, 16384, 40)], dtype="fp16"),
         ),
         Preset(

@@ -22,7 +22,6 @@ from typing import Optional
 import torch
 
 import subquad
-
 from subquad._budget import parse_budget
 
 from . import cases as cases_mod
@@ -56,68 +55,123 @@ def default_device() -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``subquad bench`` (also used by the ``subquad`` command's subparser)."""
     what = parser.add_argument_group("what to run")
-    what.add_argument("--framework", choices=["torch", "jax"], default="torch",
-                      help="torch (default) or jax: subquad.jax against jax.nn.dot_product_attention "
-                           "and the seed's JAX code, time and compiled temporary memory (presets "
-                           "jax, jax-quick)")
-    what.add_argument("--preset", choices=sorted(cases_mod.PRESETS) + sorted(JAX_PRESETS),
-                      help="a named set of cases (default: quick unless --shape is given; "
-                           "jax-quick with --framework jax)")
-    what.add_argument("--shape", action="append", type=_shape, metavar="B,H,Lq,Lk,E",
-                      help="a shape to run instead of a preset (B,H,L,E also works); repeatable")
-    what.add_argument("--dtype", type=_dtype, metavar="{fp16,bf16,fp32,fp64}",
-                      help="override the dtype (default: the preset's, else fp16 on GPUs and "
-                           "fp32 on CPU)")
-    what.add_argument("--mask", nargs="+", choices=cases_mod.MASKS,
-                      help="one or more masks to run each shape with (overrides the preset's)")
-    what.add_argument("--backward", action="store_true", default=None,
-                      help="measure forward+backward instead of forward only")
-    what.add_argument("--budget", metavar="BYTES",
-                      help="memory_budget for subquad, e.g. 512MiB (other implementations "
-                           "ignore it)")
+    what.add_argument(
+        "--framework",
+        choices=["torch", "jax"],
+        default="torch",
+        help="torch (default) or jax: subquad.jax against jax.nn.dot_product_attention "
+        "and the seed's JAX code, time and compiled temporary memory (presets "
+        "jax, jax-quick)",
+    )
+    what.add_argument(
+        "--preset",
+        choices=sorted(cases_mod.PRESETS) + sorted(JAX_PRESETS),
+        help="a named set of cases (default: quick unless --shape is given; jax-quick with --framework jax)",
+    )
+    what.add_argument(
+        "--shape",
+        action="append",
+        type=_shape,
+        metavar="B,H,Lq,Lk,E",
+        help="a shape to run instead of a preset (B,H,L,E also works); repeatable",
+    )
+    what.add_argument(
+        "--dtype",
+        type=_dtype,
+        metavar="{fp16,bf16,fp32,fp64}",
+        help="override the dtype (default: the preset's, else fp16 on GPUs and fp32 on CPU)",
+    )
+    what.add_argument(
+        "--mask",
+        nargs="+",
+        choices=cases_mod.MASKS,
+        help="one or more masks to run each shape with (overrides the preset's)",
+    )
+    what.add_argument(
+        "--backward", action="store_true", default=None, help="measure forward+backward instead of forward only"
+    )
+    what.add_argument(
+        "--budget", metavar="BYTES", help="memory_budget for subquad, e.g. 512MiB (other implementations ignore it)"
+    )
     what.add_argument("--device", help="cpu, cuda, cuda:1, mps (default: the best available)")
-    what.add_argument("--impl", nargs="+", metavar="NAME",
-                      help="implementations to run, glob patterns allowed ('sdpa-*', "
-                           "'subquad*'); default: the preset's, else all")
-    what.add_argument("--no-skip", action="store_true",
-                      help="also run what is predicted too slow or too big for this CPU")
-    what.add_argument("--in-process", action="store_true",
-                      help="run CPU cases in this process instead of a worker process (faster "
-                           "to start; peak memory is less exact)")
-    what.add_argument("--seconds", type=float, metavar="S",
-                      help="time each case for about S seconds (at least 3 calls, one if a call "
-                           "takes longer; default: the preset's, 1 s for --shape)")
+    what.add_argument(
+        "--impl",
+        nargs="+",
+        metavar="NAME",
+        help="implementations to run, glob patterns allowed ('sdpa-*', 'subquad*'); default: the preset's, else all",
+    )
+    what.add_argument(
+        "--no-skip", action="store_true", help="also run what is predicted too slow or too big for this CPU"
+    )
+    what.add_argument(
+        "--in-process",
+        action="store_true",
+        help="run CPU cases in this process instead of a worker process (faster to start; peak memory is less exact)",
+    )
+    what.add_argument(
+        "--seconds",
+        type=float,
+        metavar="S",
+        help="time each case for about S seconds (at least 3 calls, one if a call "
+        "takes longer; default: the preset's, 1 s for --shape)",
+    )
     what.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
     model = parser.add_argument_group("whole models (--model)")
-    model.add_argument("--model", metavar="NAME",
-                       help=f"run a whole model with each attention implementation: {', '.join(models.MODELS)}")
-    model.add_argument("--resolution", nargs="+", type=int, metavar="PX",
-                       help="image sizes in pixels, multiples of 8 (the latent is 1/8); default: the model's")
-    model.add_argument("--seq-len", nargs="+", type=int, metavar="TOKENS",
-                       help="sequence lengths for a Llama model; default: the model's")
-    model.add_argument("--task", choices=["infer", "train"], default="infer",
-                       help="infer: one forward (Llama: a prefill and a decode loop); train: "
-                            "forward and backward of a loss (UNet: the LoRA-style step and a full one)")
+    model.add_argument(
+        "--model",
+        metavar="NAME",
+        help=f"run a whole model with each attention implementation: {', '.join(models.MODELS)}",
+    )
+    model.add_argument(
+        "--resolution",
+        nargs="+",
+        type=int,
+        metavar="PX",
+        help="image sizes in pixels, multiples of 8 (the latent is 1/8); default: the model's",
+    )
+    model.add_argument(
+        "--seq-len",
+        nargs="+",
+        type=int,
+        metavar="TOKENS",
+        help="sequence lengths for a Llama model; default: the model's",
+    )
+    model.add_argument(
+        "--task",
+        choices=["infer", "train"],
+        default="infer",
+        help="infer: one forward (Llama: a prefill and a decode loop); train: "
+        "forward and backward of a loss (UNet: the LoRA-style step and a full one)",
+    )
     model.add_argument("--batch", type=int, default=1, help="batch size (default 1)")
-    model.add_argument("--rounds", type=int, default=5, metavar="N",
-                       help="interleaved timing rounds per size (default 5; 0: no timing, only the "
-                            "worker's one measured step)")
-    model.add_argument("--max-memory", metavar="BYTES",
-                       help="a memory cap such as 4GiB: each implementation stops growing once its "
-                            "step plus weights passes it (enforced on CUDA); the largest size under "
-                            "it is reported")
+    model.add_argument(
+        "--rounds",
+        type=int,
+        default=5,
+        metavar="N",
+        help="interleaved timing rounds per size (default 5; 0: no timing, only the worker's one measured step)",
+    )
+    model.add_argument(
+        "--max-memory",
+        metavar="BYTES",
+        help="a memory cap such as 4GiB: each implementation stops growing once its "
+        "step plus weights passes it (enforced on CUDA); the largest size under "
+        "it is reported",
+    )
     out = parser.add_argument_group("output")
-    out.add_argument("--out", metavar="DIR",
-                     help="write results.json, results.csv, time.png and memory.png here")
-    out.add_argument("--compare", metavar="OLD.json", help="print new/old ratios against a "
-                     "previous results.json")
-    out.add_argument("--fail-if-regression", type=float, metavar="PCT",
-                     help="with --compare: exit with status 1 if a time or peak memory grew by "
-                          "more than PCT percent, or a case that ran now fails")
-    out.add_argument("--plain", action="store_true", help="plain text output even if rich is "
-                     "installed")
-    out.add_argument("--list", action="store_true",
-                     help="list presets and implementations (with availability) and exit")
+    out.add_argument("--out", metavar="DIR", help="write results.json, results.csv, time.png and memory.png here")
+    out.add_argument("--compare", metavar="OLD.json", help="print new/old ratios against a previous results.json")
+    out.add_argument(
+        "--fail-if-regression",
+        type=float,
+        metavar="PCT",
+        help="with --compare: exit with status 1 if a time or peak memory grew by "
+        "more than PCT percent, or a case that ran now fails",
+    )
+    out.add_argument("--plain", action="store_true", help="plain text output even if rich is installed")
+    out.add_argument(
+        "--list", action="store_true", help="list presets and implementations (with availability) and exit"
+    )
 
 
 def _shape(text: str):
@@ -136,8 +190,9 @@ def _dtype(text: str) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="subquad bench", description="Benchmark attention implementations: time, TFLOP/s, "
-        "peak memory and accuracy.", epilog=EPILOG,
+        prog="subquad bench",
+        description="Benchmark attention implementations: time, TFLOP/s, peak memory and accuracy.",
+        epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_arguments(parser)
@@ -177,8 +232,7 @@ def _busy_warning(sample_s: float = 0.5) -> Optional[str]:
         return None
     busy = 1.0 - (idle1 - idle0) / max(1, total1 - total0)
     if busy > 0.25:
-        return (f"warning: the CPUs are {busy:.0%} busy before starting; other processes will "
-                "make the timings noisy")
+        return f"warning: the CPUs are {busy:.0%} busy before starting; other processes will make the timings noisy"
     return None
 
 
@@ -220,8 +274,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         return _main_jax(parser, args)
     if args.model is not None:
         return _main_model(parser, args)
-    for flag, value in (("--resolution", args.resolution), ("--seq-len", args.seq_len),
-                        ("--max-memory", args.max_memory)):
+    for flag, value in (
+        ("--resolution", args.resolution),
+        ("--seq-len", args.seq_len),
+        ("--max-memory", args.max_memory),
+    ):
         if value is not None:
             parser.error(f"{flag} needs --model NAME")
     device = args.device or default_device()
@@ -254,8 +311,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.seconds is not None:
         if args.seconds <= 0:
             parser.error(f"--seconds must be positive, got {args.seconds}")
-        timing = timing._replace(target_s=args.seconds, warmup_s=min(timing.warmup_s, args.seconds),
-                                 min_reps=min(timing.min_reps, 3))
+        timing = timing._replace(
+            target_s=args.seconds, warmup_s=min(timing.warmup_s, args.seconds), min_reps=min(timing.min_reps, 3)
+        )
     try:
         impls = impls_mod.select(args.impl or (preset.impls if preset else None))
     except ValueError as exc:
@@ -263,16 +321,22 @@ def main(argv: Optional[list[str]] = None) -> int:
     jobs = [(impl, case) for case in cases for impl in impls]
 
     plain = args.plain
-    title = f"subquad bench: {preset.name if preset else 'custom shapes'} on " \
-            f"{measure.device_name(device)}, torch {torch.__version__}, {len(jobs)} runs"
+    title = (
+        f"subquad bench: {preset.name if preset else 'custom shapes'} on "
+        f"{measure.device_name(device)}, torch {torch.__version__}, {len(jobs)} runs"
+    )
     print(title, file=sys.stderr, flush=True)
     busy = _busy_warning()
     if busy:
         print(busy, file=sys.stderr, flush=True)
     with report.Progress(len(jobs), plain=plain) as progress:
         results = measure.run_all(
-            jobs, timing, seed=args.seed, skip_slow=not args.no_skip,
-            isolate=False if args.in_process else None, progress=progress.update,
+            jobs,
+            timing,
+            seed=args.seed,
+            skip_slow=not args.no_skip,
+            isolate=False if args.in_process else None,
+            progress=progress.update,
         )
 
     interrupted = len(results) < len(jobs)
@@ -304,8 +368,17 @@ def _main_jax(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     """``--framework jax``: presets of ``(B, T, N, H)`` shapes in fp32 on JAX's default device."""
     if args.preset is not None and args.preset not in JAX_PRESETS:
         parser.error(f"--preset {args.preset} is a torch preset; with --framework jax use {' or '.join(JAX_PRESETS)}")
-    unsupported = [flag for flag, value in (("--shape", args.shape), ("--mask", args.mask), ("--dtype", args.dtype),
-                                             ("--compare", args.compare), ("--device", args.device)) if value]
+    unsupported = [
+        flag
+        for flag, value in (
+            ("--shape", args.shape),
+            ("--mask", args.mask),
+            ("--dtype", args.dtype),
+            ("--compare", args.compare),
+            ("--device", args.device),
+        )
+        if value
+    ]
     if unsupported:
         parser.error(f"{', '.join(unsupported)} not supported with --framework jax (it runs the jax presets)")
     impls = args.impl or list(jax_bench.IMPLS)
@@ -330,15 +403,23 @@ def _main_model(parser: argparse.ArgumentParser, args: argparse.Namespace) -> in
         models.require(spec.library)
     except (ValueError, models.MissingDependency) as exc:
         parser.error(str(exc))
-    unsupported = [flag for flag, value in (("--preset", args.preset), ("--shape", args.shape),
-                                             ("--mask", args.mask), ("--backward", args.backward))
-                   if value]
+    unsupported = [
+        flag
+        for flag, value in (
+            ("--preset", args.preset),
+            ("--shape", args.shape),
+            ("--mask", args.mask),
+            ("--backward", args.backward),
+        )
+        if value
+    ]
     if unsupported:
         parser.error(f"{', '.join(unsupported)} not supported with --model")
     wrong = "--seq-len" if spec.family != "llama" else "--resolution"
     if (args.seq_len if spec.family != "llama" else args.resolution) is not None:
-        parser.error(f"{wrong} does not apply to {spec.name}; use "
-                     f"{'--resolution' if spec.family != 'llama' else '--seq-len'}")
+        parser.error(
+            f"{wrong} does not apply to {spec.name}; use {'--resolution' if spec.family != 'llama' else '--seq-len'}"
+        )
     sizes = (args.seq_len if spec.family == "llama" else args.resolution) or list(spec.sizes)
     for size in sizes:
         problem = models.check_size(spec, size)
@@ -363,17 +444,31 @@ def _main_model(parser: argparse.ArgumentParser, args: argparse.Namespace) -> in
     except ValueError as exc:
         parser.error(str(exc))
     dtype = args.dtype or cases_mod.default_dtype(device)
-    print(f"subquad bench --model {spec.name} ({spec.description}), task {args.task}, "
-          f"{', '.join(map(str, sizes))} {spec.size_unit}, on {measure.device_name(device)}, "
-          f"torch {torch.__version__}", file=sys.stderr, flush=True)
+    print(
+        f"subquad bench --model {spec.name} ({spec.description}), task {args.task}, "
+        f"{', '.join(map(str, sizes))} {spec.size_unit}, on {measure.device_name(device)}, "
+        f"torch {torch.__version__}",
+        file=sys.stderr,
+        flush=True,
+    )
     busy = _busy_warning()
     if busy:
         print(busy, file=sys.stderr, flush=True)
     results = model_measure.run_model_bench(
-        spec, sizes, args.task, impls, device=device, dtype=dtype, batch=args.batch,
-        budget=args.budget, rounds=args.rounds, cap_bytes=cap, seed=args.seed,
+        spec,
+        sizes,
+        args.task,
+        impls,
+        device=device,
+        dtype=dtype,
+        batch=args.batch,
+        budget=args.budget,
+        rounds=args.rounds,
+        cap_bytes=cap,
+        seed=args.seed,
         progress=lambda text: print(text, file=sys.stderr, flush=True),
-        worker_cls=model_measure.InProcess if args.in_process else None)
+        worker_cls=model_measure.InProcess if args.in_process else None,
+    )
     print(model_report.render(results), end="")
     if args.out:
         print("wrote " + ", ".join(model_report.save(results, args.out)))

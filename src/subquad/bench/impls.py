@@ -79,9 +79,7 @@ class Impl:
 def _cpu_materialize_reasons(case: Case) -> list[str]:
     elements = case.score_elements
     if elements > CPU_MAX_SCORE_ELEMENTS:
-        return [
-            f"skipped: too slow on CPU (B·H·Lq·Lk = {elements:,} scores > 2^28; --no-skip runs it)"
-        ]
+        return [f"skipped: too slow on CPU (B·H·Lq·Lk = {elements:,} scores > 2^28; --no-skip runs it)"]
     # Scores, their softmax and (backward) their gradients: about three score-sized buffers.
     needed = 3 * elements * case.torch_dtype.itemsize * (2 if case.backward else 1)
     available = _available_ram()
@@ -356,8 +354,14 @@ def _subquad(backend: str, user_written: bool = False) -> Callable[[BenchInputs]
 def describe_plan(plan) -> dict:
     """The parts of a subquad Plan worth recording next to a measurement."""
     info = {}
-    for attr in ("backend", "chunk_size", "backward_backend", "backward_chunk_size",
-                 "predicted_peak_bytes", "budget_bytes"):
+    for attr in (
+        "backend",
+        "chunk_size",
+        "backward_backend",
+        "backward_chunk_size",
+        "predicted_peak_bytes",
+        "budget_bytes",
+    ):
         value = getattr(plan, attr, None)
         if isinstance(value, tuple):
             value = list(value)
@@ -370,16 +374,20 @@ def _subquad_impls() -> list[Impl]:
     backends = tuple(getattr(subquad, "BACKENDS", ())) or ("sdpa", "fused", "matmul")
     # A forced backend that cannot run raises NotImplementedError with its reasons; a budget too
     # small for any tile raises MemoryBudgetError. Both are refusals, not failures.
-    refusals = (NotImplementedError,) + tuple(
-        filter(None, [getattr(subquad, "MemoryBudgetError", None)])
-    )
-    out = [Impl("subquad", "subquad.attention, backend chosen by the planner", _subquad("auto"),
-                refusals=refusals),
-           Impl("subquad-user", "subquad.attention with the masking as user-written score_mod/mask_mod "
-                "lambdas, planner's choice", _subquad("auto", user_written=True), refusals=refusals)]
+    refusals = (NotImplementedError,) + tuple(filter(None, [getattr(subquad, "MemoryBudgetError", None)]))
+    out = [
+        Impl("subquad", "subquad.attention, backend chosen by the planner", _subquad("auto"), refusals=refusals),
+        Impl(
+            "subquad-user",
+            "subquad.attention with the masking as user-written score_mod/mask_mod lambdas, planner's choice",
+            _subquad("auto", user_written=True),
+            refusals=refusals,
+        ),
+    ]
     for name in backends:
-        out.append(Impl(f"subquad-{name}", f"subquad.attention(backend={name!r}), forced",
-                        _subquad(name), refusals=refusals))
+        out.append(
+            Impl(f"subquad-{name}", f"subquad.attention(backend={name!r}), forced", _subquad(name), refusals=refusals)
+        )
     return out
 
 
@@ -389,27 +397,67 @@ def _subquad_impls() -> list[Impl]:
 def _registry() -> list[Impl]:
     sdpa_cuda_only = ("cuda",)
     return [
-        Impl("sdpa-flash", "SDPA, FLASH_ATTENTION backend (on CPU: the fused CPU kernel)",
-             _sdpa("FLASH_ATTENTION"), devices=("cpu", "cuda"), masks=SDPA_MASKS),
-        Impl("sdpa-efficient", "SDPA, EFFICIENT_ATTENTION backend (memory-efficient kernel)",
-             _sdpa("EFFICIENT_ATTENTION"), devices=sdpa_cuda_only, masks=SDPA_MASKS),
-        Impl("sdpa-cudnn", "SDPA, CUDNN_ATTENTION backend", _sdpa("CUDNN_ATTENTION"),
-             devices=sdpa_cuda_only, masks=SDPA_MASKS),
-        Impl("sdpa-math", "SDPA, MATH backend (materializes the scores; on MPS: MPS's kernel)",
-             _sdpa("MATH"), materializes_scores=True, masks=SDPA_MASKS),
-        Impl("xformers", "xformers.ops.memory_efficient_attention", _xformers,
-             devices=("cuda", "cpu"), masks=("none", "causal", "key-padding", "alibi"), module="xformers",
-             install="pip install xformers"),
-        Impl("flash-attn", "flash_attn.flash_attn_func (FlashAttention-2)", _flash_attn,
-             devices=("cuda",), dtypes=("fp16", "bf16"), masks=("none", "causal", "alibi"),
-             module="flash_attn", install="pip install flash-attn",
-             extra_reasons=_flash_attn_reasons),
-        Impl("naive", "softmax(q kᵀ · scale + mask) v, materialized in the input dtype", _naive,
-             materializes_scores=True),
-        Impl("flex-compiled", "torch.compile(flex_attention), the callbacks as lambdas, its BlockMask "
-             "built once outside the timed call", _flex, devices=("cpu", "cuda"), dtypes=("fp16", "bf16", "fp32"),
-             masks=("none", "causal", "key-padding", "alibi", "softcap", "window", "document"),
-             module="torch.nn.attention.flex_attention", extra_reasons=_flex_reasons),
+        Impl(
+            "sdpa-flash",
+            "SDPA, FLASH_ATTENTION backend (on CPU: the fused CPU kernel)",
+            _sdpa("FLASH_ATTENTION"),
+            devices=("cpu", "cuda"),
+            masks=SDPA_MASKS,
+        ),
+        Impl(
+            "sdpa-efficient",
+            "SDPA, EFFICIENT_ATTENTION backend (memory-efficient kernel)",
+            _sdpa("EFFICIENT_ATTENTION"),
+            devices=sdpa_cuda_only,
+            masks=SDPA_MASKS,
+        ),
+        Impl(
+            "sdpa-cudnn",
+            "SDPA, CUDNN_ATTENTION backend",
+            _sdpa("CUDNN_ATTENTION"),
+            devices=sdpa_cuda_only,
+            masks=SDPA_MASKS,
+        ),
+        Impl(
+            "sdpa-math",
+            "SDPA, MATH backend (materializes the scores; on MPS: MPS's kernel)",
+            _sdpa("MATH"),
+            materializes_scores=True,
+            masks=SDPA_MASKS,
+        ),
+        Impl(
+            "xformers",
+            "xformers.ops.memory_efficient_attention",
+            _xformers,
+            devices=("cuda", "cpu"),
+            masks=("none", "causal", "key-padding", "alibi"),
+            module="xformers",
+            install="pip install xformers",
+        ),
+        Impl(
+            "flash-attn",
+            "flash_attn.flash_attn_func (FlashAttention-2)",
+            _flash_attn,
+            devices=("cuda",),
+            dtypes=("fp16", "bf16"),
+            masks=("none", "causal", "alibi"),
+            module="flash_attn",
+            install="pip install flash-attn",
+            extra_reasons=_flash_attn_reasons,
+        ),
+        Impl(
+            "naive", "softmax(q kᵀ · scale + mask) v, materialized in the input dtype", _naive, materializes_scores=True
+        ),
+        Impl(
+            "flex-compiled",
+            "torch.compile(flex_attention), the callbacks as lambdas, its BlockMask built once outside the timed call",
+            _flex,
+            devices=("cpu", "cuda"),
+            dtypes=("fp16", "bf16", "fp32"),
+            masks=("none", "causal", "key-padding", "alibi", "softcap", "window", "document"),
+            module="torch.nn.attention.flex_attention",
+            extra_reasons=_flex_reasons,
+        ),
         *_subquad_impls(),
     ]
 
@@ -424,11 +472,8 @@ def select(patterns: Optional[list[str] | tuple[str, ...]]) -> list[Impl]:
         return list(IMPLS.values())
     for pattern in patterns:
         if not any(fnmatch.fnmatchcase(name, pattern) for name in IMPLS):
-            raise ValueError(
-                f"--impl {pattern!r} matches no implementation; known: {', '.join(IMPLS)}."
-            )
-    return [impl for name, impl in IMPLS.items()
-            if any(fnmatch.fnmatchcase(name, p) for p in patterns)]
+            raise ValueError(f"--impl {pattern!r} matches no implementation; known: {', '.join(IMPLS)}.")
+    return [impl for name, impl in IMPLS.items() if any(fnmatch.fnmatchcase(name, p) for p in patterns)]
 
 
 def refusal_reason(impl: Impl, exc: BaseException, warnings_text: str = "") -> Optional[str]:
@@ -436,9 +481,7 @@ def refusal_reason(impl: Impl, exc: BaseException, warnings_text: str = "") -> O
     if isinstance(exc, Unsupported):
         return str(exc)
     message = str(exc)
-    if isinstance(exc, RuntimeError) and (
-        "No available kernel" in message or "No viable backend" in message
-    ):
+    if isinstance(exc, RuntimeError) and ("No available kernel" in message or "No viable backend" in message):
         # SDPA explains the refusal in warnings, one per backend; those are the useful part.
         return (warnings_text or message.splitlines()[0]).strip()
     if isinstance(exc, impl.refusals) and not isinstance(exc, OutOfMemoryError):
@@ -465,4 +508,3 @@ def is_out_of_memory(exc: BaseException) -> bool:
         or "can't allocate memory" in message
         or "not enough memory" in message
     )
-

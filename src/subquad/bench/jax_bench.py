@@ -46,7 +46,9 @@ def _impl(name: str, causal: bool, budget: Optional[str]) -> Optional[Callable[.
         return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal)
     if name == "mea-jax":
         try:
-            from memory_efficient_attention import efficient_dot_product_attention_jax as efficient_dot_product_attention
+            from memory_efficient_attention import (
+                efficient_dot_product_attention_jax as efficient_dot_product_attention,
+            )
         except ImportError:
             return None
         q_chunk, k_chunk = 1024, 4096  # the seed's defaults
@@ -59,7 +61,11 @@ def _impl(name: str, causal: bool, budget: Optional[str]) -> Optional[Callable[.
 
         def run(q: Any, k: Any, v: Any) -> Any:
             return efficient_dot_product_attention(
-                q, k, v, query_chunk_size=q_chunk, key_chunk_size=k_chunk,
+                q,
+                k,
+                v,
+                query_chunk_size=q_chunk,
+                key_chunk_size=k_chunk,
                 mask_calc_fn=causal_mask if causal else None,
             )
 
@@ -82,7 +88,9 @@ def _reference_rows(q: Any, k: Any, v: Any, causal: bool, rows: Sequence[int]) -
     return np.einsum("bnts,bsnd->btnd", p, v64)
 
 
-def run_case(name: str, shape: Tuple[int, int, int, int], mask: str, mode: str, seconds: float, budget: Optional[str]) -> Dict[str, Any]:
+def run_case(
+    name: str, shape: Tuple[int, int, int, int], mask: str, mode: str, seconds: float, budget: Optional[str]
+) -> Dict[str, Any]:
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -121,7 +129,9 @@ def run_case(name: str, shape: Tuple[int, int, int, int], mask: str, mode: str, 
             result["max_error"] = float(np.abs(np.asarray(out, np.float64)[:, rows] - want).max())
         result["status"] = "ok"
     except Exception as e:  # recorded as a result: one implementation failing must not end the run
-        result.update(status="oom" if "RESOURCE_EXHAUSTED" in str(e) else "error", reason=f"{type(e).__name__}: {e}"[:300])
+        result.update(
+            status="oom" if "RESOURCE_EXHAUSTED" in str(e) else "error", reason=f"{type(e).__name__}: {e}"[:300]
+        )
     return result
 
 
@@ -144,7 +154,11 @@ def table(results: List[Dict[str, Any]]) -> str:
                 lines.append(f"{case:34} {name:12} {r.get('status')}: {r.get('reason', '')}")
                 continue
             t_ratio = r["time_s"] / base["time_s"] if base.get("status") == "ok" else float("nan")
-            m_ratio = r["temp_bytes"] / base["temp_bytes"] if base.get("status") == "ok" and base["temp_bytes"] else float("nan")
+            m_ratio = (
+                r["temp_bytes"] / base["temp_bytes"]
+                if base.get("status") == "ok" and base["temp_bytes"]
+                else float("nan")
+            )
             err = f"{r['max_error']:.1e}" if "max_error" in r else "-"
             lines.append(
                 f"{case:34} {name:12} {r['time_s'] * 1e3:8.1f}ms {t_ratio:6.2f}x {_fmt_bytes(r['temp_bytes']):>12} {m_ratio:6.3f}x {err:>8}"
@@ -152,8 +166,13 @@ def table(results: List[Dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def main(preset: str = "jax", impls: Sequence[str] = IMPLS, seconds: float = 3.0, budget: Optional[str] = None,
-         out: Optional[str] = None) -> List[Dict[str, Any]]:
+def main(
+    preset: str = "jax",
+    impls: Sequence[str] = IMPLS,
+    seconds: float = 3.0,
+    budget: Optional[str] = None,
+    out: Optional[str] = None,
+) -> List[Dict[str, Any]]:
     try:
         import jax
     except ImportError:
@@ -166,7 +185,11 @@ def main(preset: str = "jax", impls: Sequence[str] = IMPLS, seconds: float = 3.0
                 for name in impls:
                     r = run_case(name, shape, mask, mode, seconds, budget)
                     results.append(r)
-                    status = f"{r['time_s'] * 1e3:.1f} ms, temp {_fmt_bytes(r['temp_bytes'])}" if r.get("status") == "ok" else r.get("status")
+                    status = (
+                        f"{r['time_s'] * 1e3:.1f} ms, temp {_fmt_bytes(r['temp_bytes'])}"
+                        if r.get("status") == "ok"
+                        else r.get("status")
+                    )
                     print(f"  {'x'.join(map(str, shape))} {mask} {mode} {name}: {status}", flush=True)
     print()
     print(table(results))
@@ -174,8 +197,14 @@ def main(preset: str = "jax", impls: Sequence[str] = IMPLS, seconds: float = 3.0
         import os
 
         os.makedirs(out, exist_ok=True)
-        meta = {"jax": jax.__version__, "devices": [str(d) for d in jax.devices()], "platform": platform.platform(),
-                "processor": platform.processor(), "preset": preset, "budget": budget}
+        meta = {
+            "jax": jax.__version__,
+            "devices": [str(d) for d in jax.devices()],
+            "platform": platform.platform(),
+            "processor": platform.processor(),
+            "preset": preset,
+            "budget": budget,
+        }
         with open(os.path.join(out, "results.json"), "w") as f:
             json.dump({"meta": meta, "results": results}, f, indent=1)
         with open(os.path.join(out, "results.txt"), "w") as f:

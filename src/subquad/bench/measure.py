@@ -47,8 +47,8 @@ import torch
 from subquad._tiles import TILES
 
 from . import timing as timing_mod
-from .environment import device_name, environment  # noqa: F401 (device_name: for the CLI)
 from .cases import SOFTCAP, WINDOW, BenchInputs, Case, Timing, make_inputs
+from .environment import device_name, environment  # noqa: F401 (device_name: for the CLI)
 from .impls import IMPLS, Impl, is_out_of_memory, refusal_reason
 from .meters import CudaPeak, RssPeak, memory_meter, synchronize  # noqa: F401 (RssPeak, CudaPeak: the meters)
 
@@ -93,9 +93,16 @@ class Result:
     @classmethod
     def for_case(cls, impl: str, case: Case) -> "Result":
         return cls(
-            impl=impl, case=case.name, mode=case.mode, shape=list(case.shape),
-            dtype=case.dtype or "", mask=case.mask, budget=case.budget, device=case.device,
-            output_bytes=case.output_bytes, **environment(case.device),
+            impl=impl,
+            case=case.name,
+            mode=case.mode,
+            shape=list(case.shape),
+            dtype=case.dtype or "",
+            mask=case.mask,
+            budget=case.budget,
+            device=case.device,
+            output_bytes=case.output_bytes,
+            **environment(case.device),
         )
 
     def to_dict(self) -> dict:
@@ -203,9 +210,16 @@ def _finite(x: Optional[float]) -> Optional[float]:
 PHASES = ("memory", "time")
 
 
-def run_case(impl: Impl, case: Case, timing: Timing = Timing(), *, seed: int = 0,
-             skip_slow: bool = True, phases: tuple[str, ...] = PHASES,
-             result: Optional[Result] = None) -> Result:
+def run_case(
+    impl: Impl,
+    case: Case,
+    timing: Timing = Timing(),
+    *,
+    seed: int = 0,
+    skip_slow: bool = True,
+    phases: tuple[str, ...] = PHASES,
+    result: Optional[Result] = None,
+) -> Result:
     """Measure ``impl`` on ``case`` in this process: the ``memory`` phase (one call between a
     memory reset and read, its output checked against the reference) and the ``time`` phase
     (the timed calls), each after a warm-up. ``result`` continues a record that another process
@@ -302,8 +316,7 @@ def _warm_up(step, device: torch.device, timing: Timing) -> None:
             break
 
 
-def _memory_phase(step, inputs: BenchInputs, device: torch.device, result: Result,
-                  seed: int) -> None:
+def _memory_phase(step, inputs: BenchInputs, device: torch.device, result: Result, seed: int) -> None:
     for t in (inputs.query, inputs.key, inputs.value):
         t.grad = None
     meter = memory_meter(device)
@@ -337,9 +350,7 @@ def _subquad_tiles():
 def _time_phase(step, case: Case, timing: Timing, result: Result) -> None:
     device = torch.device(case.device)
     times: list[float] = []
-    while len(times) < timing.max_reps and (
-        len(times) < timing.min_reps or sum(times) < timing.target_s
-    ):
+    while len(times) < timing.max_reps and (len(times) < timing.min_reps or sum(times) < timing.target_s):
         dt, out = _timed(step, device)
         del out
         times.append(dt)
@@ -357,8 +368,7 @@ def _record_times(result: Result, case: Case, times: list[float]) -> None:
     result.tflops = case.flops / s.median / 1e12 if s.median > 0 else None
 
 
-def time_interleaved(rows: list[tuple[Impl, Result]], case: Case, timing: Timing, *,
-                     seed: int = 0) -> None:
+def time_interleaved(rows: list[tuple[Impl, Result]], case: Case, timing: Timing, *, seed: int = 0) -> None:
     """Time the implementations of one case together, in rounds (``timing.interleaved``), and
     record each one's per-round times in its Result. An implementation that fails while being
     prepared, warmed up or timed gets that status, and the others are timed again without it."""
@@ -384,8 +394,9 @@ def time_interleaved(rows: list[tuple[Impl, Result]], case: Case, timing: Timing
                         steps.pop(name, None)
             calls = {name: _synchronized(name, steps[name], device) for name in live}
             try:
-                times = timing_mod.interleaved(calls, min_rounds=timing.min_reps,
-                                               max_rounds=timing.max_reps, target_s=timing.target_s)
+                times = timing_mod.interleaved(
+                    calls, min_rounds=timing.min_reps, max_rounds=timing.max_reps, target_s=timing.target_s
+                )
             except _CallFailed as failed:
                 impl, result = live.pop(failed.name)
                 _record_failure(result, impl, failed.exc, [])
@@ -423,8 +434,14 @@ def _synchronized(name: str, step, device: torch.device):
 
 
 def _job(impl: Impl, case: Case, timing: Timing, seed: int, skip_slow: bool) -> dict:
-    return {"impl": impl.name, "case": dataclasses.asdict(case), "timing": timing._asdict(),
-            "seed": seed, "skip_slow": skip_slow, "phases": ["memory"]}
+    return {
+        "impl": impl.name,
+        "case": dataclasses.asdict(case),
+        "timing": timing._asdict(),
+        "seed": seed,
+        "skip_slow": skip_slow,
+        "phases": ["memory"],
+    }
 
 
 def run_job(job: dict) -> dict:
@@ -437,8 +454,7 @@ def run_job(job: dict) -> dict:
         return result.to_dict()
     timing = Timing(**job["timing"])
     phases = tuple(job.get("phases", PHASES))
-    return run_case(impl, case, timing, seed=job["seed"], skip_slow=job["skip_slow"],
-                    phases=phases).to_dict()
+    return run_case(impl, case, timing, seed=job["seed"], skip_slow=job["skip_slow"], phases=phases).to_dict()
 
 
 class Worker:
@@ -457,8 +473,13 @@ class Worker:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [src, env.get("PYTHONPATH")]))
         self.stderr = tempfile.TemporaryFile()
         self.proc = subprocess.Popen(
-            self.command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr,
-            env=env, text=True, bufsize=1,
+            self.command,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.stderr,
+            env=env,
+            text=True,
+            bufsize=1,
         )
 
     def run(self, job: dict) -> dict:
@@ -486,11 +507,11 @@ class Worker:
         self.stderr.seek(0)
         tail = self.stderr.read().decode(errors="replace").strip().splitlines()[-3:]
         if code == -signal.SIGKILL:
-            return {"status": "oom",
-                    "reason": "the worker was killed by SIGKILL (the kernel's OOM killer, most "
-                              "likely)"}
-        return {"status": "error",
-                "reason": f"the worker exited with code {code}: {' | '.join(tail)[-400:]}"}
+            return {
+                "status": "oom",
+                "reason": "the worker was killed by SIGKILL (the kernel's OOM killer, most likely)",
+            }
+        return {"status": "error", "reason": f"the worker exited with code {code}: {' | '.join(tail)[-400:]}"}
 
     def close(self) -> None:
         if self.proc is not None:
@@ -550,8 +571,9 @@ def run_all(
     return results
 
 
-def _memory_result(impl: Impl, case: Case, timing: Timing, seed: int, skip_slow: bool,
-                   isolate: Optional[bool], worker: Worker) -> Result:
+def _memory_result(
+    impl: Impl, case: Case, timing: Timing, seed: int, skip_slow: bool, isolate: Optional[bool], worker: Worker
+) -> Result:
     reasons = impl.not_supported_reasons(case, skip_slow=skip_slow)
     on_cpu = torch.device(case.device).type == "cpu"
     if reasons or not (on_cpu if isolate is None else isolate):

@@ -140,29 +140,45 @@ def _flex_reasons(spec: ModelSpec, device: str, mode: str) -> list[str]:
 IMPLS: dict[str, ModelImpl] = {
     impl.name: impl
     for impl in (
-        ModelImpl("classic", "diffusers", "diffusers AttnProcessor (baddbmm + softmax, scores whole)",
-                  _processor(_classic)),
-        ModelImpl("sdpa", "diffusers", "diffusers AttnProcessor2_0 (F.scaled_dot_product_attention)",
-                  _processor(_sdpa)),
-        ModelImpl("sliced", "diffusers", "sliced attention: set_attention_slice('auto'), "
-                  "SlicedAttnProcessor(max(1, heads // 2)) where the model has no such method", _sliced),
-        ModelImpl("xformers", "diffusers", "diffusers XFormersAttnProcessor", _processor(_xformers),
-                  _xformers_reasons),
-        ModelImpl("subquad", "diffusers", "subquad.integrations.diffusers.SubquadAttnProcessor",
-                  _subquad_diffusers),
+        ModelImpl(
+            "classic", "diffusers", "diffusers AttnProcessor (baddbmm + softmax, scores whole)", _processor(_classic)
+        ),
+        ModelImpl(
+            "sdpa", "diffusers", "diffusers AttnProcessor2_0 (F.scaled_dot_product_attention)", _processor(_sdpa)
+        ),
+        ModelImpl(
+            "sliced",
+            "diffusers",
+            "sliced attention: set_attention_slice('auto'), "
+            "SlicedAttnProcessor(max(1, heads // 2)) where the model has no such method",
+            _sliced,
+        ),
+        ModelImpl("xformers", "diffusers", "diffusers XFormersAttnProcessor", _processor(_xformers), _xformers_reasons),
+        ModelImpl("subquad", "diffusers", "subquad.integrations.diffusers.SubquadAttnProcessor", _subquad_diffusers),
     )
 }
 TRANSFORMERS_IMPLS: dict[str, ModelImpl] = {
     impl.name: impl
     for impl in (
-        ModelImpl("eager", "transformers", "transformers eager attention (matmul + softmax)",
-                  _attn_implementation("eager")),
-        ModelImpl("sdpa", "transformers", "transformers sdpa (F.scaled_dot_product_attention)",
-                  _attn_implementation("sdpa")),
-        ModelImpl("flex_attention", "transformers", "transformers flex_attention (compiled FlexAttention)",
-                  _attn_implementation("flex_attention"), _flex_reasons),
-        ModelImpl("subquad", "transformers", "subquad.integrations.transformers (attn_implementation='subquad')",
-                  _attn_implementation("subquad")),
+        ModelImpl(
+            "eager", "transformers", "transformers eager attention (matmul + softmax)", _attn_implementation("eager")
+        ),
+        ModelImpl(
+            "sdpa", "transformers", "transformers sdpa (F.scaled_dot_product_attention)", _attn_implementation("sdpa")
+        ),
+        ModelImpl(
+            "flex_attention",
+            "transformers",
+            "transformers flex_attention (compiled FlexAttention)",
+            _attn_implementation("flex_attention"),
+            _flex_reasons,
+        ),
+        ModelImpl(
+            "subquad",
+            "transformers",
+            "subquad.integrations.transformers (attn_implementation='subquad')",
+            _attn_implementation("subquad"),
+        ),
     )
 }
 
@@ -175,6 +191,7 @@ def impls_for(spec: ModelSpec, patterns: Optional[list[str]] = None) -> list[Mod
         return list(table.values())
     for pattern in patterns:
         if not any(fnmatch.fnmatchcase(name, pattern) for name in table):
-            raise ValueError(f"--impl {pattern!r} matches no implementation for {spec.name}; "
-                             f"known: {', '.join(table)}.")
+            raise ValueError(
+                f"--impl {pattern!r} matches no implementation for {spec.name}; known: {', '.join(table)}."
+            )
     return [impl for name, impl in table.items() if any(fnmatch.fnmatchcase(name, p) for p in patterns)]

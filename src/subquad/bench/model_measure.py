@@ -121,8 +121,11 @@ class _RssGuard:
             except OSError:
                 return
             if rss > self.limit:
-                print(f"subquad bench: RSS {rss / 2**30:.2f} GiB passed the guard of "
-                      f"{self.limit / 2**30:.2f} GiB", file=sys.stderr, flush=True)
+                print(
+                    f"subquad bench: RSS {rss / 2**30:.2f} GiB passed the guard of {self.limit / 2**30:.2f} GiB",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 os.kill(os.getpid(), signal.SIGKILL)
             time.sleep(0.02)
 
@@ -168,16 +171,17 @@ def run_memory_job(job: dict) -> dict:
                 model = _built(spec, job["device"], dtype, job["seed"])
             else:
                 model = models_mod.build(spec, device=job["device"], dtype=dtype, seed=job["seed"])
-            answer["weights_bytes"] = sum(t.numel() * t.element_size() for t in
-                                          [*model.parameters(), *model.buffers()])
-            inputs = models_mod.make_inputs(spec, job["size"], batch=job["batch"],
-                                            device=job["device"], dtype=dtype, seed=job["seed"] + 1)
+            answer["weights_bytes"] = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+            inputs = models_mod.make_inputs(
+                spec, job["size"], batch=job["batch"], device=job["device"], dtype=dtype, seed=job["seed"] + 1
+            )
             impl.apply(model, job.get("budget"))
             setup, step = models_mod.make_step(spec, model, inputs, job["mode"])
             warm = job.get("warmup_size")
             if warm:  # a large step is warmed up on a small input: the one-time costs are the same
-                small = models_mod.make_inputs(spec, warm, batch=job["batch"], device=job["device"],
-                                               dtype=dtype, seed=job["seed"] + 1)
+                small = models_mod.make_inputs(
+                    spec, warm, batch=job["batch"], device=job["device"], dtype=dtype, seed=job["seed"] + 1
+                )
                 warm_setup, warm_step = models_mod.make_step(spec, model, small, job["mode"])
             else:
                 warm_setup, warm_step = setup, step
@@ -226,8 +230,7 @@ def run_memory_job(job: dict) -> dict:
 def _guard_bytes() -> Optional[int]:
     try:
         with open("/proc/meminfo") as f:
-            available = next(int(line.split()[1]) * 1024 for line in f
-                             if line.startswith("MemAvailable:"))
+            available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
     except (OSError, StopIteration, ValueError):
         return None
     guard = int(0.9 * available)
@@ -266,8 +269,11 @@ def _worker_memory(worker_cls, job: dict) -> dict:
     finally:
         worker.close()
     if answer.get("status") == "oom" and "SIGKILL" in (answer.get("reason") or ""):
-        answer["reason"] = ("the worker was stopped: its step passed the cap (or the machine's "
-                            "memory)" if job.get("cap_bytes") else answer["reason"])
+        answer["reason"] = (
+            "the worker was stopped: its step passed the cap (or the machine's memory)"
+            if job.get("cap_bytes")
+            else answer["reason"]
+        )
     return answer
 
 
@@ -275,10 +281,20 @@ ProgressFn = Callable[[str], None]
 
 
 def run_model_bench(
-    spec: ModelSpec, sizes: list[int], task: str, impls: list[ModelImpl], *,
-    device: str = "cpu", dtype: str = "fp32", batch: int = 1, budget: Optional[str] = None,
-    rounds: int = 5, cap_bytes: Optional[int] = None, seed: int = 0,
-    progress: Optional[ProgressFn] = None, worker_cls=None,
+    spec: ModelSpec,
+    sizes: list[int],
+    task: str,
+    impls: list[ModelImpl],
+    *,
+    device: str = "cpu",
+    dtype: str = "fp32",
+    batch: int = 1,
+    budget: Optional[str] = None,
+    rounds: int = 5,
+    cap_bytes: Optional[int] = None,
+    seed: int = 0,
+    progress: Optional[ProgressFn] = None,
+    worker_cls=None,
 ) -> list[ModelResult]:
     """Every implementation at every size (smallest first) and mode of ``task``; ``rounds`` 0
     skips the interleaved timing (the worker's single measured step is then the only time, in
@@ -296,9 +312,20 @@ def run_model_bench(
                 for mode in models_mod.modes(spec, task):
                     rows = []
                     for impl in impls:
-                        r = ModelResult(spec.name, impl.name, task, mode, size, spec.size_unit,
-                                        batch=batch, dtype=dtype, budget=budget, cap_bytes=cap_bytes,
-                                        device=device, **env)
+                        r = ModelResult(
+                            spec.name,
+                            impl.name,
+                            task,
+                            mode,
+                            size,
+                            spec.size_unit,
+                            batch=batch,
+                            dtype=dtype,
+                            budget=budget,
+                            cap_bytes=cap_bytes,
+                            device=device,
+                            **env,
+                        )
                         rows.append(r)
                         reasons = impl.not_supported_reasons(spec, device, mode)
                         if reasons:
@@ -308,10 +335,22 @@ def run_model_bench(
                             r.status, r.reason = "skipped", "over the cap at a smaller size"
                             continue
                         say(f"{spec.name} {mode} {size} {spec.size_unit}: {impl.name}: memory (fresh process)")
-                        job = {"kind": "model", "model": spec.name, "impl": impl.name, "mode": mode,
-                               "size": size, "batch": batch, "dtype": dtype, "device": device,
-                               "budget": budget, "seed": seed, "cap_bytes": cap_bytes,
-                               "rss_guard": guard, "warmup_size": _warmup_size(spec, size), "output": os.path.join(tmp, f"{impl.name}-{mode}-{size}.pt")}
+                        job = {
+                            "kind": "model",
+                            "model": spec.name,
+                            "impl": impl.name,
+                            "mode": mode,
+                            "size": size,
+                            "batch": batch,
+                            "dtype": dtype,
+                            "device": device,
+                            "budget": budget,
+                            "seed": seed,
+                            "cap_bytes": cap_bytes,
+                            "rss_guard": guard,
+                            "warmup_size": _warmup_size(spec, size),
+                            "output": os.path.join(tmp, f"{impl.name}-{mode}-{size}.pt"),
+                        }
                         answer = _worker_memory(worker_cls, job)
                         for key, value in answer.items():
                             if key in ModelResult.__dataclass_fields__:
@@ -320,9 +359,16 @@ def run_model_bench(
                             r.over_cap = r.status == "oom" or (r.status == "ok" and r.total_bytes > cap_bytes)
                             if r.over_cap:
                                 over.setdefault(mode, set()).add(impl.name)
-                        say(f"  {impl.name}: {r.status}" + (f", peak {r.peak_bytes / 2**20:.0f} MiB, "
-                            f"{r.memory_step_ms / 1e3:.1f} s" if r.status == "ok" and r.peak_bytes is not None
-                            else f" ({r.reason})" if r.reason else ""))
+                        say(
+                            f"  {impl.name}: {r.status}"
+                            + (
+                                f", peak {r.peak_bytes / 2**20:.0f} MiB, {r.memory_step_ms / 1e3:.1f} s"
+                                if r.status == "ok" and r.peak_bytes is not None
+                                else f" ({r.reason})"
+                                if r.reason
+                                else ""
+                            )
+                        )
                     _differences(rows, tmp, mode, size)
                     if timer is not None:
                         say(f"{spec.name} {mode} {size} {spec.size_unit}: timing, {rounds} interleaved rounds")
@@ -361,16 +407,18 @@ class _Timer:
         self.spec, self.device, self.dtype, self.seed = spec, device, dtype, seed
         self.model = None
 
-    def time(self, rows: list[ModelResult], size: int, mode: str, batch: int,
-             budget: Optional[str], rounds: int) -> None:
+    def time(
+        self, rows: list[ModelResult], size: int, mode: str, batch: int, budget: Optional[str], rounds: int
+    ) -> None:
         live = [r for r in rows if r.status == "ok"]
         if not live:
             return
         dtype = models_mod.DTYPES[self.dtype]
         if self.model is None:
             self.model = _built(self.spec, self.device, dtype, self.seed)
-        inputs = models_mod.make_inputs(self.spec, size, batch=batch, device=self.device,
-                                        dtype=dtype, seed=self.seed + 1)
+        inputs = models_mod.make_inputs(
+            self.spec, size, batch=batch, device=self.device, dtype=dtype, seed=self.seed + 1
+        )
         by_name = {impl.name: impl for impl in impls_for(self.spec)}
         dev = torch.device(self.device)
         slow = max(r.memory_step_ms or 0.0 for r in live) > 10e3

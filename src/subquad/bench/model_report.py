@@ -19,10 +19,29 @@ from . import timing
 from .model_measure import ModelResult
 from .report import csv_cell, format_bytes, format_ms, read_records, write_json
 
-REQUIRED_FIELDS = ("model", "impl", "task", "mode", "size", "size_unit", "status", "reason",
-                   "median_ms", "q1_ms", "q3_ms", "times_ms", "rounds", "peak_bytes",
-                   "weights_bytes", "memory_method", "max_abs_diff", "device_name",
-                   "torch_version", "dtype", "batch")
+REQUIRED_FIELDS = (
+    "model",
+    "impl",
+    "task",
+    "mode",
+    "size",
+    "size_unit",
+    "status",
+    "reason",
+    "median_ms",
+    "q1_ms",
+    "q3_ms",
+    "times_ms",
+    "rounds",
+    "peak_bytes",
+    "weights_bytes",
+    "memory_method",
+    "max_abs_diff",
+    "device_name",
+    "torch_version",
+    "dtype",
+    "batch",
+)
 COLUMNS = ("impl", "median ms", "IQR ms", "peak step", "+ weights", "max |diff|", "status")
 
 
@@ -46,8 +65,7 @@ def _row(r: ModelResult) -> list[str]:
     if r.median_ms is None and r.memory_step_ms is not None and r.status == "ok":
         median = f"({format_ms(r.memory_step_ms)})"  # the worker's one step, untimed rounds
     diff = "-" if r.max_abs_diff is None else f"{r.max_abs_diff:.1e}"
-    return [r.impl, median, iqr, format_bytes(r.peak_bytes), format_bytes(r.total_bytes), diff,
-            status[:100]]
+    return [r.impl, median, iqr, format_bytes(r.peak_bytes), format_bytes(r.total_bytes), diff, status[:100]]
 
 
 def verdicts(rows: list[ModelResult]) -> list[str]:
@@ -65,8 +83,11 @@ def render(results: list[ModelResult]) -> str:
         widths = [max(len(c[i]) for c in cells) for i in range(len(COLUMNS) - 1)]
         lines.append(f"== {title}")
         for c in cells:
-            lines.append("  ".join(x.ljust(w) if i == 0 else x.rjust(w)
-                                   for i, (x, w) in enumerate(zip(c, widths))) + "  " + c[-1])
+            lines.append(
+                "  ".join(x.ljust(w) if i == 0 else x.rjust(w) for i, (x, w) in enumerate(zip(c, widths)))
+                + "  "
+                + c[-1]
+            )
         found = verdicts(rows)
         if found:
             lines.append("verdict: " + found[0])
@@ -108,8 +129,10 @@ def max_memory_lines(results: list[ModelResult]) -> list[str]:
 
 def markdown(results: list[ModelResult]) -> str:
     """The results as one Markdown table (for docs): a row per (mode, size, implementation)."""
-    lines = ["| mode | size | impl | step time, median (IQR) | peak step | + weights | max abs diff vs sdpa | status |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| mode | size | impl | step time, median (IQR) | peak step | + weights | max abs diff vs sdpa | status |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in results:
         if r.median_ms is not None:
             time_text = f"{format_ms(r.median_ms)} ms ({format_ms(r.q1_ms)}-{format_ms(r.q3_ms)}, {r.rounds} rounds)"
@@ -121,8 +144,10 @@ def markdown(results: list[ModelResult]) -> str:
         status = r.status + (f": {r.reason}" if r.reason and r.status != "ok" else "")
         if r.over_cap:
             status += " (over the cap)"
-        lines.append(f"| {r.mode} | {r.size} {r.size_unit} | {r.impl} | {time_text} | "
-                     f"{format_bytes(r.peak_bytes)} | {format_bytes(r.total_bytes)} | {diff} | {status[:90]} |")
+        lines.append(
+            f"| {r.mode} | {r.size} {r.size_unit} | {r.impl} | {time_text} | "
+            f"{format_bytes(r.peak_bytes)} | {format_bytes(r.total_bytes)} | {diff} | {status[:90]} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -165,9 +190,10 @@ def plot(results: list[ModelResult], out_dir: str) -> list[str]:
     # alone, which is what the attention changes.
     memory = (lambda r: r.total_bytes) if cap else (lambda r: r.peak_bytes)
     written = []
-    for filename, label in (("memory.png", "peak memory of the step + weights (MiB)" if cap
-                             else "peak memory of the step (MiB)"),
-                            ("time.png", "step time (ms)")):
+    for filename, label in (
+        ("memory.png", "peak memory of the step + weights (MiB)" if cap else "peak memory of the step (MiB)"),
+        ("time.png", "step time (ms)"),
+    ):
         fig, axes = plt.subplots(1, len(modes), figsize=(5.6 * len(modes), 4.2), squeeze=False)
         for ax, mode in zip(axes.flat, modes):
             for i, impl in enumerate(impls):
@@ -177,17 +203,20 @@ def plot(results: list[ModelResult], out_dir: str) -> list[str]:
                     if pts:
                         ax.plot(*zip(*pts), marker="osD^v<>"[i % 7], color=cmap(i), label=impl)
                 else:
-                    pts = [(r.size, r.median_ms if r.median_ms is not None else r.memory_step_ms,
-                            r.q1_ms, r.q3_ms) for r in rows if (r.median_ms or r.memory_step_ms)]
+                    pts = [
+                        (r.size, r.median_ms if r.median_ms is not None else r.memory_step_ms, r.q1_ms, r.q3_ms)
+                        for r in rows
+                        if (r.median_ms or r.memory_step_ms)
+                    ]
                     if pts:
                         xs, ys = [p[0] for p in pts], [p[1] for p in pts]
-                        err = [[max(0.0, y - (p[2] if p[2] is not None else y)) for p, y in zip(pts, ys)],
-                               [max(0.0, (p[3] if p[3] is not None else y) - y) for p, y in zip(pts, ys)]]
-                        ax.errorbar(xs, ys, yerr=err, marker="osD^v<>"[i % 7], color=cmap(i),
-                                    label=impl, capsize=3)
+                        err = [
+                            [max(0.0, y - (p[2] if p[2] is not None else y)) for p, y in zip(pts, ys)],
+                            [max(0.0, (p[3] if p[3] is not None else y) - y) for p, y in zip(pts, ys)],
+                        ]
+                        ax.errorbar(xs, ys, yerr=err, marker="osD^v<>"[i % 7], color=cmap(i), label=impl, capsize=3)
             if filename == "memory.png" and cap:
-                ax.axhline(cap / 2**20, color="red", linestyle="--", linewidth=1,
-                           label=f"cap {format_bytes(cap)}")
+                ax.axhline(cap / 2**20, color="red", linestyle="--", linewidth=1, label=f"cap {format_bytes(cap)}")
             sizes = sorted({r.size for r in ok if r.mode == mode})
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
@@ -197,8 +226,7 @@ def plot(results: list[ModelResult], out_dir: str) -> list[str]:
             ax.set_title(f"{ok[0].model} {mode}", fontsize=9)
             ax.grid(True, which="both", alpha=0.3)
             ax.legend(fontsize=7)
-        fig.suptitle(f"subquad bench --model: {label}\n{ok[0].device_name}, torch {ok[0].torch_version}",
-                     fontsize=9)
+        fig.suptitle(f"subquad bench --model: {label}\n{ok[0].device_name}, torch {ok[0].torch_version}", fontsize=9)
         fig.tight_layout()
         path = os.path.join(out_dir, filename)
         fig.savefig(path, dpi=100)
@@ -215,8 +243,7 @@ def save(results: list[ModelResult], out_dir: str) -> list[str]:
     return paths + plot(results, out_dir)
 
 
-def compare(new: list[ModelResult], old: list[ModelResult], fail_pct: Optional[float] = None
-            ) -> tuple[str, list[str]]:
+def compare(new: list[ModelResult], old: list[ModelResult], fail_pct: Optional[float] = None) -> tuple[str, list[str]]:
     """new/old ratios matched on (model, impl, mode, size); times with the range their IQRs
     allow (``timing.compare_unpaired``: a regression only when that whole range is above the
     limit), peak memory as a plain ratio (it does not drift)."""
@@ -234,8 +261,12 @@ def compare(new: list[ModelResult], old: list[ModelResult], fail_pct: Optional[f
             continue
         cells = []
         if r.median_ms and o.median_ms:
-            c = timing.compare_unpaired(r.impl, timing.Spread(r.median_ms, r.q1_ms, r.q3_ms, r.rounds),
-                                        o.impl, timing.Spread(o.median_ms, o.q1_ms, o.q3_ms, o.rounds))
+            c = timing.compare_unpaired(
+                r.impl,
+                timing.Spread(r.median_ms, r.q1_ms, r.q3_ms, r.rounds),
+                o.impl,
+                timing.Spread(o.median_ms, o.q1_ms, o.q3_ms, o.rounds),
+            )
             cells.append(f"time {c.describe()} {c.verdict}")
             if fail_pct is not None and c.low > 1 + fail_pct / 100:
                 regressions.append(f"{label}: time {c.ratio:.2f}x the old run (limit +{fail_pct:g}%)")

@@ -19,8 +19,21 @@ from typing import Any, Iterable, Optional, Sequence, TextIO
 from . import timing
 from .measure import Result
 
-REQUIRED_FIELDS = ("impl", "case", "mode", "median_ms", "peak_bytes", "tflops", "rel_err",
-                   "status", "reason", "device_name", "torch_version", "dtype", "shape")
+REQUIRED_FIELDS = (
+    "impl",
+    "case",
+    "mode",
+    "median_ms",
+    "peak_bytes",
+    "tflops",
+    "rel_err",
+    "status",
+    "reason",
+    "device_name",
+    "torch_version",
+    "dtype",
+    "shape",
+)
 
 
 def have_rich() -> bool:
@@ -51,10 +64,14 @@ def one_line(result: Result) -> str:
     if result.status != "ok":
         return f"{result.status}: {result.reason or ''}"
     if result.median_ms is None:  # the memory phase: the case's rounds come after all of them
-        return (f"peak {format_bytes(result.peak_bytes)}, err {_format_err(result.rel_err)}; "
-                "timed with the case's others next")
-    return (f"{format_ms(result.median_ms)} ms, {result.tflops or 0:.2f} TFLOP/s, "
-            f"peak {format_bytes(result.peak_bytes)}, err {_format_err(result.rel_err)}")
+        return (
+            f"peak {format_bytes(result.peak_bytes)}, err {_format_err(result.rel_err)}; "
+            "timed with the case's others next"
+        )
+    return (
+        f"{format_ms(result.median_ms)} ms, {result.tflops or 0:.2f} TFLOP/s, "
+        f"peak {format_bytes(result.peak_bytes)}, err {_format_err(result.rel_err)}"
+    )
 
 
 # -------------------------------------------------------------------------------- table
@@ -112,16 +129,17 @@ def verdicts(results: list[Result]) -> list[str]:
             line = f"{title}: {found[0]}, peak {format_bytes(best.peak_bytes)}"
             more = found[1:]
         else:
-            line = (f"{title}: fastest {best.impl} {format_ms(best.median_ms)} ms, peak "
-                    f"{format_bytes(best.peak_bytes)}")
+            line = f"{title}: fastest {best.impl} {format_ms(best.median_ms)} ms, peak {format_bytes(best.peak_bytes)}"
             if len(ok) > 1:
                 line += " (no per-round times: spread unknown)"
             more = []
         planner = next((r for r in ok if r.impl == "subquad"), None)
         if planner is not None:
-            line += (f"; subquad's planner picked {planner.plan.get('backend', '?')}: "
-                     f"{format_ms(planner.median_ms)} ms ({planner.median_ms / best.median_ms:.2f}x), "
-                     f"peak {format_bytes(planner.peak_bytes)}")
+            line += (
+                f"; subquad's planner picked {planner.plan.get('backend', '?')}: "
+                f"{format_ms(planner.median_ms)} ms ({planner.median_ms / best.median_ms:.2f}x), "
+                f"peak {format_bytes(planner.peak_bytes)}"
+            )
             if planner.first_call_ms is not None and planner.first_call_ms > 2 * planner.median_ms:
                 line += f", first call {format_ms(planner.first_call_ms)} ms"
         lines.append(line)
@@ -146,10 +164,17 @@ def table_sections(results: list[Result]) -> tuple[list[tuple[str, list[list[str
         if r.rel_err_grad is not None:
             err += f" / {_format_err(r.rel_err_grad)}"
         iqr = "-" if r.q1_ms is None else f"{format_ms(r.q1_ms)}-{format_ms(r.q3_ms)}"
-        sections.setdefault(title, []).append([
-            r.impl, format_ms(r.median_ms), iqr, "-" if r.tflops is None else f"{r.tflops:.3f}",
-            format_bytes(r.peak_bytes), err, status,
-        ])
+        sections.setdefault(title, []).append(
+            [
+                r.impl,
+                format_ms(r.median_ms),
+                iqr,
+                "-" if r.tflops is None else f"{r.tflops:.3f}",
+                format_bytes(r.peak_bytes),
+                err,
+                status,
+            ]
+        )
     return list(sections.items()), footer
 
 
@@ -158,12 +183,10 @@ def render_plain(results: list[Result]) -> str:
     sections, footer = table_sections(results)
     lines = []
     for title, rows in sections:
-        widths = [max(len(COLUMNS[i]), *(len(row[i]) for row in rows))
-                  for i in range(len(COLUMNS) - 1)]
+        widths = [max(len(COLUMNS[i]), *(len(row[i]) for row in rows)) for i in range(len(COLUMNS) - 1)]
         lines.append(f"== {title}")
         for cells in [list(COLUMNS), *rows]:
-            head = "  ".join(c.ljust(w) if i == 0 else c.rjust(w)
-                             for i, (c, w) in enumerate(zip(cells, widths)))
+            head = "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
             lines.append(f"{head}  {cells[-1]}".rstrip())
         lines.append("")
     for impl, reason in footer.items():
@@ -193,8 +216,7 @@ def print_table(results: list[Result], *, plain: bool = False, file: TextIO = No
                 table.add_column(name, no_wrap=True, overflow="ellipsis")
             else:
                 width = max(len(name), *(len(row[i]) for row in rows))
-                table.add_column(name, justify="left" if i == 0 else "right", no_wrap=True,
-                                 min_width=width)
+                table.add_column(name, justify="left" if i == 0 else "right", no_wrap=True, min_width=width)
         for row in rows:
             style = None if row[-1].startswith("ok") else "dim"
             table.add_row(*row, style=style)
@@ -219,12 +241,16 @@ class Progress:
         self.rich = None
         if not plain and have_rich():
             from rich.console import Console
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress as RichProgress
-            from rich.progress import TextColumn, TimeElapsedColumn
+            from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
+            from rich.progress import Progress as RichProgress
 
             self.rich = RichProgress(
-                TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                TimeElapsedColumn(), console=Console(file=self.file), transient=True,
+                TextColumn("{task.description}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+                console=Console(file=self.file),
+                transient=True,
             )
             self.task = self.rich.add_task("starting", total=total)
 
@@ -243,12 +269,12 @@ class Progress:
             if result is None:
                 self.rich.update(self.task, description=label)
             else:
-                self.rich.console.print(f"[{index + 1}/{total}] {label}: {one_line(result)}",
-                                        highlight=False, markup=False)
+                self.rich.console.print(
+                    f"[{index + 1}/{total}] {label}: {one_line(result)}", highlight=False, markup=False
+                )
                 self.rich.advance(self.task)
         elif result is not None:
-            print(f"[{index + 1}/{total}] {label}: {one_line(result)}", file=self.file,
-                  flush=True)
+            print(f"[{index + 1}/{total}] {label}: {one_line(result)}", file=self.file, flush=True)
 
 
 # ---------------------------------------------------------------------------- files
@@ -289,8 +315,9 @@ def write_csv(results: list[Result], path: str) -> None:
         writer = csv.writer(f)
         writer.writerow(names)
         for r in results:
-            writer.writerow(["x".join(map(str, r.shape)) if name == "shape" else csv_cell(getattr(r, name))
-                             for name in names])
+            writer.writerow(
+                ["x".join(map(str, r.shape)) if name == "shape" else csv_cell(getattr(r, name)) for name in names]
+            )
 
 
 def _groups(results: Iterable[Result]) -> dict[str, dict[str, list[tuple[int, Result]]]]:
@@ -328,13 +355,11 @@ def plot(results: list[Result], out_dir: str) -> list[str]:
     cmap = plt.get_cmap("tab10" if len(impl_order) <= 10 else "tab20")
     style = {name: (cmap(i), "osD^v<>ph*"[i % 10]) for i, name in enumerate(impl_order)}
     # Sweeps first: the panels with the most lengths carry the most information.
-    order = sorted(panels.items(), key=lambda kv: (-len({lq for pts in kv[1].values()
-                                                         for lq, _ in pts}), kv[0]))
+    order = sorted(panels.items(), key=lambda kv: (-len({lq for pts in kv[1].values() for lq, _ in pts}), kv[0]))
     written = []
     for filename, metric, label in (
         ("time.png", lambda r: r.median_ms, "median time (ms)"),
-        ("memory.png", lambda r: r.peak_bytes / 2**20 if r.peak_bytes else None,
-         "peak extra memory (MiB)"),
+        ("memory.png", lambda r: r.peak_bytes / 2**20 if r.peak_bytes else None, "peak extra memory (MiB)"),
     ):
         ncols = min(3, len(panels))
         nrows = math.ceil(len(panels) / ncols)
@@ -369,7 +394,7 @@ def plot(results: list[Result], out_dir: str) -> list[str]:
             ax.set_ylabel(label)
             ax.set_title(title, fontsize=9)
             ax.grid(True, which="both", alpha=0.3)
-        for ax in list(axes.flat)[len(panels):]:
+        for ax in list(axes.flat)[len(panels) :]:
             ax.set_visible(False)
         fig.suptitle(f"subquad bench: {label} on {device}", fontsize=10)
         fig.tight_layout()
@@ -400,14 +425,17 @@ def _time_cell(r: Result, o: Result) -> tuple[str, Optional[timing.Comparison]]:
     """new/old time ratio with its spread where both runs have quartiles (else the bare ratio)."""
     if r.q1_ms is None or o.q1_ms is None or r.reps < 2 or o.reps < 2:
         return f"{r.median_ms / o.median_ms:.2f}x", None
-    c = timing.compare_unpaired(r.impl, timing.Spread(r.median_ms, r.q1_ms, r.q3_ms, r.reps),
-                                o.impl, timing.Spread(o.median_ms, o.q1_ms, o.q3_ms, o.reps))
+    c = timing.compare_unpaired(
+        r.impl,
+        timing.Spread(r.median_ms, r.q1_ms, r.q3_ms, r.reps),
+        o.impl,
+        timing.Spread(o.median_ms, o.q1_ms, o.q3_ms, o.reps),
+    )
     word = "same" if c.verdict == timing.SAME else c.verdict
     return f"{c.ratio:.2f}x [{c.low:.2f}-{c.high:.2f}] {word}", c
 
 
-def compare(new: list[Result], old: list[Result], fail_pct: Optional[float] = None
-            ) -> tuple[str, list[str]]:
+def compare(new: list[Result], old: list[Result], fail_pct: Optional[float] = None) -> tuple[str, list[str]]:
     """A text table of new/old ratios for records matched on (impl, case, mode), and the list of
     regressions: time or peak memory up by more than ``fail_pct`` percent, or a case that ran
     before and now runs out of memory or fails. Where both runs have quartiles, a time ratio
@@ -443,10 +471,8 @@ def compare(new: list[Result], old: list[Result], fail_pct: Optional[float] = No
             else:
                 cells.append(f"{ratio:.2f}x")
             sure = spread is None or spread.low > 1 + fail_pct / 100 if fail_pct is not None else False
-            if (fail_pct is not None and ratio > 1 + fail_pct / 100 and new_v - old_v > floor
-                    and sure):
-                regressions.append(f"{label}: {what} {ratio:.2f}x the old run "
-                                   f"(limit +{fail_pct:g}%)")
+            if fail_pct is not None and ratio > 1 + fail_pct / 100 and new_v - old_v > floor and sure:
+                regressions.append(f"{label}: {what} {ratio:.2f}x the old run (limit +{fail_pct:g}%)")
         lines.append(f"{r.impl:<16} {r.case:<34} {r.mode:<7} {cells[0]:>28} {cells[1]:>13}")
     if len(lines) == 1:
         lines.append("(no (impl, case, mode) in common with the old run)")

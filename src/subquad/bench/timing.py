@@ -52,7 +52,7 @@ def round_orders(names: Sequence[str], rounds: int) -> list[list[str]]:
     """The order of each round: the names rotated by one position per round."""
     names = list(names)
     n = len(names)
-    return [names[r % n:] + names[: r % n] for r in range(rounds)] if n else []
+    return [names[r % n :] + names[: r % n] for r in range(rounds)] if n else []
 
 
 def interleaved(
@@ -73,7 +73,7 @@ def interleaved(
     r = 0
     while r < max(1, min_rounds) or (spent < target_s * len(timed) and r < max_rounds):
         names = list(timed)
-        for name in names[r % len(names):] + names[: r % len(names)]:
+        for name in names[r % len(names) :] + names[: r % len(names)]:
             call = timed[name]
             if call.setup is not None:
                 call.setup()
@@ -139,8 +139,7 @@ def _binom_cdf_half(k: int, n: int) -> float:
     return sum(math.comb(n, i) for i in range(0, k + 1)) / 2**n
 
 
-def median_interval(values: Sequence[float], confidence: float = CONFIDENCE
-                    ) -> tuple[float, float, float]:
+def median_interval(values: Sequence[float], confidence: float = CONFIDENCE) -> tuple[float, float, float]:
     """A distribution-free interval for the median: ``(low, high, coverage)``. The narrowest
     order-statistic interval whose coverage reaches ``confidence``; with too few values for that,
     the widest one (min to max) and its smaller coverage."""
@@ -159,16 +158,30 @@ def median_interval(values: Sequence[float], confidence: float = CONFIDENCE
 
 # Two-sided 99% quantiles of Student's t by degrees of freedom; between entries the smaller df
 # is used (a wider interval).
-_T99 = {1: 63.657, 2: 9.925, 3: 5.841, 4: 4.604, 5: 4.032, 6: 3.707, 7: 3.499, 8: 3.355,
-        9: 3.250, 10: 3.169, 12: 3.055, 15: 2.947, 20: 2.845, 30: 2.750, 60: 2.660}
+_T99 = {
+    1: 63.657,
+    2: 9.925,
+    3: 5.841,
+    4: 4.604,
+    5: 4.032,
+    6: 3.707,
+    7: 3.499,
+    8: 3.355,
+    9: 3.250,
+    10: 3.169,
+    12: 3.055,
+    15: 2.947,
+    20: 2.845,
+    30: 2.750,
+    60: 2.660,
+}
 
 
 def _t99(df: int) -> float:
     return _T99[max(k for k in _T99 if k <= df)] if df < 120 else 2.576
 
 
-def ratio_interval(ratios: Sequence[float], confidence: float = CONFIDENCE
-                   ) -> tuple[float, float, float]:
+def ratio_interval(ratios: Sequence[float], confidence: float = CONFIDENCE) -> tuple[float, float, float]:
     """The interval a verdict is read from: the union of the order-statistic interval of the
     median (distribution-free, but only 75% sure with 3 rounds) and a 99% t interval on the log
     ratios (wide with few rounds unless the rounds agree). Taking the wider keeps a noisy round
@@ -209,8 +222,10 @@ class Comparison:
             return f"{self.ratio:.2f}x (one round: no spread)"
         if not self.paired:
             return f"{self.ratio:.2f}x (from the IQRs: {self.low:.2f}-{self.high:.2f})"
-        return (f"{self.ratio:.2f}x (IQR {self.q1:.2f}-{self.q3:.2f}; {math.floor(self.coverage * 100)}% CI "
-                f"{self.low:.2f}-{self.high:.2f}, {self.rounds} rounds)")
+        return (
+            f"{self.ratio:.2f}x (IQR {self.q1:.2f}-{self.q3:.2f}; {math.floor(self.coverage * 100)}% CI "
+            f"{self.low:.2f}-{self.high:.2f}, {self.rounds} rounds)"
+        )
 
 
 def _verdict(low: float, high: float, threshold: float) -> str:
@@ -221,36 +236,52 @@ def _verdict(low: float, high: float, threshold: float) -> str:
     return SAME
 
 
-def compare_paired(name: str, times: Sequence[float], other: str, other_times: Sequence[float],
-                   *, threshold: float = PRACTICAL, confidence: float = CONFIDENCE) -> Comparison:
+def compare_paired(
+    name: str,
+    times: Sequence[float],
+    other: str,
+    other_times: Sequence[float],
+    *,
+    threshold: float = PRACTICAL,
+    confidence: float = CONFIDENCE,
+) -> Comparison:
     """``name`` against ``other`` from per-round times of the same rounds (index r of both
     lists is round r)."""
     if len(times) != len(other_times) or not times:
-        raise ValueError(f"paired times need the same rounds: {name} has {len(times)}, "
-                         f"{other} has {len(other_times)}")
+        raise ValueError(f"paired times need the same rounds: {name} has {len(times)}, {other} has {len(other_times)}")
     ratios = [a / b for a, b in zip(times, other_times) if b > 0]
     s = spread(ratios)
     if len(ratios) < 2:
-        return Comparison(name, other, s.median, s.q1, s.q3, s.median, s.median, 0.0,
-                          len(ratios), SAME)
+        return Comparison(name, other, s.median, s.q1, s.q3, s.median, s.median, 0.0, len(ratios), SAME)
     low, high, coverage = ratio_interval(ratios, confidence)
-    return Comparison(name, other, s.median, s.q1, s.q3, low, high, coverage, len(ratios),
-                      _verdict(low, high, threshold))
+    return Comparison(
+        name, other, s.median, s.q1, s.q3, low, high, coverage, len(ratios), _verdict(low, high, threshold)
+    )
 
 
-def compare_unpaired(name: str, new: Spread, other: str, old: Spread,
-                     *, threshold: float = PRACTICAL) -> Comparison:
+def compare_unpaired(name: str, new: Spread, other: str, old: Spread, *, threshold: float = PRACTICAL) -> Comparison:
     """Two runs made at different times (``--compare``): nothing pairs their calls, so the
     ratio of medians is given with the range its IQRs allow, [q1/q3', q3/q1'] (new over old); a
     difference is named only when that whole range lies beyond the threshold."""
     ratio = new.median / old.median
     if new.n < 2 or old.n < 2:
-        return Comparison(name, other, ratio, ratio, ratio, ratio, ratio, 0.0, min(new.n, old.n),
-                          SAME if abs(ratio - 1.0) <= threshold else
-                          ("slower" if ratio > 1 else "faster"), paired=False)
+        return Comparison(
+            name,
+            other,
+            ratio,
+            ratio,
+            ratio,
+            ratio,
+            ratio,
+            0.0,
+            min(new.n, old.n),
+            SAME if abs(ratio - 1.0) <= threshold else ("slower" if ratio > 1 else "faster"),
+            paired=False,
+        )
     low, high = new.q1 / old.q3, new.q3 / old.q1
-    return Comparison(name, other, ratio, low, high, low, high, 0.0, min(new.n, old.n),
-                      _verdict(low, high, threshold), paired=False)
+    return Comparison(
+        name, other, ratio, low, high, low, high, 0.0, min(new.n, old.n), _verdict(low, high, threshold), paired=False
+    )
 
 
 def _ms(seconds: float) -> str:
@@ -258,8 +289,9 @@ def _ms(seconds: float) -> str:
     return f"{ms:.3f}" if ms < 1 else f"{ms:.2f}" if ms < 100 else f"{ms:.0f}"
 
 
-def verdict_lines(samples: Mapping[str, Sequence[float]], *, threshold: float = PRACTICAL,
-                  confidence: float = CONFIDENCE) -> list[str]:
+def verdict_lines(
+    samples: Mapping[str, Sequence[float]], *, threshold: float = PRACTICAL, confidence: float = CONFIDENCE
+) -> list[str]:
     """What the interleaved times of one case support, in words: the fastest by median, which
     implementations are the same as it within noise, and how much slower the others are.
     ``samples`` maps names to per-round seconds (the same rounds for all)."""
@@ -270,9 +302,11 @@ def verdict_lines(samples: Mapping[str, Sequence[float]], *, threshold: float = 
     best = min(medians, key=medians.get)
     if len(samples) == 1:
         return [f"only {best} was timed: {_ms(medians[best])} ms"]
-    comparisons = [compare_paired(name, samples[name], best, samples[best], threshold=threshold,
-                                  confidence=confidence)
-                   for name in sorted(samples, key=medians.get) if name != best]
+    comparisons = [
+        compare_paired(name, samples[name], best, samples[best], threshold=threshold, confidence=confidence)
+        for name in sorted(samples, key=medians.get)
+        if name != best
+    ]
     same = [c for c in comparisons if c.verdict == SAME]
     slower = [c for c in comparisons if c.verdict == "slower"]
     s = spread(samples[best])

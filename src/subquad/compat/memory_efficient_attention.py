@@ -103,8 +103,16 @@ def efficient_dot_product_attention_pt(
         )
     if bias is not None and not bias.is_floating_point():
         raise ArgumentTypeError(f"Expected bias to be a floating-point tensor (masks go in mask), got {bias.dtype}.")
-    call = _prepare(query.shape, key.shape, value.shape, mask, bias, query_chunk_size, key_chunk_size,
-                    _Callbacks(bias_calc_fn, mask_calc_fn, weights_calc_fn, calc_fn_data))
+    call = _prepare(
+        query.shape,
+        key.shape,
+        value.shape,
+        mask,
+        bias,
+        query_chunk_size,
+        key_chunk_size,
+        _Callbacks(bias_calc_fn, mask_calc_fn, weights_calc_fn, calc_fn_data),
+    )
     mask, bias = _at_least_3d(mask), _at_least_3d(bias)
     qt, kt, vt = (t.transpose(-3, -2) for t in (query, key, value))  # subquad's (..., H, L, E), views
     if tuple(torch.broadcast_shapes(query.shape[:-3], key.shape[:-3], value.shape[:-3])) != call.batch:
@@ -177,11 +185,21 @@ def efficient_dot_product_attention_jax(
             raise ArgumentTypeError(f"Expected {name} to be an array, got {type(x).__name__}.") from None
     q, k, v, mask, bias = arrays
     if mask is not None and mask.dtype != jnp.bool_:
-        raise ArgumentTypeError(f"Expected mask to be bool (True = attend; additive terms go in bias), got {mask.dtype}.")
+        raise ArgumentTypeError(
+            f"Expected mask to be bool (True = attend; additive terms go in bias), got {mask.dtype}."
+        )
     if bias is not None and not jnp.issubdtype(bias.dtype, jnp.floating):
         raise ArgumentTypeError(f"Expected bias to have a floating dtype (masks go in mask), got {bias.dtype}.")
-    call = _prepare(q.shape, k.shape, v.shape, mask, bias, query_chunk_size, key_chunk_size,
-                    _Callbacks(bias_calc_fn, mask_calc_fn, weights_calc_fn, calc_fn_data))
+    call = _prepare(
+        q.shape,
+        k.shape,
+        v.shape,
+        mask,
+        bias,
+        query_chunk_size,
+        key_chunk_size,
+        _Callbacks(bias_calc_fn, mask_calc_fn, weights_calc_fn, calc_fn_data),
+    )
     mask, bias = _at_least_3d(mask), _at_least_3d(bias)
     B, batch = call.B, call.batch
     q4, k4, v4 = (jnp.broadcast_to(x, batch + x.shape[-3:]).reshape((B,) + x.shape[-3:]) for x in (q, k, v))
@@ -234,8 +252,14 @@ class _Call(NamedTuple):
 
 
 def _prepare(
-    q: Sequence[int], k: Sequence[int], v: Sequence[int], mask: Any, bias: Any, query_chunk_size: object,
-    key_chunk_size: object, fns: _Callbacks,
+    q: Sequence[int],
+    k: Sequence[int],
+    v: Sequence[int],
+    mask: Any,
+    bias: Any,
+    query_chunk_size: object,
+    key_chunk_size: object,
+    fns: _Callbacks,
 ) -> _Call:
     """Check the seed's layout and arguments on shapes (errors name the argument)."""
     for name, s in (("query", q), ("key", k), ("value", v)):
@@ -262,7 +286,8 @@ def _prepare(
     except RuntimeError:
         raise ArgumentError(
             f"The batch dims of query {tuple(q)}, key {tuple(k)}, value {tuple(v)}"
-            + "".join(f", {n} {s}" for n, s in extra.items()) + " do not broadcast."
+            + "".join(f", {n} {s}" for n, s in extra.items())
+            + " do not broadcast."
         ) from None
     for name, size in (("query_chunk_size", query_chunk_size), ("key_chunk_size", key_chunk_size)):
         if isinstance(size, bool) or not isinstance(size, int):
@@ -286,8 +311,15 @@ def _at_least_3d(t: Any) -> Any:
 
 # ------------------------------------------------------------------ one tile, as the seed's chunk
 def _seed_chunk(
-    w: Any, q_offset: Any, k_offset: Any, bias_chunk: Any, mask_chunk: Any, fns: _Callbacks, low: float,
-    swap: Callable[[Any], Any], where: Callable[[Any, Any, Any], Any],
+    w: Any,
+    q_offset: Any,
+    k_offset: Any,
+    bias_chunk: Any,
+    mask_chunk: Any,
+    fns: _Callbacks,
+    low: float,
+    swap: Callable[[Any], Any],
+    where: Callable[[Any, Any, Any], Any],
 ) -> Any:
     """The seed's steps on one chunk's scores ``w [..., q, H, k]``, masked scores left at ``low``.
 
@@ -343,8 +375,17 @@ def _torch_score_mod(call: _Call, bias: Optional[Tensor], mask: Optional[Tensor]
         qn, kn = s.shape[-2], s.shape[-1]
         w = s.reshape(*batch, H, qn, kn).transpose(-3, -2)
         # The seed's key offsets come from iterating torch.arange (0-d int64 tensors), its query offsets are ints.
-        w = _seed_chunk(w, q0, torch.tensor(k0), part(bias, q0, qn, k0, kn), part(mask, q0, qn, k0, kn), call.fns,
-                        low, lambda x: x.transpose(-3, -2), torch.where)
+        w = _seed_chunk(
+            w,
+            q0,
+            torch.tensor(k0),
+            part(bias, q0, qn, k0, kn),
+            part(mask, q0, qn, k0, kn),
+            call.fns,
+            low,
+            lambda x: x.transpose(-3, -2),
+            torch.where,
+        )
         w = w.masked_fill(w <= low, float("-inf"))
         return w.transpose(-3, -2).expand(*batch, H, qn, kn).reshape(B, H, qn, kn)
 
@@ -392,8 +433,17 @@ def _jax_score_mod(call: _Call, bias: Any, mask: Any, low: float, jnp: Any, lax:
         # subquad.jax's chunks are consecutive positions: the first is the offset.
         q0, k0 = q_idx[0, 0, 0, 0].astype(offset_dtype), kv_idx[0, 0, 0, 0].astype(offset_dtype)
         w = jnp.swapaxes(score.reshape(batch + (H, qn, kn)), -3, -2)
-        w = _seed_chunk(w, q0, k0, part(bias, q0, qn, k0, kn), part(mask, q0, qn, k0, kn), call.fns, low,
-                        lambda x: jnp.swapaxes(x, -3, -2), jnp.where)
+        w = _seed_chunk(
+            w,
+            q0,
+            k0,
+            part(bias, q0, qn, k0, kn),
+            part(mask, q0, qn, k0, kn),
+            call.fns,
+            low,
+            lambda x: jnp.swapaxes(x, -3, -2),
+            jnp.where,
+        )
         w = jnp.where(w <= low, -jnp.inf, w)
         return jnp.broadcast_to(jnp.swapaxes(w, -3, -2), batch + (H, qn, kn)).reshape(B, H, qn, kn)
 

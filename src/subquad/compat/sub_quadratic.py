@@ -72,8 +72,15 @@ def efficient_dot_product_attention(
     """
     _check_shapes(query, key_t, value, transposed=True)
     return _attend(
-        query, key_t.transpose(-2, -1), value, query_chunk_size, kv_chunk_size, kv_chunk_size_min, use_checkpoint,
-        upcast_attention, mask,
+        query,
+        key_t.transpose(-2, -1),
+        value,
+        query_chunk_size,
+        kv_chunk_size,
+        kv_chunk_size_min,
+        use_checkpoint,
+        upcast_attention,
+        mask,
     )
 
 
@@ -108,8 +115,15 @@ def _kv_chunk(kv_chunk_size: Optional[int], kv_chunk_size_min: Optional[int], k_
 
 
 def _attend(
-    query: Tensor, key: Tensor, value: Tensor, query_chunk_size: object, kv_chunk_size: object,
-    kv_chunk_size_min: object, use_checkpoint: object, upcast_attention: object, mask: Optional[Tensor],
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    query_chunk_size: object,
+    kv_chunk_size: object,
+    kv_chunk_size_min: object,
+    use_checkpoint: object,
+    upcast_attention: object,
+    mask: Optional[Tensor],
 ) -> Tensor:
     _check_int("query_chunk_size", query_chunk_size, minimum=1)
     if kv_chunk_size is not None:
@@ -165,7 +179,8 @@ def _check_shapes(query: object, key: object, value: object, *, transposed: bool
         if tuple(key.shape) == other and E != Lk:
             hint = (
                 " That is AUTOMATIC1111's layout (key not transposed): call efficient_dot_product_attention_a1111."
-                if transposed else " That is ComfyUI's layout (key transposed): call efficient_dot_product_attention."
+                if transposed
+                else " That is ComfyUI's layout (key transposed): call efficient_dot_product_attention."
             )
         legend = "(B*H, E, Lk)" if transposed else "(B*H, Lk, E)"
         raise ArgumentError(

@@ -32,13 +32,21 @@ gloo's default is 30 minutes), when they raise. Invalid arguments are checked on
 before any transfer, so that all ranks raise together.
 """
 
+from ._agreement import STRATEGIES
 from ._face import attention, explain, ring_attention, ulysses_attention
 from ._group import STATS
 from ._layouts import LAYOUTS, shard, unshard
-from ._agreement import STRATEGIES
 from ._plan import DistributedPlan
 
 __all__ = [
-    "ring_attention", "ulysses_attention", "attention", "explain", "shard", "unshard",
-    "DistributedPlan", "LAYOUTS", "STRATEGIES", "STATS",
+    "ring_attention",
+    "ulysses_attention",
+    "attention",
+    "explain",
+    "shard",
+    "unshard",
+    "DistributedPlan",
+    "LAYOUTS",
+    "STRATEGIES",
+    "STATS",
 ]

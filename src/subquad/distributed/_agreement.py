@@ -83,14 +83,37 @@ def _float_bits(x: Optional[float]) -> int:
     return -1 if x is None else struct.unpack("<q", struct.pack("<d", float(x)))[0]
 
 
-_FIELDS = ("error", "query", "key", "value", "attn_mask", "dtype", "layout", "is_causal", "enable_gqa",
-           "scale", "score_mod", "mask_mod", "strategy")
+_FIELDS = (
+    "error",
+    "query",
+    "key",
+    "value",
+    "attn_mask",
+    "dtype",
+    "layout",
+    "is_causal",
+    "enable_gqa",
+    "scale",
+    "score_mod",
+    "mask_mod",
+    "strategy",
+)
 
 
 def agree(
-    g: Group, local_error: Optional[BaseException], query: Tensor, key: Tensor, value: Tensor,
-    attn_mask: Optional[Tensor], layout: str, is_causal: bool, enable_gqa: bool, scale: Optional[float],
-    score_mod: Any, mask_mod: Any, strategy: str,
+    g: Group,
+    local_error: Optional[BaseException],
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Optional[Tensor],
+    layout: str,
+    is_causal: bool,
+    enable_gqa: bool,
+    scale: Optional[float],
+    score_mod: Any,
+    mask_mod: Any,
+    strategy: str,
 ) -> List[Dict[str, Any]]:
     """Every rank's view of the call, gathered with one small all-gather before any transfer.
 
@@ -102,8 +125,16 @@ def agree(
     row = [0 if ok else 1]
     for t in (query, key, value, attn_mask):
         row += _shape_fields(t if ok else None)
-    row += [dtype_code, LAYOUTS.index(layout) if layout in LAYOUTS else -1, int(bool(is_causal)), int(bool(enable_gqa)),
-            _float_bits(scale) if ok else 0, int(score_mod is not None), int(mask_mod is not None), STRATEGIES.index(strategy)]
+    row += [
+        dtype_code,
+        LAYOUTS.index(layout) if layout in LAYOUTS else -1,
+        int(bool(is_causal)),
+        int(bool(enable_gqa)),
+        _float_bits(scale) if ok else 0,
+        int(score_mod is not None),
+        int(mask_mod is not None),
+        STRATEGIES.index(strategy),
+    ]
     like = query if isinstance(query, Tensor) else torch.empty(0)
     t = torch.tensor(row, dtype=torch.int64, device=g.comm_device(like))
     parts = [torch.empty_like(t) for _ in range(g.size)]
@@ -112,11 +143,16 @@ def agree(
     w = _MAX_DIMS + 1
     for p in parts:
         v = [int(x) for x in p.tolist()]
-        rows.append({
-            "error": v[0], "query": _fields_shape(v[1 : 1 + w]), "key": _fields_shape(v[1 + w : 1 + 2 * w]),
-            "value": _fields_shape(v[1 + 2 * w : 1 + 3 * w]), "attn_mask": _fields_shape(v[1 + 3 * w : 1 + 4 * w]),
-            **dict(zip(_FIELDS[5:], v[1 + 4 * w :])),
-        })
+        rows.append(
+            {
+                "error": v[0],
+                "query": _fields_shape(v[1 : 1 + w]),
+                "key": _fields_shape(v[1 + w : 1 + 2 * w]),
+                "value": _fields_shape(v[1 + 2 * w : 1 + 3 * w]),
+                "attn_mask": _fields_shape(v[1 + 3 * w : 1 + 4 * w]),
+                **dict(zip(_FIELDS[5:], v[1 + 4 * w :])),
+            }
+        )
     failed = [r for r, row_ in enumerate(rows) if row_["error"]]
     if failed:
         if local_error is not None:
@@ -130,6 +166,7 @@ def agree(
 
 def check_agreement(rows: List[Dict[str, Any]], layout: str) -> Tuple[List[int], List[int]]:
     """Raise on every rank alike when the ranks disagree; returns the query and key lengths per rank."""
+
     def differ(what: str, values: List[Any], hint: str = "") -> None:
         shown = ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))
         raise ArgumentError(f"subquad.distributed: {what} must be the same on every rank, got {shown}.{hint}")
@@ -140,8 +177,13 @@ def check_agreement(rows: List[Dict[str, Any]], layout: str) -> Tuple[List[int],
         if len(set(without_len)) > 1:
             differ(f"{name}'s shape apart from its sequence length (dim -2)", shapes)
     for name, hint in (
-        ("dtype", ""), ("layout", ""), ("is_causal", ""), ("enable_gqa", ""), ("scale", ""),
-        ("score_mod", " (pass a callback on every rank or on none)"), ("mask_mod", " (pass a callback on every rank or on none)"),
+        ("dtype", ""),
+        ("layout", ""),
+        ("is_causal", ""),
+        ("enable_gqa", ""),
+        ("scale", ""),
+        ("score_mod", " (pass a callback on every rank or on none)"),
+        ("mask_mod", " (pass a callback on every rank or on none)"),
         ("strategy", ""),
     ):
         values = [row[name] for row in rows]
@@ -158,7 +200,11 @@ def check_agreement(rows: List[Dict[str, Any]], layout: str) -> Tuple[List[int],
                 values = [bool(v) for v in values]
             differ(name, values, hint)
     if len({row["attn_mask"] is None for row in rows}) > 1:
-        differ("whether attn_mask is given", [row["attn_mask"] is not None for row in rows], " (pass a mask shard on every rank or on none)")
+        differ(
+            "whether attn_mask is given",
+            [row["attn_mask"] is not None for row in rows],
+            " (pass a mask shard on every rank or on none)",
+        )
     q_lengths = [row["query"][-2] for row in rows]
     kv_lengths = [row["key"][-2] for row in rows]
     if [row["value"][-2] for row in rows] != kv_lengths:
@@ -187,15 +233,33 @@ def check_agreement(rows: List[Dict[str, Any]], layout: str) -> Tuple[List[int],
 
 
 def validate_local(
-    query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor], is_causal: bool,
-    score_mod: Any, mask_mod: Any, scale: Optional[float], enable_gqa: bool, return_lse: bool,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Optional[Tensor],
+    is_causal: bool,
+    score_mod: Any,
+    mask_mod: Any,
+    scale: Optional[float],
+    enable_gqa: bool,
+    return_lse: bool,
 ) -> None:
     """What one rank can check alone (types, dims, heads, devices), as :func:`subquad.attention` does."""
     check_bool("return_lse", return_lse)
-    make_inputs(query, key, value, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
-                score_mod=score_mod, mask_mod=mask_mod)
+    make_inputs(
+        query,
+        key,
+        value,
+        is_causal=is_causal,
+        scale=scale,
+        enable_gqa=enable_gqa,
+        score_mod=score_mod,
+        mask_mod=mask_mod,
+    )
     if query.dim() < 3:
-        raise ArgumentError(f"Expected query, key and value of shape (..., H, L, E) (3 dims or more), got query {tuple(query.shape)}.")
+        raise ArgumentError(
+            f"Expected query, key and value of shape (..., H, L, E) (3 dims or more), got query {tuple(query.shape)}."
+        )
     if not (query.shape[:-3] == key.shape[:-3] == value.shape[:-3]):
         raise ArgumentError(
             "subquad.distributed needs the same batch dims on query, key and value (no broadcasting), got "
@@ -214,6 +278,8 @@ def validate_local(
         if attn_mask.device != query.device:
             raise ArgumentError(f"attn_mask is on {attn_mask.device}, query on {query.device}.")
         if attn_mask.dim() > query.dim():
-            raise ArgumentError(f"attn_mask has more dims than query: {tuple(attn_mask.shape)} vs {tuple(query.shape)}.")
+            raise ArgumentError(
+                f"attn_mask has more dims than query: {tuple(attn_mask.shape)} vs {tuple(query.shape)}."
+            )
         if is_causal:
             raise ArgumentError("Pass either attn_mask or is_causal=True, not both (as in SDPA).")

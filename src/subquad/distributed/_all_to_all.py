@@ -57,7 +57,13 @@ class SeqToHeads(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Tuple[Optional[Tensor], None, None, None, None]:
         g, layout, lengths, inverse = ctx.args
-        return (_seq_to_heads if inverse else _heads_to_seq)(g, grad.contiguous(), layout, lengths), None, None, None, None
+        return (
+            (_seq_to_heads if inverse else _heads_to_seq)(g, grad.contiguous(), layout, lengths),
+            None,
+            None,
+            None,
+            None,
+        )
 
 
 def run_ulysses(call: Call, q: Tensor, k: Tensor, v: Tensor) -> Tuple[Tensor, Tensor]:
@@ -67,8 +73,17 @@ def run_ulysses(call: Call, q: Tensor, k: Tensor, v: Tensor) -> Tuple[Tensor, Te
     vh = SeqToHeads.apply(v, g, call.layout, call.kv_lengths, False)
     block = BlockPositions(0, 0, (call.Lq, call.Lk), h_offset=g.rank * (q.shape[1] // P))
     out, lse, _ = _call.attention_block(
-        qh, kh, vh, block, attn_mask=None, is_causal=call.is_causal, score_mod=call.score_mod, mask_mod=call.mask_mod,
-        scale=call.scale, enable_gqa=call.enable_gqa, memory_budget=call.budget,
+        qh,
+        kh,
+        vh,
+        block,
+        attn_mask=None,
+        is_causal=call.is_causal,
+        score_mod=call.score_mod,
+        mask_mod=call.mask_mod,
+        scale=call.scale,
+        enable_gqa=call.enable_gqa,
+        memory_budget=call.budget,
     )
     del qh, kh, vh
     out = SeqToHeads.apply(out, g, call.layout, call.q_lengths, True)

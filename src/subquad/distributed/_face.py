@@ -22,8 +22,20 @@ from ._ring import Ring, block_state_of, sub_block_caps
 
 
 def _setup(
-    strategy: str, query: Any, key: Any, value: Any, group: Any, is_causal: Any, score_mod: Any, mask_mod: Any,
-    attn_mask: Any, scale: Any, enable_gqa: Any, memory_budget: Budget, layout: Any, return_lse: Any,
+    strategy: str,
+    query: Any,
+    key: Any,
+    value: Any,
+    group: Any,
+    is_causal: Any,
+    score_mod: Any,
+    mask_mod: Any,
+    attn_mask: Any,
+    scale: Any,
+    enable_gqa: Any,
+    memory_budget: Budget,
+    layout: Any,
+    return_lse: Any,
 ) -> Optional[Tuple[Call, Tensor, Tensor, Tensor, Optional[Tensor]]]:
     """Check the call on every rank together; ``None`` for a group of one (run it locally)."""
     g = resolve_group(group)
@@ -41,7 +53,21 @@ def _setup(
         if local_error is not None:
             raise local_error
         return None
-    rows = agree(g, local_error, query, key, value, attn_mask, layout, is_causal, enable_gqa, scale, score_mod, mask_mod, strategy)
+    rows = agree(
+        g,
+        local_error,
+        query,
+        key,
+        value,
+        attn_mask,
+        layout,
+        is_causal,
+        enable_gqa,
+        scale,
+        score_mod,
+        mask_mod,
+        strategy,
+    )
     q_lengths, kv_lengths = check_agreement(rows, layout)
     batch_shape = tuple(query.shape[:-3])
     q4 = query.reshape(-1, *query.shape[-3:])
@@ -49,8 +75,23 @@ def _setup(
     v4 = value.reshape(-1, *value.shape[-3:])
     m4 = None if attn_mask is None else _mask_4d(attn_mask, query)
     rows, cols = sub_block_caps(q4.shape[0], q4.shape[1], k4.shape[1], q4.shape[2], q4.shape[3], v4.shape[3])
-    call = Call(g, layout, q_lengths, kv_lengths, batch_shape, bool(is_causal), m4, score_mod, mask_mod, scale,
-                 bool(enable_gqa), budget, rows, cols, block_state_of(mask_mod, q4.device))
+    call = Call(
+        g,
+        layout,
+        q_lengths,
+        kv_lengths,
+        batch_shape,
+        bool(is_causal),
+        m4,
+        score_mod,
+        mask_mod,
+        scale,
+        bool(enable_gqa),
+        budget,
+        rows,
+        cols,
+        block_state_of(mask_mod, q4.device),
+    )
     return call, q4, k4, v4, m4
 
 
@@ -66,10 +107,14 @@ def _mask_4d(mask: Tensor, query: Tensor) -> Tensor:
     try:
         return m.expand(*batch, *m.shape[-3:]).reshape(-1, *m.shape[-3:])
     except RuntimeError:
-        raise ArgumentError(f"attn_mask {tuple(mask.shape)} does not broadcast to query's batch dims {batch}.") from None
+        raise ArgumentError(
+            f"attn_mask {tuple(mask.shape)} does not broadcast to query's batch dims {batch}."
+        ) from None
 
 
-def _finish(out: Tensor, lse: Tensor, batch_shape: Tuple[int, ...], return_lse: bool) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+def _finish(
+    out: Tensor, lse: Tensor, batch_shape: Tuple[int, ...], return_lse: bool
+) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     out = out.reshape(*batch_shape, *out.shape[1:])
     if return_lse:
         return out, lse.reshape(*batch_shape, *lse.shape[1:])
@@ -77,12 +122,31 @@ def _finish(out: Tensor, lse: Tensor, batch_shape: Tuple[int, ...], return_lse: 
 
 
 def _local(
-    query: Tensor, key: Tensor, value: Tensor, is_causal: bool, score_mod: Any, mask_mod: Any, attn_mask: Any,
-    scale: Any, enable_gqa: bool, memory_budget: Budget, return_lse: bool,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    is_causal: bool,
+    score_mod: Any,
+    mask_mod: Any,
+    attn_mask: Any,
+    scale: Any,
+    enable_gqa: bool,
+    memory_budget: Budget,
+    return_lse: bool,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     return _call.attention(
-        query, key, value, attn_mask=attn_mask, is_causal=is_causal, score_mod=score_mod, mask_mod=mask_mod,
-        scale=scale, enable_gqa=enable_gqa, memory_budget=memory_budget, return_lse=return_lse, allow_compile=False,
+        query,
+        key,
+        value,
+        attn_mask=attn_mask,
+        is_causal=is_causal,
+        score_mod=score_mod,
+        mask_mod=mask_mod,
+        scale=scale,
+        enable_gqa=enable_gqa,
+        memory_budget=memory_budget,
+        return_lse=return_lse,
+        allow_compile=False,
     )
 
 
@@ -166,10 +230,26 @@ def ring_attention(
         Whatever a callback raises, on its rank; the other ranks then raise when the group's
             timeout (``init_process_group(timeout=...)``) expires while they wait for it.
     """
-    setup = _setup("ring", query, key, value, group, is_causal, score_mod, mask_mod, attn_mask, scale, enable_gqa,
-                   memory_budget, layout, return_lse)
+    setup = _setup(
+        "ring",
+        query,
+        key,
+        value,
+        group,
+        is_causal,
+        score_mod,
+        mask_mod,
+        attn_mask,
+        scale,
+        enable_gqa,
+        memory_budget,
+        layout,
+        return_lse,
+    )
     if setup is None:
-        return _local(query, key, value, is_causal, score_mod, mask_mod, attn_mask, scale, enable_gqa, memory_budget, return_lse)
+        return _local(
+            query, key, value, is_causal, score_mod, mask_mod, attn_mask, scale, enable_gqa, memory_budget, return_lse
+        )
     call, q, k, v, m = setup
     trivial = _trivial(call, q, k, v)
     if trivial is not None:
@@ -204,10 +284,26 @@ def ulysses_attention(
     holds the whole sequence of ``H/P`` heads (as much as its shards). Differentiable through
     the all-to-alls.
     """
-    setup = _setup("ulysses", query, key, value, group, is_causal, score_mod, mask_mod, None, scale, enable_gqa,
-                   memory_budget, layout, return_lse)
+    setup = _setup(
+        "ulysses",
+        query,
+        key,
+        value,
+        group,
+        is_causal,
+        score_mod,
+        mask_mod,
+        None,
+        scale,
+        enable_gqa,
+        memory_budget,
+        layout,
+        return_lse,
+    )
     if setup is None:
-        return _local(query, key, value, is_causal, score_mod, mask_mod, None, scale, enable_gqa, memory_budget, return_lse)
+        return _local(
+            query, key, value, is_causal, score_mod, mask_mod, None, scale, enable_gqa, memory_budget, return_lse
+        )
     call, q, k, v, _ = setup
     reasons = ulysses_reasons(call, q.shape[1], k.shape[1])
     if reasons:
@@ -244,14 +340,37 @@ def attention(
     if strategy not in STRATEGIES:
         raise ArgumentError(f"Unknown strategy={strategy!r}; expected one of {', '.join(map(repr, STRATEGIES))}.")
     if strategy == "auto":
-        plan = explain(query, key, value, group=group, is_causal=is_causal, score_mod=score_mod, mask_mod=mask_mod,
-                       attn_mask=attn_mask, scale=scale, enable_gqa=enable_gqa, memory_budget=memory_budget, layout=layout)
+        plan = explain(
+            query,
+            key,
+            value,
+            group=group,
+            is_causal=is_causal,
+            score_mod=score_mod,
+            mask_mod=mask_mod,
+            attn_mask=attn_mask,
+            scale=scale,
+            enable_gqa=enable_gqa,
+            memory_budget=memory_budget,
+            layout=layout,
+        )
         strategy = plan.strategy
-    kwargs: Dict[str, Any] = dict(group=group, is_causal=is_causal, score_mod=score_mod, mask_mod=mask_mod, scale=scale,
-                                  enable_gqa=enable_gqa, memory_budget=memory_budget, layout=layout, return_lse=return_lse)
+    kwargs: Dict[str, Any] = dict(
+        group=group,
+        is_causal=is_causal,
+        score_mod=score_mod,
+        mask_mod=mask_mod,
+        scale=scale,
+        enable_gqa=enable_gqa,
+        memory_budget=memory_budget,
+        layout=layout,
+        return_lse=return_lse,
+    )
     if strategy == "ulysses":
         if attn_mask is not None:
-            raise ArgumentError("strategy='ulysses' takes no attn_mask (each rank would need every row of it); use a mask_mod or strategy='ring'.")
+            raise ArgumentError(
+                "strategy='ulysses' takes no attn_mask (each rank would need every row of it); use a mask_mod or strategy='ring'."
+            )
         return ulysses_attention(query, key, value, **kwargs)
     return ring_attention(query, key, value, attn_mask=attn_mask, **kwargs)
 
@@ -278,13 +397,38 @@ def explain(
     predicted peak memory beyond its shards, the bytes it sends forward and backward, the ring's
     attention calls per step, and the plan (:class:`subquad.Plan`) of its largest block.
     """
-    setup = _setup(strategy, query, key, value, group, is_causal, score_mod, mask_mod, attn_mask, scale, enable_gqa,
-                   memory_budget, layout, False)
+    setup = _setup(
+        strategy,
+        query,
+        key,
+        value,
+        group,
+        is_causal,
+        score_mod,
+        mask_mod,
+        attn_mask,
+        scale,
+        enable_gqa,
+        memory_budget,
+        layout,
+        False,
+    )
     need_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
     if setup is None:
-        block = _call.explain(query, key, value, attn_mask=attn_mask, is_causal=is_causal, score_mod=score_mod,
-                              mask_mod=mask_mod, scale=scale, enable_gqa=enable_gqa, memory_budget=memory_budget,
-                              return_lse=True, allow_compile=False)
+        block = _call.explain(
+            query,
+            key,
+            value,
+            attn_mask=attn_mask,
+            is_causal=is_causal,
+            score_mod=score_mod,
+            mask_mod=mask_mod,
+            scale=scale,
+            enable_gqa=enable_gqa,
+            memory_budget=memory_budget,
+            return_lse=True,
+            allow_compile=False,
+        )
         return DistributedPlan("local", 1, 0, layout, block.predicted_peak_bytes, 0, 0, [1], {}, block)
     call, q, k, v, _ = setup
     return plan_call(call, q, k, v, strategy, need_grad)

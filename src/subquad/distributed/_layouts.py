@@ -109,7 +109,9 @@ class _Unshard(torch.autograd.Function):
     def forward(ctx: Any, x: Tensor, dim: int, g: Group, layout: str) -> Tensor:  # type: ignore[override]
         lengths = _all_lengths(g, x.shape[dim], x)
         if layout == "zigzag" and len(set(lengths)) > 1:
-            raise ArgumentError(f"layout='zigzag' shards must all have the same length, got {lengths} on ranks 0..{g.size - 1}.")
+            raise ArgumentError(
+                f"layout='zigzag' shards must all have the same length, got {lengths} on ranks 0..{g.size - 1}."
+            )
         longest = max(lengths)
         pad = list(x.shape)
         pad[dim] = longest

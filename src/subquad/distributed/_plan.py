@@ -97,10 +97,13 @@ def plan_call(call: Call, q: Tensor, k: Tensor, v: Tensor, strategy: str, need_g
             loser = "ring" if strategy == "ulysses" else "ulysses"
             rejected[loser] = [
                 f"sends {format_bytes(max(ring_bytes, uly_bytes))} per rank forward, "
-                f"{strategy} {format_bytes(min(ring_bytes, uly_bytes))}" + (" (a tie goes to the ring)" if ring_bytes == uly_bytes else "")
+                f"{strategy} {format_bytes(min(ring_bytes, uly_bytes))}"
+                + (" (a tie goes to the ring)" if ring_bytes == uly_bytes else "")
             ]
     elif strategy == "ulysses" and u_reasons:
-        raise ArgumentError("strategy='ulysses' cannot run this call: " + "; ".join(u_reasons) + ". Use strategy='ring'.")
+        raise ArgumentError(
+            "strategy='ulysses' cannot run this call: " + "; ".join(u_reasons) + ". Use strategy='ring'."
+        )
     fwd, bwd = _traffic(call, q, k, v, strategy)
     B, E, Ev, it = q.shape[0], q.shape[-1], v.shape[-1], q.element_size()
     sit = 8 if q.dtype == torch.float64 else 4
@@ -109,7 +112,11 @@ def plan_call(call: Call, q: Tensor, k: Tensor, v: Tensor, strategy: str, need_g
     block_plan = None
     if strategy == "ring":
         steps = [
-            sum(1 for b in ring_blocks(call, (call.g.rank - s) % P) for _ in split_block(call, b, call.sub_rows, 1 << 62))
+            sum(
+                1
+                for b in ring_blocks(call, (call.g.rank - s) % P)
+                for _ in split_block(call, b, call.sub_rows, 1 << 62)
+            )
             for s in range(P)
         ]
         longest = max(call.kv_lengths)
@@ -127,7 +134,18 @@ def plan_call(call: Call, q: Tensor, k: Tensor, v: Tensor, strategy: str, need_g
         block_plan = _ulysses_block_plan(call, q, k, v, need_grad)
     if block_plan is not None:
         peak += block_plan.predicted_peak_bytes
-    return DistributedPlan(strategy, P, call.g.rank, call.layout, int(peak), int(fwd), int(bwd) if need_grad else 0, steps, rejected, block_plan)
+    return DistributedPlan(
+        strategy,
+        P,
+        call.g.rank,
+        call.layout,
+        int(peak),
+        int(fwd),
+        int(bwd) if need_grad else 0,
+        steps,
+        rejected,
+        block_plan,
+    )
 
 
 def _largest_block_plan(call: Call, q: Tensor, k: Tensor, v: Tensor, need_grad: bool) -> Any:
@@ -151,9 +169,19 @@ def _largest_block_plan(call: Call, q: Tensor, k: Tensor, v: Tensor, need_grad: 
     with torch.enable_grad() if need_grad else torch.no_grad():
         m = mask_block(call.attn_mask, b)
         return _call.explain(
-            qb, kb, vb, attn_mask=m, is_causal=b.is_causal, score_mod=call.score_mod, mask_mod=call.mask_mod,
-            scale=call.scale, enable_gqa=call.enable_gqa, memory_budget=call.budget, return_lse=True,
-            allow_compile=False, block=b.positions,
+            qb,
+            kb,
+            vb,
+            attn_mask=m,
+            is_causal=b.is_causal,
+            score_mod=call.score_mod,
+            mask_mod=call.mask_mod,
+            scale=call.scale,
+            enable_gqa=call.enable_gqa,
+            memory_budget=call.budget,
+            return_lse=True,
+            allow_compile=False,
+            block=b.positions,
         )
 
 
@@ -169,7 +197,16 @@ def _ulysses_block_plan(call: Call, q: Tensor, k: Tensor, v: Tensor, need_grad: 
         qb, kb, vb = (t.detach().requires_grad_() for t in (qb, kb, vb))
     with torch.enable_grad() if need_grad else torch.no_grad():
         return _call.explain(
-            qb, kb, vb, is_causal=call.is_causal, score_mod=call.score_mod, mask_mod=call.mask_mod, scale=call.scale,
-            enable_gqa=call.enable_gqa, memory_budget=call.budget, return_lse=True, allow_compile=False,
+            qb,
+            kb,
+            vb,
+            is_causal=call.is_causal,
+            score_mod=call.score_mod,
+            mask_mod=call.mask_mod,
+            scale=call.scale,
+            enable_gqa=call.enable_gqa,
+            memory_budget=call.budget,
+            return_lse=True,
+            allow_compile=False,
             block=BlockPositions(0, 0, (call.Lq, call.Lk), h_offset=call.g.rank * (q.shape[1] // P)),
         )

@@ -58,8 +58,11 @@ def ring_blocks(call: Call, src: int) -> List[Block]:
     def block(qp: Tuple[int, int, int], kp: Tuple[int, int, int], state: str) -> Block:
         (ql, qg, qn), (kl, kg, kn) = qp, kp
         return Block(
-            (ql, ql + qn), (kl, kl + kn), BlockPositions(qg, kg, total, causal_offset=qg - kg),
-            state == "partial", (kg, kg + kn) if call.attn_mask is not None else None,
+            (ql, ql + qn),
+            (kl, kl + kn),
+            BlockPositions(qg, kg, total, causal_offset=qg - kg),
+            state == "partial",
+            (kg, kg + kn) if call.attn_mask is not None else None,
         )
 
     if call.positional:
@@ -70,9 +73,7 @@ def ring_blocks(call: Call, src: int) -> List[Block]:
         if not mine:
             continue
         kv_runs = [kp for kp, _ in mine]
-        joinable = all(s == "full" for _, s in mine) and all(
-            a[0] + a[2] == b[0] for a, b in zip(kv_runs, kv_runs[1:])
-        )
+        joinable = all(s == "full" for _, s in mine) and all(a[0] + a[2] == b[0] for a, b in zip(kv_runs, kv_runs[1:]))
         if joinable:
             ql, qg, qn = qp
             span = (kv_runs[0][0], kv_runs[-1][0] + kv_runs[-1][2])
@@ -227,16 +228,34 @@ def _run_block(call: Call, b: Block, q: Tensor, kv: Sequence[Tensor], mask: Opti
     kb, vb = (t.detach()[:, :, b.kv[0] : b.kv[1]] for t in kv)
     m = mask_block(mask, b)
     out, lse, _ = _call.attention_block(
-        qb, kb, vb, b.positions, attn_mask=None if m is None else m.detach(), is_causal=b.is_causal,
-        score_mod=call.score_mod, mask_mod=call.mask_mod, scale=call.scale, enable_gqa=call.enable_gqa,
-        memory_budget=call.budget, captured=(),
+        qb,
+        kb,
+        vb,
+        b.positions,
+        attn_mask=None if m is None else m.detach(),
+        is_causal=b.is_causal,
+        score_mod=call.score_mod,
+        mask_mod=call.mask_mod,
+        scale=call.scale,
+        enable_gqa=call.enable_gqa,
+        memory_budget=call.budget,
+        captured=(),
     )
     return out, lse
 
 
 def _block_grads(
-    call: Call, b: Block, q: Tensor, kv: Sequence[Tensor], mask: Optional[Tensor], grad_out: Tensor,
-    out: Tensor, lse: Tensor, grad_lse: Optional[Tensor], want_mask: bool, captured: Sequence[Tensor],
+    call: Call,
+    b: Block,
+    q: Tensor,
+    kv: Sequence[Tensor],
+    mask: Optional[Tensor],
+    grad_out: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    grad_lse: Optional[Tensor],
+    want_mask: bool,
+    captured: Sequence[Tensor],
 ) -> Tuple[Tensor, Tensor, Tensor, Optional[Tensor], List[Tensor]]:
     """dQ of the block's rows, dK/dV of its keys (and dmask, d captured) from the *global* out and lse.
 
@@ -252,17 +271,36 @@ def _block_grads(
         mb = mb.detach().requires_grad_()
     with torch.enable_grad():
         inp, _, budget, plan, _ = _call.prepare(
-            qb, kb, vb, attn_mask=mb, is_causal=b.is_causal, score_mod=call.score_mod, mask_mod=call.mask_mod,
-            scale=call.scale, enable_gqa=call.enable_gqa, memory_budget=call.budget, return_lse=True,
-            allow_compile=False, block=b.positions,
+            qb,
+            kb,
+            vb,
+            attn_mask=mb,
+            is_causal=b.is_causal,
+            score_mod=call.score_mod,
+            mask_mod=call.mask_mod,
+            scale=call.scale,
+            enable_gqa=call.enable_gqa,
+            memory_budget=call.budget,
+            return_lse=True,
+            allow_compile=False,
+            block=b.positions,
         )
     kernel = plan.backward_backend or plan.backend
     if kernel not in ("fused", "matmul"):
         kernel = "matmul"
     chunk = plan.backward_chunk_size or plan.chunk_size or (max(inp.Lq, 1), max(inp.Lk, 1))
     dq, dk, dv, dmask, dcap = backward_grads(
-        inp, kernel, chunk, 0, budget, grad_out[:, :, rows], out[:, :, rows], lse[:, :, rows],
-        None if grad_lse is None else grad_lse[:, :, rows], wanted=(True, True, True, want_mask), captured=captured,
+        inp,
+        kernel,
+        chunk,
+        0,
+        budget,
+        grad_out[:, :, rows],
+        out[:, :, rows],
+        lse[:, :, rows],
+        None if grad_lse is None else grad_lse[:, :, rows],
+        wanted=(True, True, True, want_mask),
+        captured=captured,
     )
     assert dq is not None and dk is not None and dv is not None
     return dq, dk, dv, dmask, dcap
@@ -272,7 +310,9 @@ class Ring(torch.autograd.Function):
     """Ring attention with its own backward: dK/dV travel around the ring with K/V."""
 
     @staticmethod
-    def forward(ctx: Any, call: Call, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], *captured: Tensor) -> Tuple[Tensor, Tensor]:  # type: ignore[override]
+    def forward(
+        ctx: Any, call: Call, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], *captured: Tensor
+    ) -> Tuple[Tensor, Tensor]:  # type: ignore[override]
         out, lse = _ring_forward(call, q, k, v, mask)
         ctx.save_for_backward(q, k, v, mask, out, lse, *captured)
         ctx.call = call
@@ -308,9 +348,13 @@ class Ring(torch.autograd.Function):
             else:
                 dkv = incoming.wait()
                 incoming = None
-            parts = (part for b in ring_blocks(call, src) for part in split_block(call, b, call.sub_rows, call.sub_cols))
+            parts = (
+                part for b in ring_blocks(call, src) for part in split_block(call, b, call.sub_rows, call.sub_cols)
+            )
             for b in parts:
-                gq, gk, gv, gm, gc = _block_grads(call, b, q, kv, mask, grad_out, out, lse, grad_lse, want_mask, captured)
+                gq, gk, gv, gm, gc = _block_grads(
+                    call, b, q, kv, mask, grad_out, out, lse, grad_lse, want_mask, captured
+                )
                 dq[:, :, b.q[0] : b.q[1]] += gq
                 dkv[0][:, :, b.kv[0] : b.kv[1]] += gk
                 dkv[1][:, :, b.kv[0] : b.kv[1]] += gv

@@ -46,9 +46,7 @@ def _import_attention_class() -> type:
     try:
         from diffusers.models.attention_processor import Attention
     except ImportError as e:  # pragma: no cover - exercised only without diffusers
-        raise ImportError(
-            "subquad.integrations.diffusers needs diffusers: pip install 'subquad[diffusers]'"
-        ) from e
+        raise ImportError("subquad.integrations.diffusers needs diffusers: pip install 'subquad[diffusers]'") from e
     return Attention
 
 
@@ -135,9 +133,7 @@ class SubquadAttnProcessor:
             key = attn.norm_k(key)
 
         # Like diffusers' own processor: no attention dropout, never causal.
-        hidden_states = subquad.sdpa(
-            query, key, value, attn_mask=attention_mask, scale=attn.scale, **self.options
-        )
+        hidden_states = subquad.sdpa(query, key, value, attn_mask=attention_mask, scale=attn.scale, **self.options)
 
         hidden_states = hidden_states.transpose(1, 2).reshape(batch_size, -1, attn.heads * head_dim)
         hidden_states = hidden_states.to(query.dtype)
@@ -173,9 +169,7 @@ def _models(model_or_pipeline: Any) -> List[Tuple[str, torch.nn.Module]]:
     components = getattr(model_or_pipeline, "components", None)
     if isinstance(components, dict):
         return [
-            (f"{name}.", component)
-            for name, component in components.items()
-            if isinstance(component, torch.nn.Module)
+            (f"{name}.", component) for name, component in components.items() if isinstance(component, torch.nn.Module)
         ]
     raise TypeError(
         "enable() expects a torch.nn.Module (a diffusers model) or a diffusers pipeline (an object "

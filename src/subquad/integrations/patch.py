@@ -135,8 +135,14 @@ def _tidy(_hold: Any) -> None:
 
 @functools.wraps(TORCH_SDPA)
 def _patched_sdpa(
-    query: Any, key: Any, value: Any, attn_mask: Any = None, dropout_p: float = 0.0, is_causal: bool = False,
-    scale: Any = None, enable_gqa: bool = False,
+    query: Any,
+    key: Any,
+    value: Any,
+    attn_mask: Any = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: Any = None,
+    enable_gqa: bool = False,
 ) -> Any:
     options = _REGISTRY.options()
     calling = _REGISTRY.calling
@@ -146,14 +152,27 @@ def _patched_sdpa(
         if options is None:
             _REGISTRY.sync()
         return TORCH_SDPA(
-            query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
-            is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
+            query,
+            key,
+            value,
+            attn_mask=attn_mask,
+            dropout_p=dropout_p,
+            is_causal=is_causal,
+            scale=scale,
+            enable_gqa=enable_gqa,
         )
     try:
         calling.active = True
         return subquad.sdpa(
-            query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
-            is_causal=is_causal, scale=scale, enable_gqa=enable_gqa, **options,
+            query,
+            key,
+            value,
+            attn_mask=attn_mask,
+            dropout_p=dropout_p,
+            is_causal=is_causal,
+            scale=scale,
+            enable_gqa=enable_gqa,
+            **options,
         )
     finally:
         calling.active = False

@@ -108,8 +108,9 @@ def _window(window_size: Optional[List[int]]) -> Optional[Tuple[Optional[int], O
     return None if left is None and right is None else (left, right)
 
 
-def _keys(key: Tensor, value: Tensor, cu_seq_k: Optional[Tensor], seqused_k: Optional[Tensor],
-          block_table: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
+def _keys(
+    key: Tensor, value: Tensor, cu_seq_k: Optional[Tensor], seqused_k: Optional[Tensor], block_table: Optional[Tensor]
+) -> Tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
     """``(key, value, cu_seqlens_k, seqused_k)`` packed: a paged pool is gathered sequence by sequence."""
     if block_table is None:
         if cu_seq_k is None:
@@ -119,47 +120,125 @@ def _keys(key: Tensor, value: Tensor, cu_seq_k: Optional[Tensor], seqused_k: Opt
         raise ArgumentError("block_table requires seqused_k (the valid tokens of each sequence), as in torch.")
     page = key.shape[1]
     used = [int(n) for n in seqused_k.tolist()]
-    index = torch.cat([
-        (block_table[s, : -(-n // page)].to(torch.int64).view(-1, 1) * page + torch.arange(page, device=key.device)).view(-1)[:n]
-        for s, n in enumerate(used)
-    ]) if used else torch.zeros(0, dtype=torch.int64, device=key.device)
+    index = (
+        torch.cat(
+            [
+                (
+                    block_table[s, : -(-n // page)].to(torch.int64).view(-1, 1) * page
+                    + torch.arange(page, device=key.device)
+                ).view(-1)[:n]
+                for s, n in enumerate(used)
+            ]
+        )
+        if used
+        else torch.zeros(0, dtype=torch.int64, device=key.device)
+    )
     flat_k, flat_v = key.reshape(-1, *key.shape[2:]), value.reshape(-1, *value.shape[2:])
     cu = torch.tensor([0, *torch.tensor(used).cumsum(0).tolist()] if used else [0], dtype=torch.int32)
     return flat_k.index_select(0, index), flat_v.index_select(0, index), cu, None
 
 
-def _forward(query: Tensor, key: Tensor, value: Tensor, cu_seq_q: Tensor, cu_seq_k: Optional[Tensor], max_q: int,
-             max_k: int, is_causal: bool = False, scale: Optional[float] = None, window_size: Optional[List[int]] = None,
-             enable_gqa: bool = False, seqused_k: Optional[Tensor] = None, block_table: Optional[Tensor] = None,
-             num_splits: Optional[int] = None) -> Tuple[Tensor, Tensor, Tensor]:
+def _forward(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    cu_seq_q: Tensor,
+    cu_seq_k: Optional[Tensor],
+    max_q: int,
+    max_k: int,
+    is_causal: bool = False,
+    scale: Optional[float] = None,
+    window_size: Optional[List[int]] = None,
+    enable_gqa: bool = False,
+    seqused_k: Optional[Tensor] = None,
+    block_table: Optional[Tensor] = None,
+    num_splits: Optional[int] = None,
+) -> Tuple[Tensor, Tensor, Tensor]:
     key, value, cu_k, used = _keys(key, value, cu_seq_k, seqused_k, block_table)
     with torch.no_grad():
         out, lse = subquad.varlen_attention(
-            query, key, value, cu_seq_q, cu_k, seqused_k=used, is_causal=is_causal, alignment="bottom_right",
-            window=_window(window_size), scale=scale, enable_gqa=enable_gqa, return_lse=True, **_STATE["options"],
+            query,
+            key,
+            value,
+            cu_seq_q,
+            cu_k,
+            seqused_k=used,
+            is_causal=is_causal,
+            alignment="bottom_right",
+            window=_window(window_size),
+            scale=scale,
+            enable_gqa=enable_gqa,
+            return_lse=True,
+            **_STATE["options"],
         )
     rng_state = torch.zeros((2,), dtype=torch.uint64, device=query.device)
     return out.contiguous(), lse.t().contiguous(), rng_state
 
 
-def _forward_out(out: Tensor, query: Tensor, key: Tensor, value: Tensor, cu_seq_q: Tensor, cu_seq_k: Optional[Tensor],
-                 max_q: int, max_k: int, is_causal: bool = False, scale: Optional[float] = None,
-                 window_size: Optional[List[int]] = None, enable_gqa: bool = False, seqused_k: Optional[Tensor] = None,
-                 block_table: Optional[Tensor] = None, num_splits: Optional[int] = None) -> Tensor:
-    result, lse, _ = _forward(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal, scale, window_size,
-                              enable_gqa, seqused_k, block_table, num_splits)
+def _forward_out(
+    out: Tensor,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    cu_seq_q: Tensor,
+    cu_seq_k: Optional[Tensor],
+    max_q: int,
+    max_k: int,
+    is_causal: bool = False,
+    scale: Optional[float] = None,
+    window_size: Optional[List[int]] = None,
+    enable_gqa: bool = False,
+    seqused_k: Optional[Tensor] = None,
+    block_table: Optional[Tensor] = None,
+    num_splits: Optional[int] = None,
+) -> Tensor:
+    result, lse, _ = _forward(
+        query,
+        key,
+        value,
+        cu_seq_q,
+        cu_seq_k,
+        max_q,
+        max_k,
+        is_causal,
+        scale,
+        window_size,
+        enable_gqa,
+        seqused_k,
+        block_table,
+        num_splits,
+    )
     out.copy_(result)
     return lse
 
 
-def _backward(grad_out: Tensor, query: Tensor, key: Tensor, value: Tensor, out: Tensor, lse: Tensor, cu_seq_q: Tensor,
-              cu_seq_k: Tensor, max_q: int, max_k: int, is_causal: bool, rng_state: Tensor, scale: Optional[float] = None,
-              window_size: Optional[List[int]] = None) -> Tuple[Tensor, Tensor, Tensor]:
+def _backward(
+    grad_out: Tensor,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    cu_seq_q: Tensor,
+    cu_seq_k: Tensor,
+    max_q: int,
+    max_k: int,
+    is_causal: bool,
+    rng_state: Tensor,
+    scale: Optional[float] = None,
+    window_size: Optional[List[int]] = None,
+) -> Tuple[Tensor, Tensor, Tensor]:
     # subquad's chunked backward (FlashAttention-2 from the saved out and lse), planned for this call.
     with torch.enable_grad():
         q, k, v = (t.detach().requires_grad_() for t in (query, key, value))
         call = _call.prepare(
-            q, k, v, is_causal=is_causal, scale=scale, enable_gqa=q.shape[1] != k.shape[1], return_lse=True,
+            q,
+            k,
+            v,
+            is_causal=is_causal,
+            scale=scale,
+            enable_gqa=q.shape[1] != k.shape[1],
+            return_lse=True,
             varlen=_call.Varlen(cu_seq_q, cu_seq_k, alignment="bottom_right", window=_window(window_size)),
             **_STATE["options"],
         )
@@ -171,8 +250,16 @@ def _backward(grad_out: Tensor, query: Tensor, key: Tensor, value: Tensor, out: 
 
     with torch.no_grad():
         dq, dk, dv, _, _ = backward_grads(
-            call.inp, plan.backward_backend or plan.backend, tiles, 0, call.budget, engine(grad_out), engine(out),
-            lse.unsqueeze(0), None, wanted=(True, True, True, False),
+            call.inp,
+            plan.backward_backend or plan.backend,
+            tiles,
+            0,
+            call.budget,
+            engine(grad_out),
+            engine(out),
+            lse.unsqueeze(0),
+            None,
+            wanted=(True, True, True, False),
         )
     assert dq is not None and dk is not None and dv is not None
     return tuple(g.squeeze(0).transpose(0, 1).contiguous() for g in (dq, dk, dv))  # type: ignore[return-value]

@@ -52,7 +52,10 @@ class LazyMask:
     """
 
     def __init__(
-        self, mask_mod: Callable[..., Tensor], shape: Tuple[int, int, int, int], device: Any,
+        self,
+        mask_mod: Callable[..., Tensor],
+        shape: Tuple[int, int, int, int],
+        device: Any,
         padding: Optional[Tensor] = None,
     ) -> None:
         self.mask_mod = mask_mod
@@ -125,11 +128,19 @@ def subquad_mask(
         # compiled (the subquad::attention operator takes tensors, not callables): build the
         # tensor the way "sdpa" does.
         return mu.sdpa_mask(
-            batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
-            kv_offset=kv_offset, mask_function=mask_function or mu.causal_mask_function,
-            attention_mask=attention_mask, local_size=local_size,
-            allow_is_causal_skip=allow_is_causal_skip, allow_is_bidirectional_skip=allow_is_bidirectional_skip,
-            use_vmap=use_vmap, device=device, **kwargs,
+            batch_size=batch_size,
+            q_length=q_length,
+            kv_length=kv_length,
+            q_offset=q_offset,
+            kv_offset=kv_offset,
+            mask_function=mask_function or mu.causal_mask_function,
+            attention_mask=attention_mask,
+            local_size=local_size,
+            allow_is_causal_skip=allow_is_causal_skip,
+            allow_is_bidirectional_skip=allow_is_bidirectional_skip,
+            use_vmap=use_vmap,
+            device=device,
+            **kwargs,
         )
     if mask_function is None:
         mask_function = mu.causal_mask_function
@@ -143,9 +154,13 @@ def subquad_mask(
             # is_causal expresses; so is an empty static cache whose extra slots are padding.
             if no_padding and (q_length == 1 or q_length == kv_length):
                 return None
-            if q_offset == 0 and kv_offset == 0 and (
-                padding_mask is None
-                or (_all_true(padding_mask[:, :q_length]) and not bool(padding_mask[:, q_length:kv_length].any()))
+            if (
+                q_offset == 0
+                and kv_offset == 0
+                and (
+                    padding_mask is None
+                    or (_all_true(padding_mask[:, :q_length]) and not bool(padding_mask[:, q_length:kv_length].any()))
+                )
             ):
                 return None
         if allow_is_bidirectional_skip and no_padding:
@@ -197,8 +212,17 @@ def _packed_offsets(attention_mask: Any, position_bias: Optional[Tensor], kwargs
 
 
 def _packed_attention(
-    query: Tensor, key: Tensor, value: Tensor, offsets: Tuple[Tensor, Tensor], *, causal: bool, dropout: float,
-    scaling: Optional[float], softcap: Optional[float], s_aux: Optional[Tensor], kwargs: Dict[str, Any],
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    offsets: Tuple[Tensor, Tensor],
+    *,
+    causal: bool,
+    dropout: float,
+    scaling: Optional[float],
+    softcap: Optional[float],
+    s_aux: Optional[Tensor],
+    kwargs: Dict[str, Any],
 ) -> Tensor:
     """flash-attn's varlen path through ``subquad.varlen_attention``: ``(B, Lq, Hq, Ev)``.
 
@@ -214,9 +238,21 @@ def _packed_attention(
     sliding_window = kwargs.get("sliding_window")
     window = None if sliding_window is None else (int(sliding_window) - 1, int(sliding_window) - 1)
     result = subquad.varlen_attention(
-        q, k, v, offsets[0].to(torch.int32), offsets[1].to(torch.int32), **lengths, is_causal=causal,
-        alignment="bottom_right", window=window, score_mod=None if softcap is None else _softcap_mod(float(softcap)),
-        scale=scaling, enable_gqa=Hq != key.shape[1], dropout_p=dropout, return_lse=s_aux is not None, **_options,
+        q,
+        k,
+        v,
+        offsets[0].to(torch.int32),
+        offsets[1].to(torch.int32),
+        **lengths,
+        is_causal=causal,
+        alignment="bottom_right",
+        window=window,
+        score_mod=None if softcap is None else _softcap_mod(float(softcap)),
+        scale=scaling,
+        enable_gqa=Hq != key.shape[1],
+        dropout_p=dropout,
+        return_lse=s_aux is not None,
+        **_options,
     )
     if s_aux is None:
         out = result
@@ -266,8 +302,16 @@ def subquad_attention_forward(
     offsets = _packed_offsets(attention_mask, position_bias, kwargs)
     if offsets is not None:
         out = _packed_attention(
-            query, key, value, offsets, causal=bool(causal), dropout=dropout, scaling=scaling, softcap=softcap,
-            s_aux=s_aux, kwargs=kwargs,
+            query,
+            key,
+            value,
+            offsets,
+            causal=bool(causal),
+            dropout=dropout,
+            scaling=scaling,
+            softcap=softcap,
+            s_aux=s_aux,
+            kwargs=kwargs,
         )
         return out, None
 

@@ -37,6 +37,17 @@ from ._layouts import LAYOUTS, shard, unshard
 from ._plan import STRATEGIES, ShardedPlan
 
 __all__ = [
-    "attention", "dot_product_attention", "explain", "ring_attention", "ulysses_attention", "shard", "unshard",
-    "MemoryBudgetError", "DtypeError", "DEFAULT_CHUNKS", "LAYOUTS", "STRATEGIES", "ShardedPlan",
+    "attention",
+    "dot_product_attention",
+    "explain",
+    "ring_attention",
+    "ulysses_attention",
+    "shard",
+    "unshard",
+    "MemoryBudgetError",
+    "DtypeError",
+    "DEFAULT_CHUNKS",
+    "LAYOUTS",
+    "STRATEGIES",
+    "ShardedPlan",
 ]

@@ -10,8 +10,8 @@ import jax.numpy as jnp
 
 from .._budget import format_bytes
 from .._errors import ArgumentError, ArgumentTypeError
-from ._call import Budget, ChunkSize, prepare
 from . import _sharded
+from ._call import Budget, ChunkSize, prepare
 
 
 def attention(
@@ -96,13 +96,30 @@ def attention(
         ``ImportError`` without JAX.
     """
     if mesh is not None:
-        for name, given in (("query_seq_lengths", query_seq_lengths), ("key_value_seq_lengths", key_value_seq_lengths),
-                            ("local_window_size", local_window_size)):
+        for name, given in (
+            ("query_seq_lengths", query_seq_lengths),
+            ("key_value_seq_lengths", key_value_seq_lengths),
+            ("local_window_size", local_window_size),
+        ):
             if given is not None:
-                raise NotImplementedError(f"{name} is not available with mesh=; express it as a mask_mod (global positions).")
+                raise NotImplementedError(
+                    f"{name} is not available with mesh=; express it as a mask_mod (global positions)."
+                )
         out, lse = _sharded.mesh_attention(
-            query, key, value, bias, mask, mesh=mesh, axis_name=axis_name, strategy=strategy, layout=layout,
-            is_causal=is_causal, score_mod=score_mod, mask_mod=mask_mod, scale=scale, chunk_size=chunk_size,
+            query,
+            key,
+            value,
+            bias,
+            mask,
+            mesh=mesh,
+            axis_name=axis_name,
+            strategy=strategy,
+            layout=layout,
+            is_causal=is_causal,
+            score_mod=score_mod,
+            mask_mod=mask_mod,
+            scale=scale,
+            chunk_size=chunk_size,
             memory_budget=memory_budget,
         )
         return (out, lse) if return_lse else out
@@ -111,9 +128,20 @@ def attention(
             "axis_name, strategy and layout go with mesh=; inside shard_map call subquad.jax.ring_attention or ulysses_attention."
         )
     call = prepare(
-        query, key, value, bias, mask, scale=scale, is_causal=is_causal, query_seq_lengths=query_seq_lengths,
-        key_value_seq_lengths=key_value_seq_lengths, local_window_size=local_window_size, score_mod=score_mod,
-        mask_mod=mask_mod, chunk_size=chunk_size, memory_budget=memory_budget,
+        query,
+        key,
+        value,
+        bias,
+        mask,
+        scale=scale,
+        is_causal=is_causal,
+        query_seq_lengths=query_seq_lengths,
+        key_value_seq_lengths=key_value_seq_lengths,
+        local_window_size=local_window_size,
+        score_mod=score_mod,
+        mask_mod=mask_mod,
+        chunk_size=chunk_size,
+        memory_budget=memory_budget,
     )
     out, lse = call.run()
     return (out, lse) if return_lse else out
@@ -167,8 +195,19 @@ def ring_attention(
         unknown ``layout``, ``zigzag`` shards of odd length, and :func:`attention`'s checks.
     """
     out, lse = _sharded.ring_attention(
-        query, key, value, axis_name=axis_name, is_causal=is_causal, bias=bias, mask=mask, score_mod=score_mod,
-        mask_mod=mask_mod, scale=scale, layout=layout, chunk_size=chunk_size, memory_budget=memory_budget,
+        query,
+        key,
+        value,
+        axis_name=axis_name,
+        is_causal=is_causal,
+        bias=bias,
+        mask=mask,
+        score_mod=score_mod,
+        mask_mod=mask_mod,
+        scale=scale,
+        layout=layout,
+        chunk_size=chunk_size,
+        memory_budget=memory_budget,
     )
     return (out, lse) if return_lse else out
 
@@ -202,8 +241,17 @@ def ulysses_attention(
         :func:`ring_attention`'s checks.
     """
     out, lse = _sharded.ulysses_attention(
-        query, key, value, axis_name=axis_name, is_causal=is_causal, score_mod=score_mod, mask_mod=mask_mod,
-        scale=scale, layout=layout, chunk_size=chunk_size, memory_budget=memory_budget,
+        query,
+        key,
+        value,
+        axis_name=axis_name,
+        is_causal=is_causal,
+        score_mod=score_mod,
+        mask_mod=mask_mod,
+        scale=scale,
+        layout=layout,
+        chunk_size=chunk_size,
+        memory_budget=memory_budget,
     )
     return (out, lse) if return_lse else out
 
@@ -239,8 +287,16 @@ def dot_product_attention(
             "is not available here (call jax.nn.dot_product_attention for cuDNN)."
         )
     call = prepare(
-        query, key, value, bias, mask, scale=scale, is_causal=is_causal, query_seq_lengths=query_seq_lengths,
-        key_value_seq_lengths=key_value_seq_lengths, local_window_size=local_window_size,
+        query,
+        key,
+        value,
+        bias,
+        mask,
+        scale=scale,
+        is_causal=is_causal,
+        query_seq_lengths=query_seq_lengths,
+        key_value_seq_lengths=key_value_seq_lengths,
+        local_window_size=local_window_size,
     )
     out, lse = call.run()
     # JAX's masked scores are -0.7 * float32 max, not -inf: a row that sees nothing averages all values.
@@ -275,7 +331,18 @@ def explain(
     """
     options.pop("return_lse", None)
     if options.get("mesh") is not None:
-        sharded = ("mesh", "axis_name", "strategy", "layout", "is_causal", "score_mod", "mask_mod", "scale", "chunk_size", "memory_budget")
+        sharded = (
+            "mesh",
+            "axis_name",
+            "strategy",
+            "layout",
+            "is_causal",
+            "score_mod",
+            "mask_mod",
+            "scale",
+            "chunk_size",
+            "memory_budget",
+        )
         unknown = set(options) - set(sharded)
         if unknown:
             raise ArgumentTypeError(f"explain(mesh=...) got unexpected keyword arguments {sorted(unknown)}.")
@@ -284,12 +351,21 @@ def explain(
         given["is_causal"] = options.get("is_causal", False)
         return str(_sharded.mesh_plan(query, key, value, bias, mask, **given))
     names = (
-        "scale", "is_causal", "query_seq_lengths", "key_value_seq_lengths", "local_window_size",
-        "score_mod", "mask_mod", "chunk_size", "memory_budget",
+        "scale",
+        "is_causal",
+        "query_seq_lengths",
+        "key_value_seq_lengths",
+        "local_window_size",
+        "score_mod",
+        "mask_mod",
+        "chunk_size",
+        "memory_budget",
     )
     unknown = set(options) - set(names)
     if unknown:
-        raise ArgumentTypeError(f"explain() got unexpected keyword arguments {sorted(unknown)}; it takes attention()'s.")
+        raise ArgumentTypeError(
+            f"explain() got unexpected keyword arguments {sorted(unknown)}; it takes attention()'s."
+        )
     call = prepare(query, key, value, bias, mask, **options)
     s = call.spec
     lines = [
@@ -302,5 +378,3 @@ def explain(
     if call.budget is not None:
         lines.append(f"  budget: {format_bytes(call.budget)}")
     return "\n".join(lines)
-
-

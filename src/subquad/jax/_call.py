@@ -23,6 +23,7 @@ class DtypeError(ArgumentTypeError, ValueError):
     """A wrong dtype: a ``TypeError`` (and ``RuntimeError``) as in subquad's PyTorch API, and a
     ``ValueError`` as ``jax.nn.dot_product_attention`` raises it, so either ``except`` works."""
 
+
 ChunkSize = Union[int, Tuple[int, int]]
 Budget = Union[int, str]
 
@@ -32,11 +33,12 @@ DEFAULT_CHUNKS = (256, 512)
 _SMALLEST_CHUNK = 16
 
 
-
 class Call:
     """One validated call: the static spec, the grouped arrays, and the memory model's figures."""
 
-    def __init__(self, spec: Spec, q: Any, k: Any, v: Any, aux: Aux, squeeze: bool, dtype: Any, budget: Optional[int]) -> None:
+    def __init__(
+        self, spec: Spec, q: Any, k: Any, v: Any, aux: Aux, squeeze: bool, dtype: Any, budget: Optional[int]
+    ) -> None:
         self.spec, self.q_grouped, self.k, self.v_grouped, self.aux = spec, q, k, v, aux
         self.squeeze, self.dtype, self.budget = squeeze, dtype, budget
         self.forward_bytes = memory_model(spec, dtype, need_grad=False)
@@ -155,7 +157,9 @@ def _lengths(x: Any, name: str, B: int) -> Optional[Any]:
         return None
     x = jnp.asarray(x)
     if x.shape != (B,) or not jnp.issubdtype(x.dtype, jnp.integer):
-        raise ArgumentError(f"Expected {name} to be an int array of shape (B,) = ({B},), got {x.dtype} {tuple(x.shape)}.")
+        raise ArgumentError(
+            f"Expected {name} to be an int array of shape (B,) = ({B},), got {x.dtype} {tuple(x.shape)}."
+        )
     return x.astype(jnp.int32)
 
 
@@ -188,7 +192,12 @@ def _eval_jaxpr(jaxpr: Any, consts: Any, *args: Any) -> Any:
 
 
 def _choose_chunks(
-    T: int, S: int, forced: Optional[Tuple[int, int]], budget: Optional[int], make: Callable[[int, int], Spec], dtype: Any,
+    T: int,
+    S: int,
+    forced: Optional[Tuple[int, int]],
+    budget: Optional[int],
+    make: Callable[[int, int], Spec],
+    dtype: Any,
     need_bias_grad: bool,
 ) -> Spec:
     def fits(spec: Spec) -> bool:
@@ -222,9 +231,21 @@ def _choose_chunks(
 
 
 def prepare(
-    query: Any, key: Any, value: Any, bias: Any = None, mask: Any = None, *, scale: Any = None, is_causal: Any = False,
-    query_seq_lengths: Any = None, key_value_seq_lengths: Any = None, local_window_size: Any = None,
-    score_mod: Any = None, mask_mod: Any = None, chunk_size: Any = None, memory_budget: Any = None,
+    query: Any,
+    key: Any,
+    value: Any,
+    bias: Any = None,
+    mask: Any = None,
+    *,
+    scale: Any = None,
+    is_causal: Any = False,
+    query_seq_lengths: Any = None,
+    key_value_seq_lengths: Any = None,
+    local_window_size: Any = None,
+    score_mod: Any = None,
+    mask_mod: Any = None,
+    chunk_size: Any = None,
+    memory_budget: Any = None,
     mesh_axes: FrozenSet[Any] = frozenset(),
 ) -> Call:
     """Validate a call (errors name the argument), convert its callbacks, choose its chunks.
@@ -297,9 +318,21 @@ def prepare(
 
     def make(tq: int, tk: int, score: Any = None, masker: Any = None) -> Spec:
         return Spec(
-            B=B, T=T, S=S, K=K, G=G, H=H, Hv=Hv, tq=max(tq, 0), tk=max(tk, 0),
-            left=left, right=right, bias_shape=None if bias is None else tuple(bias.shape),
-            score_mod=score, mask_mod=masker, stats=str(stats),
+            B=B,
+            T=T,
+            S=S,
+            K=K,
+            G=G,
+            H=H,
+            Hv=Hv,
+            tq=max(tq, 0),
+            tk=max(tk, 0),
+            left=left,
+            right=right,
+            bias_shape=None if bias is None else tuple(bias.shape),
+            score_mod=score,
+            mask_mod=masker,
+            stats=str(stats),
         )
 
     need_bias_grad = bias is not None  # a bias's gradient is built only when asked for; plan for it

@@ -202,19 +202,31 @@ def _from_heads(x: jax.Array, spec: Spec) -> jax.Array:
 
 
 def _modded(
-    spec: Spec, s: jax.Array, bias_c: Optional[jax.Array], consts: Tuple[jax.Array, ...], qs: jax.Array, ks: jax.Array,
+    spec: Spec,
+    s: jax.Array,
+    bias_c: Optional[jax.Array],
+    consts: Tuple[jax.Array, ...],
+    qs: jax.Array,
+    ks: jax.Array,
     at: Offsets,
 ) -> jax.Array:
     """``score_mod(scale * q k^T + bias)`` of one chunk, float32, before masking."""
     if bias_c is not None:
         s = s + bias_c.astype(spec.F)
     if spec.score_mod is not None:
-        s = _from_heads(spec.score_mod(_to_heads(s, spec), *index_arrays(spec, qs, ks, at), *consts), spec).astype(spec.F)
+        s = _from_heads(spec.score_mod(_to_heads(s, spec), *index_arrays(spec, qs, ks, at), *consts), spec).astype(
+            spec.F
+        )
     return s
 
 
 def _keep(
-    spec: Spec, aux: Aux, qs: jax.Array, ks: jax.Array, row_floor: Optional[jax.Array], key_floor: Optional[jax.Array],
+    spec: Spec,
+    aux: Aux,
+    qs: jax.Array,
+    ks: jax.Array,
+    row_floor: Optional[jax.Array],
+    key_floor: Optional[jax.Array],
     at: Offsets,
 ) -> Optional[jax.Array]:
     """Which scores of the chunk count, broadcastable to ``(B, K, G, tq, tk)``; None: all of them.
@@ -257,7 +269,12 @@ def _qk(spec: Spec, qc: jax.Array, kc: jax.Array) -> jax.Array:
 
 # ------------------------------------------------------------------ forward
 def forward(
-    spec: Spec, q: jax.Array, k: jax.Array, v: jax.Array, aux: Aux, at: Optional[Offsets] = None,
+    spec: Spec,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    aux: Aux,
+    at: Optional[Offsets] = None,
     into: Optional[Tuple[jax.Array, jax.Array]] = None,
 ) -> Tuple[jax.Array, jax.Array]:
     """``(out (B, T, K, G, Hv) in q's dtype, lse (B, K, G, T) float32)``; rows that see no key: 0, -inf.
@@ -280,7 +297,9 @@ def forward(
         def key_chunk(j: jax.Array, st: Rows) -> Rows:
             ks = kv_start(spec, j)
             bias_c = None if aux.bias is None else _broadcast_chunk(aux.bias, spec, qs, ks, place)
-            s = _modded(spec, _qk(spec, qc, _slice(k, place.keys + ks, tk, 1)) * aux.scale, bias_c, aux.consts, qs, ks, place)
+            s = _modded(
+                spec, _qk(spec, qc, _slice(k, place.keys + ks, tk, 1)) * aux.scale, bias_c, aux.consts, qs, ks, place
+            )
             keep = _keep(spec, aux, qs, ks, None, j * tk if ragged_keys else None, place)
             if keep is not None:
                 s = jnp.where(keep, s, -jnp.inf)
@@ -294,7 +313,9 @@ def forward(
             return Rows(m_new, l_new, st.acc * correction[..., None] + pv)
 
         start = Rows(
-            jnp.full((B, K, G, tq), -jnp.inf, spec.F), jnp.zeros((B, K, G, tq), spec.F), jnp.zeros((B, K, G, tq, Hv), spec.F)
+            jnp.full((B, K, G, tq), -jnp.inf, spec.F),
+            jnp.zeros((B, K, G, tq), spec.F),
+            jnp.zeros((B, K, G, tq, Hv), spec.F),
         )
         lo, hi = kv_range(spec, i, shift)
         st = lax.fori_loop(lo, hi, key_chunk, vary(start, axes))
@@ -331,11 +352,15 @@ def _merge(out_a: jax.Array, lse_a: jax.Array, out_b: jax.Array, lse_b: jax.Arra
 
 
 # ------------------------------------------------------------------ backward
-Grads = Tuple[jax.Array, jax.Array, jax.Array, Optional[jax.Array], Tuple[Optional[jax.Array], ...], Optional[jax.Array]]
+Grads = Tuple[
+    jax.Array, jax.Array, jax.Array, Optional[jax.Array], Tuple[Optional[jax.Array], ...], Optional[jax.Array]
+]
 """``(dq (B, T, K, G, H), dk, dv, dbias, dconsts, dscale)``, float32 (float64); None: not wanted."""
 
 
-def softmax_terms(spec: Spec, out: jax.Array, lse: jax.Array, dout: jax.Array, dlse: Optional[jax.Array]) -> Tuple[jax.Array, jax.Array]:
+def softmax_terms(
+    spec: Spec, out: jax.Array, lse: jax.Array, dout: jax.Array, dlse: Optional[jax.Array]
+) -> Tuple[jax.Array, jax.Array]:
     """``delta = rowsum(dO * O) - dlse`` and the lse with ``+inf`` where a row saw nothing (so p = 0).
 
     ``dlse`` None: the lse's cotangent is zero. d lse / d score = p, so an lse cotangent adds
@@ -349,8 +374,16 @@ def softmax_terms(spec: Spec, out: jax.Array, lse: jax.Array, dout: jax.Array, d
 
 
 def backward_block(
-    spec: Spec, q: jax.Array, k: jax.Array, v: jax.Array, aux: Aux, dout: jax.Array, delta: jax.Array,
-    live_lse: jax.Array, grads: Grads, at: Optional[Offsets] = None,
+    spec: Spec,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    aux: Aux,
+    dout: jax.Array,
+    delta: jax.Array,
+    live_lse: jax.Array,
+    grads: Grads,
+    at: Optional[Offsets] = None,
 ) -> Grads:
     """FlashAttention-2: for each key chunk, for each row chunk that sees it, recompute the
     probabilities from the saved lse and add to ``grads`` the block's ``dq`` (rows), ``dk``/``dv``
@@ -377,7 +410,9 @@ def backward_block(
             qc, doc = _slice(q, r0, tq, 1), _slice(dout, r0, tq, 1)
             bias_c = None if aux.bias is None else _broadcast_chunk(aux.bias, spec, qs, ks, place)
             raw = _qk(spec, qc, kc)
-            s, pullback = jax.vjp(lambda s0, b0, c0: _modded(spec, s0, b0, c0, qs, ks, place), raw * aux.scale, bias_c, consts)
+            s, pullback = jax.vjp(
+                lambda s0, b0, c0: _modded(spec, s0, b0, c0, qs, ks, place), raw * aux.scale, bias_c, consts
+            )
             p = jnp.exp(s - _slice(live_lse, r0, tq, 3)[..., None])
             keep = _keep(spec, aux, qs, ks, i * tq if ragged_rows else None, j * tk if ragged_keys else None, place)
             if keep is not None:
@@ -433,14 +468,17 @@ def wanted_grads(spec: Spec, aux: Aux, flags: Tuple[Any, ...], dq_shape: Any, dk
     bias_flag, consts_flags, scale_flag = flags
     dbias = jnp.zeros(spec.bias_shape, spec.F) if bias_flag is not None and spec.bias_shape is not None else None
     dconsts = tuple(
-        jnp.zeros(c.shape, jnp.promote_types(c.dtype, spec.F)) if f is not None else None for c, f in zip(aux.consts, consts_flags)
+        jnp.zeros(c.shape, jnp.promote_types(c.dtype, spec.F)) if f is not None else None
+        for c, f in zip(aux.consts, consts_flags)
     )
     zeros = tuple(jnp.zeros(shape, spec.F) for shape in (dq_shape, dk_shape, dv_shape))
     return (*zeros, dbias, dconsts, jnp.zeros((), spec.F) if scale_flag is not None else None)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
-def attention(spec: Spec, q: jax.Array, k: jax.Array, v: jax.Array, aux: Aux, head: Any = 0) -> Tuple[jax.Array, jax.Array]:
+def attention(
+    spec: Spec, q: jax.Array, k: jax.Array, v: jax.Array, aux: Aux, head: Any = 0
+) -> Tuple[jax.Array, jax.Array]:
     """The differentiable call; ``head``: the global index of head 0 for the callbacks (all-to-all)."""
     return forward(spec, q, k, v, aux, _heads_at(head))
 
@@ -480,7 +518,12 @@ def cotangents(q: jax.Array, k: jax.Array, v: jax.Array, aux: Aux, grads: Grads)
         tuple(None for _ in aux.mask_consts),
         None if dscale is None else match(dscale, aux.scale),
     )
-    return match(dq.astype(q.dtype).reshape(q.shape), q), match(dk.astype(k.dtype), k), match(dv.astype(v.dtype), v), daux
+    return (
+        match(dq.astype(q.dtype).reshape(q.shape), q),
+        match(dk.astype(k.dtype), k),
+        match(dv.astype(v.dtype), v),
+        daux,
+    )
 
 
 attention.defvjp(_attention_fwd, _attention_bwd, symbolic_zeros=True)

@@ -72,7 +72,9 @@ class ShardedPlan:
             f"  sent per device: {format_bytes(self.sent_forward)} forward, {format_bytes(self.sent_backward)} backward",
         ]
         if self.strategy == "ring":
-            lines.append(f"  ring steps: blocks computed per step on device 0 {self.steps} (0 = a masked step, skipped)")
+            lines.append(
+                f"  ring steps: blocks computed per step on device 0 {self.steps} (0 = a masked step, skipped)"
+            )
         lines.append(f"  chunks: {self.chunks}")
         for name, reasons in self.rejected.items():
             lines.append(f"  not {name}: {'; '.join(reasons)}")
@@ -85,7 +87,9 @@ def ulysses_reasons(s: Shapes, has_bias: bool, has_mask: bool) -> List[str]:
         reasons.append(f"the heads (query {s.N}, key/value {s.K}) are not divisible by the {s.P} devices")
     for name, given in (("bias", has_bias), ("mask", has_mask)):
         if given:
-            reasons.append(f"{name}: each device would need the {name} rows of every device (T x S); use a score_mod/mask_mod")
+            reasons.append(
+                f"{name}: each device would need the {name} rows of every device (T x S); use a score_mod/mask_mod"
+            )
     return reasons
 
 
@@ -122,7 +126,11 @@ def choose(s: Shapes, strategy: str, has_bias: bool, has_mask: bool, reorder: bo
     chosen = "ulysses" if uly_bytes < ring_bytes else "ring"
     loser = "ring" if chosen == "ulysses" else "ulysses"
     tie = " (a tie goes to the ring)" if ring_bytes == uly_bytes else ""
-    return chosen, {loser: [f"sends {format_bytes(max(ring_bytes, uly_bytes))} per device forward, {chosen} {format_bytes(min(ring_bytes, uly_bytes))}{tie}"]}
+    return chosen, {
+        loser: [
+            f"sends {format_bytes(max(ring_bytes, uly_bytes))} per device forward, {chosen} {format_bytes(min(ring_bytes, uly_bytes))}{tie}"
+        ]
+    }
 
 
 def ring_memory(s: Shapes, ring: Ring, dtype: object) -> Tuple[int, int]:
@@ -130,8 +138,15 @@ def ring_memory(s: Shapes, ring: Ring, dtype: object) -> Tuple[int, int]:
     Tl, Sl, F = s.T // s.P, s.S // s.P, s.stats_itemsize
     rows = s.B * Tl * s.N * (s.Hv + 1) * F  # the running output and lse
     fwd = 2 * s.kv_shard + rows + memory_model(ring.spec, dtype, need_grad=False)
-    grads = s.B * Tl * s.N * (s.H + 2) * F + 2 * s.B * Sl * s.K * (s.H + s.Hv) * F  # dq, delta, lse; dK/dV and the one in flight
-    bwd = 2 * s.kv_shard + 2 * rows + grads + memory_model(ring.spec, dtype, need_grad=True, bias_grad=ring.spec.bias_shape is not None)
+    grads = (
+        s.B * Tl * s.N * (s.H + 2) * F + 2 * s.B * Sl * s.K * (s.H + s.Hv) * F
+    )  # dq, delta, lse; dK/dV and the one in flight
+    bwd = (
+        2 * s.kv_shard
+        + 2 * rows
+        + grads
+        + memory_model(ring.spec, dtype, need_grad=True, bias_grad=ring.spec.bias_shape is not None)
+    )
     return int(fwd), int(bwd)
 
 
@@ -139,7 +154,11 @@ def ulysses_memory(s: Shapes, spec: Optional[Spec], dtype: object) -> Tuple[int,
     """Per-device temporaries of the all-to-all strategy: its heads of the whole sequence, twice (gathered, reordered)."""
     it = s.itemsize
     heads = s.B * (s.T * (s.N // s.P) * (s.H + s.Hv) + s.S * (s.K // s.P) * (s.H + s.Hv)) * it
-    engine = (0, 0) if spec is None else (memory_model(spec, dtype, need_grad=False), memory_model(spec, dtype, need_grad=True))
+    engine = (
+        (0, 0)
+        if spec is None
+        else (memory_model(spec, dtype, need_grad=False), memory_model(spec, dtype, need_grad=True))
+    )
     return int(2 * heads + engine[0]), int(4 * heads + engine[1])
 
 

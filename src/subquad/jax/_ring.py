@@ -27,7 +27,17 @@ import jax.numpy as jnp
 from jax import lax
 
 from ._engine import (
-    Aux, Offsets, Spec, backward_block, block_visible, cotangents, forward, perturbed, softmax_terms, wanted_grads, zero_or_none,
+    Aux,
+    Offsets,
+    Spec,
+    backward_block,
+    block_visible,
+    cotangents,
+    forward,
+    perturbed,
+    softmax_terms,
+    wanted_grads,
+    zero_or_none,
 )
 from ._layouts import piece_count, piece_start, pieces
 from ._vma import vary, varying_axes
@@ -58,8 +68,11 @@ def _place(ring: Ring, u: Any, rank: Any, src: Any) -> Offsets:
     a, b = u // ring.runs, u % ring.runs
     tq, tk = ring.spec.T, ring.spec.S
     return Offsets(
-        rows=a * tq, keys=b * tk, q=piece_start(ring.layout, a, rank, tq, ring.P),
-        kv=piece_start(ring.layout, b, src, tk, ring.P), head=jnp.int32(0),
+        rows=a * tq,
+        keys=b * tk,
+        q=piece_start(ring.layout, a, rank, tq, ring.P),
+        kv=piece_start(ring.layout, b, src, tk, ring.P),
+        head=jnp.int32(0),
     )
 
 

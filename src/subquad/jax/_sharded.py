@@ -19,7 +19,17 @@ from ._all_to_all import heads_to_seq, seq_to_heads
 from ._call import DtypeError, grouped_4d, prepare
 from ._engine import Aux
 from ._layouts import check_divisible, check_layout, piece_count, reorder
-from ._plan import STRATEGIES, Shapes, ShardedPlan, choose, ring_memory, ring_steps, stats_itemsize, traffic, ulysses_memory
+from ._plan import (
+    STRATEGIES,
+    Shapes,
+    ShardedPlan,
+    choose,
+    ring_memory,
+    ring_steps,
+    stats_itemsize,
+    traffic,
+    ulysses_memory,
+)
 from ._ring import Ring, ring
 
 shard_map = getattr(jax, "shard_map", None)
@@ -59,8 +69,22 @@ def _rows_and_columns(x: Any, name: str, full: Tuple[int, int, int, int], K: int
 
 
 def ring_setup(
-    query: Any, key: Any, value: Any, *, P: int, axis_name: Any, is_causal: Any, bias: Any, mask: Any, score_mod: Any,
-    mask_mod: Any, scale: Any, layout: Any, chunk_size: Any, memory_budget: Any, mesh_axes: Any = None,
+    query: Any,
+    key: Any,
+    value: Any,
+    *,
+    P: int,
+    axis_name: Any,
+    is_causal: Any,
+    bias: Any,
+    mask: Any,
+    score_mod: Any,
+    mask_mod: Any,
+    scale: Any,
+    layout: Any,
+    chunk_size: Any,
+    memory_budget: Any,
+    mesh_axes: Any = None,
 ) -> Tuple[Ring, Any, Any, Any, Aux, bool]:
     """Validate a ring call on this device's shards and describe it (the static ``Ring``)."""
     layout = check_layout(layout)
@@ -75,8 +99,16 @@ def ring_setup(
     tq, tk = T // runs, S // runs
     # One block: a run of this device's rows x a run of some device's keys, at global positions.
     block = prepare(
-        q[:, :tq], k[:, :tk], v[:, :tk], scale=scale, is_causal=is_causal, score_mod=score_mod, mask_mod=mask_mod,
-        chunk_size=chunk_size, memory_budget=memory_budget, mesh_axes=frozenset([axis_name]) if mesh_axes is None else mesh_axes,
+        q[:, :tq],
+        k[:, :tk],
+        v[:, :tk],
+        scale=scale,
+        is_causal=is_causal,
+        score_mod=score_mod,
+        mask_mod=mask_mod,
+        chunk_size=chunk_size,
+        memory_budget=memory_budget,
+        mesh_axes=frozenset([axis_name]) if mesh_axes is None else mesh_axes,
     )
     bias_g = _rows_and_columns(bias, "bias", (B, N, T, S * P), K, G, "bias")
     mask_g = _rows_and_columns(mask, "mask", (B, N, T, S * P), K, G, "mask")
@@ -101,8 +133,18 @@ def ring_attention(query: Any, key: Any, value: Any, *, axis_name: Any, **option
 
 
 def ulysses_attention(
-    query: Any, key: Any, value: Any, *, axis_name: Any, is_causal: Any, score_mod: Any, mask_mod: Any, scale: Any,
-    layout: Any, chunk_size: Any, memory_budget: Any,
+    query: Any,
+    key: Any,
+    value: Any,
+    *,
+    axis_name: Any,
+    is_causal: Any,
+    score_mod: Any,
+    mask_mod: Any,
+    scale: Any,
+    layout: Any,
+    chunk_size: Any,
+    memory_budget: Any,
 ) -> Tuple[Any, Any]:
     """``(out, lse)`` of this device's rows (inside ``shard_map``) through two all-to-alls over heads."""
     P = _axis_size(axis_name, "ulysses_attention")
@@ -119,8 +161,16 @@ def ulysses_attention(
     check_divisible(layout, k.shape[1] * P, P, "key's sequence (all shards)")
     qh, kh, vh = (seq_to_heads(x, axis_name, P, layout) for x in (q, k, v))
     call = prepare(
-        qh, kh, vh, scale=scale, is_causal=is_causal, score_mod=score_mod, mask_mod=mask_mod, chunk_size=chunk_size,
-        memory_budget=memory_budget, mesh_axes=frozenset([axis_name]),
+        qh,
+        kh,
+        vh,
+        scale=scale,
+        is_causal=is_causal,
+        score_mod=score_mod,
+        mask_mod=mask_mod,
+        chunk_size=chunk_size,
+        memory_budget=memory_budget,
+        mesh_axes=frozenset([axis_name]),
     )
     out, lse = call.run(head=lax.axis_index(axis_name) * (N // P))
     out = heads_to_seq(out, axis_name, P, layout)
@@ -135,7 +185,9 @@ def _mesh_axis(mesh: Any, axis_name: Any) -> Tuple[Any, int]:
         raise ArgumentTypeError(f"Expected mesh to be a jax.sharding.Mesh, got {type(mesh).__name__}.")
     if axis_name is None:
         if len(names) != 1:
-            raise ArgumentError(f"mesh has axes {tuple(names)}: pass axis_name= to say which one the sequence is sharded over.")
+            raise ArgumentError(
+                f"mesh has axes {tuple(names)}: pass axis_name= to say which one the sequence is sharded over."
+            )
         axis_name = names[0]
     if axis_name not in names:
         raise ArgumentError(f"axis_name={axis_name!r} is not an axis of the mesh, whose axes are {tuple(names)}.")
@@ -157,14 +209,32 @@ def _layout_for(layout: Any, strategy: str, is_causal: bool) -> str:
 def _shapes(query: Any, key: Any, value: Any, P: int) -> Shapes:
     q, k, v = (x if getattr(x, "ndim", 0) == 4 else jnp.asarray(x)[None] for x in (query, key, value))
     if not (q.ndim == k.ndim == v.ndim == 4):
-        raise ArgumentError(f"Expected query, key and value to be (B, T, N, H), (B, S, K, H), (B, S, K, Hv), got {q.shape}, {k.shape}, {v.shape}.")
+        raise ArgumentError(
+            f"Expected query, key and value to be (B, T, N, H), (B, S, K, H), (B, S, K, Hv), got {q.shape}, {k.shape}, {v.shape}."
+        )
     B, T, N, H = q.shape
-    return Shapes(B, T, k.shape[1], N, k.shape[2], H, v.shape[3], P, jnp.dtype(q.dtype).itemsize, stats_itemsize(q.dtype))
+    return Shapes(
+        B, T, k.shape[1], N, k.shape[2], H, v.shape[3], P, jnp.dtype(q.dtype).itemsize, stats_itemsize(q.dtype)
+    )
 
 
 def mesh_plan(
-    query: Any, key: Any, value: Any, bias: Any, mask: Any, *, mesh: Any, axis_name: Any, strategy: Any, layout: Any,
-    is_causal: Any, score_mod: Any, mask_mod: Any, scale: Any, chunk_size: Any, memory_budget: Any,
+    query: Any,
+    key: Any,
+    value: Any,
+    bias: Any,
+    mask: Any,
+    *,
+    mesh: Any,
+    axis_name: Any,
+    strategy: Any,
+    layout: Any,
+    is_causal: Any,
+    score_mod: Any,
+    mask_mod: Any,
+    scale: Any,
+    chunk_size: Any,
+    memory_budget: Any,
 ) -> ShardedPlan:
     """The strategy of a mesh call and each device's memory and bytes, from shapes alone."""
     axis_name, P = _mesh_axis(mesh, axis_name)
@@ -178,7 +248,14 @@ def mesh_plan(
         check_divisible(lay, n, P, f"{name}'s sequence ({n})")
     dtype = query.dtype
     shard = lambda *shape: jax.ShapeDtypeStruct(shape, dtype)  # noqa: E731
-    options = dict(is_causal=is_causal, score_mod=score_mod, mask_mod=mask_mod, scale=scale, chunk_size=chunk_size, memory_budget=memory_budget)
+    options = dict(
+        is_causal=is_causal,
+        score_mod=score_mod,
+        mask_mod=mask_mod,
+        scale=scale,
+        chunk_size=chunk_size,
+        memory_budget=memory_budget,
+    )
     found: dict = {}
 
     def single(q: Any, k: Any, v: Any) -> Any:
@@ -190,25 +267,37 @@ def mesh_plan(
     if chosen == "ring":
 
         def trace(q: Any, k: Any, v: Any) -> Any:
-            found["ring"] = ring_setup(q, k, v, P=P, axis_name=axis_name, bias=None, mask=None, layout=lay, mesh_axes=frozenset(), **options)[0]
+            found["ring"] = ring_setup(
+                q, k, v, P=P, axis_name=axis_name, bias=None, mask=None, layout=lay, mesh_axes=frozenset(), **options
+            )[0]
             return q
 
-        jax.eval_shape(trace, shard(s.B, s.T // P, s.N, s.H), shard(s.B, s.S // P, s.K, s.H), shard(s.B, s.S // P, s.K, s.Hv))
+        jax.eval_shape(
+            trace, shard(s.B, s.T // P, s.N, s.H), shard(s.B, s.S // P, s.K, s.H), shard(s.B, s.S // P, s.K, s.Hv)
+        )
         r: Ring = found["ring"]
         if bias is not None:
             r = dataclasses.replace(r, spec=dataclasses.replace(r.spec, bias_shape=tuple(bias.shape)))
         fwd, bwd = ring_memory(s, r, dtype)
-        steps, chunks = ring_steps(r), f"blocks of {r.spec.T} rows x {r.spec.S} keys, in chunks of {r.spec.tq} x {r.spec.tk}"
+        steps, chunks = (
+            ring_steps(r),
+            f"blocks of {r.spec.T} rows x {r.spec.S} keys, in chunks of {r.spec.tq} x {r.spec.tk}",
+        )
     else:
 
         def heads(q: Any, k: Any, v: Any) -> Any:
             found["heads"] = prepare(q, k, v, **options)
             return q
 
-        jax.eval_shape(heads, shard(s.B, s.T, s.N // P, s.H), shard(s.B, s.S, s.K // P, s.H), shard(s.B, s.S, s.K // P, s.Hv))
+        jax.eval_shape(
+            heads, shard(s.B, s.T, s.N // P, s.H), shard(s.B, s.S, s.K // P, s.H), shard(s.B, s.S, s.K // P, s.Hv)
+        )
         spec = found["heads"].spec
         fwd, bwd = ulysses_memory(s, spec, dtype)
-        steps, chunks = [], f"{s.N // P} query heads of the whole sequence per device, in chunks of {spec.tq} x {spec.tk}"
+        steps, chunks = (
+            [],
+            f"{s.N // P} query heads of the whole sequence per device, in chunks of {spec.tq} x {spec.tk}",
+        )
     sent = traffic(s, chosen, chosen == "ring" and lay == "zigzag")
     return ShardedPlan(chosen, P, axis_name, lay, fwd, bwd, sent[0], sent[1], steps, rejected, chunks, single_bytes)
 
@@ -222,12 +311,35 @@ def _spec_for(x: Any, axis_name: Any, T: int, rows_dim: int) -> PartitionSpec:
 
 
 def mesh_attention(
-    query: Any, key: Any, value: Any, bias: Any, mask: Any, *, mesh: Any, axis_name: Any, strategy: Any, layout: Any,
-    is_causal: Any, score_mod: Any, mask_mod: Any, scale: Any, chunk_size: Any, memory_budget: Any,
+    query: Any,
+    key: Any,
+    value: Any,
+    bias: Any,
+    mask: Any,
+    *,
+    mesh: Any,
+    axis_name: Any,
+    strategy: Any,
+    layout: Any,
+    is_causal: Any,
+    score_mod: Any,
+    mask_mod: Any,
+    scale: Any,
+    chunk_size: Any,
+    memory_budget: Any,
 ) -> Tuple[Any, Any]:
     """``(out, lse)`` of global arrays sharded over ``axis_name`` of ``mesh``: ``shard_map`` applied here."""
-    options = dict(is_causal=is_causal, score_mod=score_mod, mask_mod=mask_mod, scale=scale, chunk_size=chunk_size, memory_budget=memory_budget)
-    plan = mesh_plan(query, key, value, bias, mask, mesh=mesh, axis_name=axis_name, strategy=strategy, layout=layout, **options)
+    options = dict(
+        is_causal=is_causal,
+        score_mod=score_mod,
+        mask_mod=mask_mod,
+        scale=scale,
+        chunk_size=chunk_size,
+        memory_budget=memory_budget,
+    )
+    plan = mesh_plan(
+        query, key, value, bias, mask, mesh=mesh, axis_name=axis_name, strategy=strategy, layout=layout, **options
+    )
     axis, P, lay = plan.axis_name, plan.devices, plan.layout
     squeeze = query.ndim == 3
     q, k, v = (x[None] if squeeze else x for x in (query, key, value))
@@ -242,7 +354,9 @@ def mesh_attention(
         bias, mask = (next(it) if there else None for there in present)
         if reorder_rows:
             q, k, v = (reorder(x, axis, P, 1, to_zigzag=True) for x in (q, k, v))
-            bias, mask = (x if x is None or x.shape[2] == 1 else reorder(x, axis, P, 2, to_zigzag=True) for x in (bias, mask))
+            bias, mask = (
+                x if x is None or x.shape[2] == 1 else reorder(x, axis, P, 2, to_zigzag=True) for x in (bias, mask)
+            )
         if plan.strategy == "ring":
             out, lse = ring_attention(q, k, v, axis_name=axis, bias=bias, mask=mask, layout=lay, **options)
         else:

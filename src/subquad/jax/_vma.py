@@ -45,6 +45,7 @@ def _ordered(axes: Any) -> Tuple[Any, ...]:
 
 def vary(x: Any, axes: FrozenSet[Any]) -> Any:
     """``x`` (a tree) marked as varying over ``axes`` too: a loop carry with its loop's type."""
+
     def one(leaf: Any) -> Any:
         missing = _ordered(set(axes) - set(_axes_of(leaf)))
         if not missing:

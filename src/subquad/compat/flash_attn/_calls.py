@@ -77,8 +77,15 @@ def dense_call(
     _checks.shape("k", k, (q.shape[0], None, None, None), K)
     check_qkv(q, k, v, K)
     sem = semantics(
-        q, batch_size=q.shape[0], softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-        softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p, seqlen_k=k.shape[1],
+        q,
+        batch_size=q.shape[0],
+        softmax_scale=softmax_scale,
+        causal=causal,
+        window_size=window_size,
+        softcap=softcap,
+        alibi_slopes=alibi_slopes,
+        dropout_p=dropout_p,
+        seqlen_k=k.shape[1],
     )
     out, lse = _run.dense(q, k, v, sem, bool(return_attn_probs))
     return (out, lse, probs_placeholder(q)) if lse is not None else out
@@ -114,8 +121,14 @@ def varlen_call(
     longest_k = max((b - a for a, b in zip(offsets_k, offsets_k[1:])), default=0)
     seqlen_k = _int("max_seqlen_k", max_seqlen_k)
     sem = semantics(
-        q, batch_size=batch_size, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-        softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
+        q,
+        batch_size=batch_size,
+        softmax_scale=softmax_scale,
+        causal=causal,
+        window_size=window_size,
+        softcap=softcap,
+        alibi_slopes=alibi_slopes,
+        dropout_p=dropout_p,
         seqlen_k=longest_k if seqlen_k is None else seqlen_k,
     )
     want_lse = bool(return_attn_probs)
@@ -124,8 +137,15 @@ def varlen_call(
         rows, keys = _used_prefix(offsets_q, q.shape[0]), _used_prefix(offsets_k, k.shape[0])
         # subquad validates the offsets and the max_seqlens (naming them).
         out, lse = _run.packed(
-            q[:rows], k[:keys], v[:keys], offsets_q, offsets_k, sem, want_lse,
-            max_seqlen_q=seqlen_q, max_seqlen_k=seqlen_k,
+            q[:rows],
+            k[:keys],
+            v[:keys],
+            offsets_q,
+            offsets_k,
+            sem,
+            want_lse,
+            max_seqlen_q=seqlen_q,
+            max_seqlen_k=seqlen_k,
         )
     else:
         _check_offsets("cu_seqlens_q", offsets_q, q.shape[0], seqlen_q, "max_seqlen_q")
@@ -154,7 +174,9 @@ def _used_prefix(offsets: Sequence[int], total: int) -> int:
     return offsets[-1] if offsets and 0 <= offsets[-1] <= total else total
 
 
-def _check_offsets(name: str, offsets: Sequence[int], total: Optional[int], longest: Optional[int], longest_name: str) -> None:
+def _check_offsets(
+    name: str, offsets: Sequence[int], total: Optional[int], longest: Optional[int], longest_name: str
+) -> None:
     """What subquad checks of packed offsets, for the paged path (whose keys are not packed)."""
     if not offsets or offsets[0] != 0 or any(b < a for a, b in zip(offsets, offsets[1:])):
         raise ArgumentError(f"Expected {name} to start at 0 and never decrease, got {list(offsets)[:12]}.")
@@ -179,7 +201,14 @@ def _pad_rows(out: Tensor, lse: Optional[Tensor], total: int) -> Tuple[Tensor, O
 
 
 def _paged(
-    q: Tensor, k: Tensor, v: Tensor, cu_q: List[int], cu_k: List[int], block_table: object, sem: Semantics, want_lse: bool
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_q: List[int],
+    cu_k: List[int],
+    block_table: object,
+    sem: Semantics,
+    want_lse: bool,
 ) -> Tuple[Tensor, Optional[Tensor]]:
     """Varlen queries against paged keys: sequence ``s``'s key ``p`` is in page ``block_table[s, p // page_block_size]``."""
     n = len(cu_q) - 1
@@ -187,8 +216,10 @@ def _paged(
     table = page_table(block_table, n, k.shape[0], k.shape[1], lengths)
     queries = [q[cu_q[s] : cu_q[s + 1]] for s in range(n)]
     outs, lses = _run.per_sequence(
-        queries, lambda s: (gather_pages(k, table[s], 0, lengths[s]), gather_pages(v, table[s], 0, lengths[s])),
-        sem, want_lse,
+        queries,
+        lambda s: (gather_pages(k, table[s], 0, lengths[s]), gather_pages(v, table[s], 0, lengths[s])),
+        sem,
+        want_lse,
     )
     out = torch.cat(outs) if outs else q.new_zeros((0, q.shape[1], v.shape[-1]))
     lse = (torch.cat(lses, dim=1) if lses else None) if want_lse else None
@@ -209,7 +240,9 @@ def page_table(block_table: object, batch_size: int, num_blocks: int, page_size:
             )
         bad = [b for b in rows[s][:pages] if not 0 <= b < num_blocks]
         if bad:
-            raise ArgumentError(f"block_table[{s}] names pages {bad[:4]} outside [0, {num_blocks}) (the num_blocks of the cache).")
+            raise ArgumentError(
+                f"block_table[{s}] names pages {bad[:4]} outside [0, {num_blocks}) (the num_blocks of the cache)."
+            )
     return table
 
 

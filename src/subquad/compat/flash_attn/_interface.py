@@ -76,8 +76,16 @@ def flash_attn_func(
         messages. float32/float64, any head dim and any device are accepted.
     """
     return _calls.dense_call(
-        q, k, v, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-        softcap=softcap, alibi_slopes=alibi_slopes, return_attn_probs=return_attn_probs,
+        q,
+        k,
+        v,
+        dropout_p=dropout_p,
+        softmax_scale=softmax_scale,
+        causal=causal,
+        window_size=window_size,
+        softcap=softcap,
+        alibi_slopes=alibi_slopes,
+        return_attn_probs=return_attn_probs,
     )
 
 
@@ -99,8 +107,16 @@ def flash_attn_qkvpacked_func(
     """
     q, k, v = _calls.unpack("qkv", qkv, "(batch_size, seqlen, 3, nheads, headdim)")
     return _calls.dense_call(
-        q, k, v, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-        softcap=softcap, alibi_slopes=alibi_slopes, return_attn_probs=return_attn_probs,
+        q,
+        k,
+        v,
+        dropout_p=dropout_p,
+        softmax_scale=softmax_scale,
+        causal=causal,
+        window_size=window_size,
+        softcap=softcap,
+        alibi_slopes=alibi_slopes,
+        return_attn_probs=return_attn_probs,
     )
 
 
@@ -122,8 +138,16 @@ def flash_attn_kvpacked_func(
     """
     k, v = _calls.unpack("kv", kv, "(batch_size, seqlen_k, 2, nheads_k, headdim)")
     return _calls.dense_call(
-        q, k, v, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-        softcap=softcap, alibi_slopes=alibi_slopes, return_attn_probs=return_attn_probs,
+        q,
+        k,
+        v,
+        dropout_p=dropout_p,
+        softmax_scale=softmax_scale,
+        causal=causal,
+        window_size=window_size,
+        softcap=softcap,
+        alibi_slopes=alibi_slopes,
+        return_attn_probs=return_attn_probs,
     )
 
 
@@ -170,9 +194,21 @@ def flash_attn_varlen_func(
         outside the cache.
     """
     return _calls.varlen_call(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=dropout_p,
-        softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
-        alibi_slopes=alibi_slopes, return_attn_probs=return_attn_probs, block_table=block_table,
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        dropout_p=dropout_p,
+        softmax_scale=softmax_scale,
+        causal=causal,
+        window_size=window_size,
+        softcap=softcap,
+        alibi_slopes=alibi_slopes,
+        return_attn_probs=return_attn_probs,
+        block_table=block_table,
     )
 
 
@@ -197,9 +233,20 @@ def flash_attn_varlen_qkvpacked_func(
     """
     q, k, v = _calls.unpack("qkv", qkv, "(total, 3, nheads, headdim)")
     return _calls.varlen_call(
-        q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p=dropout_p,
-        softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
-        alibi_slopes=alibi_slopes, return_attn_probs=return_attn_probs,
+        q,
+        k,
+        v,
+        cu_seqlens,
+        cu_seqlens,
+        max_seqlen,
+        max_seqlen,
+        dropout_p=dropout_p,
+        softmax_scale=softmax_scale,
+        causal=causal,
+        window_size=window_size,
+        softcap=softcap,
+        alibi_slopes=alibi_slopes,
+        return_attn_probs=return_attn_probs,
     )
 
 
@@ -227,7 +274,18 @@ def flash_attn_varlen_kvpacked_func(
     """
     k, v = _calls.unpack("kv", kv, "(total_k, 2, nheads_k, headdim)")
     return _calls.varlen_call(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=dropout_p,
-        softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
-        alibi_slopes=alibi_slopes, return_attn_probs=return_attn_probs,
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        dropout_p=dropout_p,
+        softmax_scale=softmax_scale,
+        causal=causal,
+        window_size=window_size,
+        softcap=softcap,
+        alibi_slopes=alibi_slopes,
+        return_attn_probs=return_attn_probs,
     )

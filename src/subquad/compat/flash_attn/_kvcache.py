@@ -85,9 +85,24 @@ def flash_attn_with_kvcache(
     """
     with torch.no_grad():
         return _with_kvcache(
-            q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
-            block_table, softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
-            rotary_interleaved=rotary_interleaved, alibi_slopes=alibi_slopes, return_softmax_lse=return_softmax_lse,
+            q,
+            k_cache,
+            v_cache,
+            k,
+            v,
+            rotary_cos,
+            rotary_sin,
+            cache_seqlens,
+            cache_batch_idx,
+            cache_leftpad,
+            block_table,
+            softmax_scale=softmax_scale,
+            causal=causal,
+            window_size=window_size,
+            softcap=softcap,
+            rotary_interleaved=rotary_interleaved,
+            alibi_slopes=alibi_slopes,
+            return_softmax_lse=return_softmax_lse,
         )
 
 
@@ -109,15 +124,32 @@ class Cache:
             row = self.rows[s]
             return self.k[row, self.start[s] : self.end[s]], self.v[row, self.start[s] : self.end[s]]
         page = self.table[s]
-        return (_calls.gather_pages(self.k, page, self.start[s], self.end[s]),
-                _calls.gather_pages(self.v, page, self.start[s], self.end[s]))
+        return (
+            _calls.gather_pages(self.k, page, self.start[s], self.end[s]),
+            _calls.gather_pages(self.v, page, self.start[s], self.end[s]),
+        )
 
 
 def _with_kvcache(
-    q: object, k_cache: object, v_cache: object, k: object, v: object, rotary_cos: object, rotary_sin: object,
-    cache_seqlens: object, cache_batch_idx: object, cache_leftpad: object, block_table: object, *,
-    softmax_scale: Optional[float], causal: bool, window_size: object, softcap: float, rotary_interleaved: bool,
-    alibi_slopes: Optional[Tensor], return_softmax_lse: bool,
+    q: object,
+    k_cache: object,
+    v_cache: object,
+    k: object,
+    v: object,
+    rotary_cos: object,
+    rotary_sin: object,
+    cache_seqlens: object,
+    cache_batch_idx: object,
+    cache_leftpad: object,
+    block_table: object,
+    *,
+    softmax_scale: Optional[float],
+    causal: bool,
+    window_size: object,
+    softcap: float,
+    rotary_interleaved: bool,
+    alibi_slopes: Optional[Tensor],
+    return_softmax_lse: bool,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     q = _checks.dims("q", q, Q)
     paged = block_table is not None
@@ -133,8 +165,15 @@ def _with_kvcache(
     added = 0 if new_k is None else new_k.shape[1]
     cache = _locate(k_cache, v_cache, capacity, lengths, added, cache_batch_idx, cache_leftpad, block_table)
     sem = semantics(
-        q, batch_size=batch, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-        softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=0.0, seqlen_k=capacity,
+        q,
+        batch_size=batch,
+        softmax_scale=softmax_scale,
+        causal=causal,
+        window_size=window_size,
+        softcap=softcap,
+        alibi_slopes=alibi_slopes,
+        dropout_p=0.0,
+        seqlen_k=capacity,
     )
     if rotary_cos is not None or rotary_sin is not None:
         q, new_k = _rotate(q, new_k, rotary_cos, rotary_sin, lengths, capacity, sem, rotary_interleaved)
@@ -144,8 +183,9 @@ def _with_kvcache(
     return (out, lse) if lse is not None else out
 
 
-def _new_keys(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: object, v: object, cache_seqlens: object,
-              capacity: int) -> Tuple[Optional[Tensor], Optional[Tensor]]:
+def _new_keys(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, k: object, v: object, cache_seqlens: object, capacity: int
+) -> Tuple[Optional[Tensor], Optional[Tensor]]:
     if k is None:
         if v is not None:
             raise ArgumentError("v is given without k: pass both to append to the cache, or neither.")
@@ -181,8 +221,16 @@ def _lengths(cache_seqlens: object, batch: int, capacity: int) -> List[int]:
     return lengths
 
 
-def _locate(k_cache: Tensor, v_cache: Tensor, capacity: int, lengths: List[int], added: int, cache_batch_idx: object,
-            cache_leftpad: object, block_table: object) -> Cache:
+def _locate(
+    k_cache: Tensor,
+    v_cache: Tensor,
+    capacity: int,
+    lengths: List[int],
+    added: int,
+    cache_batch_idx: object,
+    cache_leftpad: object,
+    block_table: object,
+) -> Cache:
     batch = len(lengths)
     end = [n + added for n in lengths]
     over = [(s, n) for s, n in enumerate(end) if n > capacity]
@@ -206,18 +254,30 @@ def _locate(k_cache: Tensor, v_cache: Tensor, capacity: int, lengths: List[int],
         return Cache(k_cache, v_cache, capacity, list(range(batch)), start, end, table)
     if cache_batch_idx is None:
         if k_cache.shape[0] < batch:
-            raise ArgumentError(f"k_cache holds {k_cache.shape[0]} sequences for a batch of {batch}; pass cache_batch_idx.")
+            raise ArgumentError(
+                f"k_cache holds {k_cache.shape[0]} sequences for a batch of {batch}; pass cache_batch_idx."
+            )
         rows = list(range(batch))
     else:
         rows = _checks.index_tensor("cache_batch_idx", cache_batch_idx, batch).tolist()
         bad = [r for r in rows if not 0 <= r < k_cache.shape[0]]
         if bad:
-            raise ArgumentError(f"cache_batch_idx must be in [0, {k_cache.shape[0]}) (batch_size_cache), got {bad[:4]}.")
+            raise ArgumentError(
+                f"cache_batch_idx must be in [0, {k_cache.shape[0]}) (batch_size_cache), got {bad[:4]}."
+            )
     return Cache(k_cache, v_cache, capacity, rows, start, end)
 
 
-def _rotate(q: Tensor, k: Optional[Tensor], cos: object, sin: object, lengths: List[int], capacity: int, sem: Semantics,
-            interleaved: bool) -> Tuple[Tensor, Optional[Tensor]]:
+def _rotate(
+    q: Tensor,
+    k: Optional[Tensor],
+    cos: object,
+    sin: object,
+    lengths: List[int],
+    capacity: int,
+    sem: Semantics,
+    interleaved: bool,
+) -> Tuple[Tensor, Optional[Tensor]]:
     """flash-attn's rotary: new keys at ``n, n + 1, ...``; queries too if causal or local, else all at ``n``."""
     if cos is None:
         raise ArgumentError("rotary_sin is given without rotary_cos: pass both, or neither.")
@@ -231,7 +291,9 @@ def _rotate(q: Tensor, k: Optional[Tensor], cos: object, sin: object, lengths: L
     sin = _checks.dims("rotary_sin", sin, "(seqlen_ro, rotary_dim / 2)")
     _checks.shape("rotary_sin", sin, tuple(cos.shape), "(seqlen_ro, rotary_dim / 2)")
     if 2 * cos.shape[1] > q.shape[-1]:
-        raise ArgumentError(f"rotary_dim must be <= headdim, got rotary_dim {2 * cos.shape[1]} and headdim {q.shape[-1]}.")
+        raise ArgumentError(
+            f"rotary_dim must be <= headdim, got rotary_dim {2 * cos.shape[1]} and headdim {q.shape[-1]}."
+        )
     if cos.shape[0] < capacity:
         raise ArgumentError(f"cos/sin seqlen must be at least the seqlen of KV cache, got {cos.shape[0]} < {capacity}.")
     first = torch.tensor(lengths, dtype=torch.long, device=q.device)[:, None]
@@ -297,8 +359,14 @@ def _attend_flat(q: Tensor, cache: Cache, sem: Semantics, want_lse: bool) -> Tup
     if slopes is not None:
         slopes = torch.cat([slopes.new_zeros((lead, slopes.shape[1])), slopes[order]])
     out, lse = _run.packed(
-        sorted_q.reshape(batch * seqlen_q, heads, q.shape[3]), cache.k.flatten(0, 1), cache.v.flatten(0, 1),
-        cu_q, cu_k, dataclasses.replace(sem, alibi=slopes), want_lse, seqused_k=[0] * lead + used,
+        sorted_q.reshape(batch * seqlen_q, heads, q.shape[3]),
+        cache.k.flatten(0, 1),
+        cache.v.flatten(0, 1),
+        cu_q,
+        cu_k,
+        dataclasses.replace(sem, alibi=slopes),
+        want_lse,
+        seqused_k=[0] * lead + used,
     )
     out = out.view(batch, seqlen_q, heads, -1)
     lse = None if lse is None else lse.view(heads, batch, seqlen_q).transpose(0, 1)

@@ -69,15 +69,21 @@ def apply_rotary_emb(
     """
     x, cos, sin = (_checks.tensor(n, t) for n, t in (("x", x), ("cos", cos), ("sin", sin)))
     if cos.dim() != 2 or sin.shape != cos.shape:
-        raise ArgumentError(f"cos and sin must both be (seqlen_ro, rotary_dim / 2), got {tuple(cos.shape)} and {tuple(sin.shape)}.")
+        raise ArgumentError(
+            f"cos and sin must both be (seqlen_ro, rotary_dim / 2), got {tuple(cos.shape)} and {tuple(sin.shape)}."
+        )
     seqlen_ro, rotary_dim = cos.shape[0], 2 * cos.shape[1]
     if rotary_dim > x.shape[-1]:
         raise ArgumentError(f"rotary_dim must be <= headdim, got rotary_dim {rotary_dim} and x {tuple(x.shape)}.")
     positions, seqlen = _positions(x, seqlen_offsets, cu_seqlens, max_seqlen)
     if seqlen_ro < seqlen:
-        raise ArgumentError(f"seqlen_ro must be >= seqlen, got cos {tuple(cos.shape)} for sequences of {seqlen} tokens.")
+        raise ArgumentError(
+            f"seqlen_ro must be >= seqlen, got cos {tuple(cos.shape)} for sequences of {seqlen} tokens."
+        )
     if isinstance(seqlen_offsets, int) and seqlen_offsets + seqlen > seqlen_ro:
-        raise ArgumentError(f"seqlen_offsets + seqlen must be <= seqlen_ro, got {seqlen_offsets} + {seqlen} > {seqlen_ro}.")
+        raise ArgumentError(
+            f"seqlen_offsets + seqlen must be <= seqlen_ro, got {seqlen_offsets} + {seqlen} > {seqlen_ro}."
+        )
     # Positions past the table rotate by angle 0, as flash-attn's kernel loads cos = 1, sin = 0 there.
     past = positions >= seqlen_ro
     positions = positions.clamp(max=max(seqlen_ro - 1, 0))
@@ -91,12 +97,16 @@ def apply_rotary_emb(
     return x
 
 
-def _positions(x: Tensor, offsets: Union[int, Tensor], cu_seqlens: Optional[Tensor], max_seqlen: Optional[int]) -> Tuple[Tensor, int]:
+def _positions(
+    x: Tensor, offsets: Union[int, Tensor], cu_seqlens: Optional[Tensor], max_seqlen: Optional[int]
+) -> Tuple[Tensor, int]:
     """Each token's position (``x``'s leading dims) and the longest sequence."""
     device = x.device
     if cu_seqlens is None:
         if x.dim() != 4:
-            raise ArgumentError(f"x must be (batch_size, seqlen, nheads, headdim) without cu_seqlens, got {tuple(x.shape)}.")
+            raise ArgumentError(
+                f"x must be (batch_size, seqlen, nheads, headdim) without cu_seqlens, got {tuple(x.shape)}."
+            )
         batch, seqlen = x.shape[0], x.shape[1]
         start = _per_sequence_offsets(offsets, batch, device)
         return start[:, None] + torch.arange(seqlen, device=device), seqlen

@@ -26,9 +26,15 @@ def dense(q: Tensor, k: Tensor, v: Tensor, sem: Semantics, want_lse: bool) -> Re
     """``q (B, Sq, Hq, D)``, ``k (B, Sk, Hk, D)``, ``v (B, Sk, Hk, Dv)`` -> ``out (B, Sq, Hq, Dv)``, ``lse (B, Hq, Sq)``."""
     seqlen_q, seqlen_k = q.shape[1], k.shape[1]
     result = subquad.attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-        mask_mod=dense_mask(sem, seqlen_q, seqlen_k), score_mod=score_mod(sem, seqlen_k - seqlen_q),
-        scale=sem.scale, enable_gqa=q.shape[2] != k.shape[2], dropout_p=sem.dropout_p, return_lse=want_lse,
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        mask_mod=dense_mask(sem, seqlen_q, seqlen_k),
+        score_mod=score_mod(sem, seqlen_k - seqlen_q),
+        scale=sem.scale,
+        enable_gqa=q.shape[2] != k.shape[2],
+        dropout_p=sem.dropout_p,
+        return_lse=want_lse,
     )
     out, lse = result if want_lse else (result, None)
     # flash-attn's layout; subquad's tiles usually write (B, Sq, Hq, Ev) already (then no copy).
@@ -64,12 +70,22 @@ def packed(
     device = q.device
     offset = torch.tensor([used[s] - rows[s] for s in range(n)], dtype=torch.long, device=device)
     result = subquad.varlen_attention(
-        q, k, v, _offsets(cu_q, device), _offsets(cu_k, device),
-        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+        q,
+        k,
+        v,
+        _offsets(cu_q, device),
+        _offsets(cu_k, device),
+        max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k,
         seqused_k=None if seqused_k is None else torch.tensor(used, dtype=torch.int32, device=device),
-        is_causal=sem.causal, alignment="bottom_right", window=None if sem.causal else sem.window,
-        score_mod=score_mod(sem, offset), scale=sem.scale, enable_gqa=q.shape[1] != k.shape[1],
-        dropout_p=sem.dropout_p, return_lse=want_lse,
+        is_causal=sem.causal,
+        alignment="bottom_right",
+        window=None if sem.causal else sem.window,
+        score_mod=score_mod(sem, offset),
+        scale=sem.scale,
+        enable_gqa=q.shape[1] != k.shape[1],
+        dropout_p=sem.dropout_p,
+        return_lse=want_lse,
     )
     out, lse = result if want_lse else (result, None)
     if lse is None:

@@ -14,7 +14,13 @@ from torch import Tensor
 
 from subquad._errors import ArgumentError
 
-__all__ = ["index_first_axis", "index_put_first_axis", "unpad_input", "pad_input", "unpad_input_for_concatenated_sequences"]
+__all__ = [
+    "index_first_axis",
+    "index_put_first_axis",
+    "unpad_input",
+    "pad_input",
+    "unpad_input_for_concatenated_sequences",
+]
 
 
 def index_first_axis(input: Tensor, indices: Tensor) -> Tensor:

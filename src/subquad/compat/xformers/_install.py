@@ -79,7 +79,9 @@ def install() -> Installed:
     except ImportError as e:
         _STATE = _stand_in(f"xformers cannot be imported ({type(e).__name__}: {e})")
     except Exception as e:  # a broken install (e.g. built for another torch) is as good as none
-        warnings.warn(f"xformers failed to import ({type(e).__name__}: {e}); using subquad's stand-in for it.", stacklevel=2)
+        warnings.warn(
+            f"xformers failed to import ({type(e).__name__}: {e}); using subquad's stand-in for it.", stacklevel=2
+        )
         _STATE = _stand_in(f"xformers failed to import ({type(e).__name__}: {e})")
     else:
         _STATE = _fallback(real_fmha, sys.modules["xformers.ops"])

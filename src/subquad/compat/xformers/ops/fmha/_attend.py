@@ -56,7 +56,10 @@ def _shared_heads(key: Tensor, value: Tensor) -> bool:
     """Heads given expanded (stride 0 along H): run them as one kv head, unless they need gradients
     (autograd keeps a gradient per expanded head, which one shared head cannot give back)."""
     return (
-        key.dim() >= 4 and key.shape[-2] > 1 and key.stride(-2) == 0 and value.stride(-2) == 0
+        key.dim() >= 4
+        and key.shape[-2] > 1
+        and key.stride(-2) == 0
+        and value.stride(-2) == 0
         and not (key.requires_grad or value.requires_grad)
     )
 
@@ -83,7 +86,14 @@ def _dense(inp: Inputs, reading: Dense, return_lse: bool) -> Result:
     if gqa:
         k, v = k.narrow(-3, 0, 1), v.narrow(-3, 0, 1)
     result = subquad.attention(
-        q, k, v, attn_mask=reading.tensor, scale=inp.scale, enable_gqa=gqa, dropout_p=inp.p, return_lse=return_lse,
+        q,
+        k,
+        v,
+        attn_mask=reading.tensor,
+        scale=inp.scale,
+        enable_gqa=gqa,
+        dropout_p=inp.p,
+        return_lse=return_lse,
         **_dense_mask(reading.band, inp.query.shape[1], inp.key.shape[1], reading.tensor is not None),
     )
     out, lse = result if return_lse else (result, None)
@@ -99,7 +109,8 @@ def _varlen_mask(band: Band) -> Dict[str, Any]:
     if band.left is not None or (band.right is not None and band.right > 0):
         window = (band.left, None if band.is_causal else band.right)
     return {
-        "is_causal": band.is_causal, "window": window,
+        "is_causal": band.is_causal,
+        "window": window,
         "alignment": "bottom_right" if band.bottom_right else "top_left",
     }
 
@@ -158,10 +169,17 @@ def _run_parts(q: Tensor, k: Tensor, v: Tensor, blocks: Blocks, options: Dict[st
         cu_k = [a - ka for a, _ in ranges] + [kb - ka]
         used = [e - a for a, e in ranges]
         tidy = all(n == cu_k[i + 1] - cu_k[i] for i, n in enumerate(used))
-        parts.append(subquad.varlen_attention(  # type: ignore[arg-type]
-            q[qa:qb], k[ka:kb], v[ka:kb], [x - qa for x in blocks.q_starts[s0:s1 + 1]], cu_k,
-            seqused_k=None if tidy else torch.tensor(used, dtype=torch.int32), **options,
-        ))
+        parts.append(
+            subquad.varlen_attention(  # type: ignore[arg-type]
+                q[qa:qb],
+                k[ka:kb],
+                v[ka:kb],
+                [x - qa for x in blocks.q_starts[s0 : s1 + 1]],
+                cu_k,
+                seqused_k=None if tidy else torch.tensor(used, dtype=torch.int32),
+                **options,
+            )
+        )
     return parts
 
 
@@ -175,8 +193,17 @@ def _paged_parts(q: Tensor, k: Tensor, v: Tensor, blocks: Blocks, options: Dict[
         qa, qb = blocks.q_starts[s], blocks.q_starts[s + 1]
         first, last = a // ps, -(-e // ps)
         pages = tables[s, first:last]
-        keys, values = (p.index_select(0, pages).flatten(0, 1)[a - first * ps: e - first * ps] for p in (pages_k, pages_v))
-        parts.append(subquad.varlen_attention(  # type: ignore[arg-type]
-            q[qa:qb], keys, values, [0, qb - qa], [0, e - a], **options,
-        ))
+        keys, values = (
+            p.index_select(0, pages).flatten(0, 1)[a - first * ps : e - first * ps] for p in (pages_k, pages_v)
+        )
+        parts.append(
+            subquad.varlen_attention(  # type: ignore[arg-type]
+                q[qa:qb],
+                keys,
+                values,
+                [0, qb - qa],
+                [0, e - a],
+                **options,
+            )
+        )
     return parts

@@ -79,7 +79,9 @@ class Inputs:
         if any(t.device != q.device for t in (k, v)):
             raise ArgumentError("Query/Key/Value should all be on the same device")
         if k.dtype == v.dtype == torch.int32:
-            raise NotImplementedError("Quantized (int32) key/value are xformers' split-K kernels' format; subquad does not read them.")
+            raise NotImplementedError(
+                "Quantized (int32) key/value are xformers' split-K kernels' format; subquad does not read them."
+            )
         if any(t.dtype != q.dtype for t in (k, v)):
             raise ArgumentError(
                 "Query/Key/Value should either all have the same dtype, or (in the quantized case) Key/Value should have "
@@ -89,7 +91,9 @@ class Inputs:
             raise ArgumentTypeError(f"Expected floating-point query/key/value, got {q.dtype}.")
         reading = read_bias(self.attn_bias)
         if q.dim() == 3 and reading.name not in _BMK_BIASES:
-            raise ArgumentError(f"Please provide inputs in BMHK format rather than BMK when using bias type `{reading.name}`")
+            raise ArgumentError(
+                f"Please provide inputs in BMHK format rather than BMK when using bias type `{reading.name}`"
+            )
         if isinstance(reading, Dense) and reading.tensor is not None:
             self._check_tensor_bias(reading.tensor)
         if isinstance(reading, Blocks) and any(t.shape[0] != 1 for t in (q, k, v)):
@@ -150,7 +154,9 @@ class Inputs:
         assert blocks.block_tables is not None and blocks.page_size is not None
         ps = blocks.page_size
         if k.shape[1] % ps:
-            raise ArgumentError(f"Expected key.shape[1] ({k.shape[1]}) to be whole pages of page_size={ps} ({blocks.name}).")
+            raise ArgumentError(
+                f"Expected key.shape[1] ({k.shape[1]}) to be whole pages of page_size={ps} ({blocks.name})."
+            )
         if blocks.block_tables.numel():
             lo, hi = int(blocks.block_tables.min()), int(blocks.block_tables.max())
             if lo < 0 or hi >= k.shape[1] // ps:

@@ -36,7 +36,9 @@ def _additive(keep: Tensor, dtype: torch.dtype) -> Tensor:
     return torch.zeros(keep.shape, dtype=build, device=keep.device).masked_fill_(~keep, -math.inf).to(dtype)
 
 
-def materialize(reading: Reading, shape: Tuple[int, ...], dtype: torch.dtype, device: Union[str, torch.device]) -> Tensor:
+def materialize(
+    reading: Reading, shape: Tuple[int, ...], dtype: torch.dtype, device: Union[str, torch.device]
+) -> Tensor:
     """The additive bias (0 where attended, ``-inf`` elsewhere, plus any tensor) of ``shape (..., Mq, Mkv)``.
 
     Paged biases take the logical ``Mkv = batch * pages per row * page_size`` and return the
@@ -50,7 +52,9 @@ def materialize(reading: Reading, shape: Tuple[int, ...], dtype: torch.dtype, de
         mask = _additive(band_keep(reading.band, q_len, k_len, device), dtype).expand(shape).clone()
         return mask if reading.tensor is None else mask + reading.tensor.to(device=device)
     if q_len != reading.q_starts[-1]:
-        raise ArgumentError(f"materialize: q shapes wrong: shape[-2] = {q_len}, the bias has {reading.q_starts[-1]} queries.")
+        raise ArgumentError(
+            f"materialize: q shapes wrong: shape[-2] = {q_len}, the bias has {reading.q_starts[-1]} queries."
+        )
     keep = _blocks_keep(reading, k_len, device)
     return _additive(keep, dtype).expand(*shape[:-1], keep.shape[-1])
 
@@ -58,7 +62,9 @@ def materialize(reading: Reading, shape: Tuple[int, ...], dtype: torch.dtype, de
 def _blocks_keep(blocks: Blocks, k_len: int, device: Union[str, torch.device]) -> Tensor:
     if not blocks.paged:
         if k_len != blocks.k_total:
-            raise ArgumentError(f"materialize: k shapes wrong: shape[-1] = {k_len}, the bias has {blocks.k_total} keys.")
+            raise ArgumentError(
+                f"materialize: k shapes wrong: shape[-1] = {k_len}, the bias has {blocks.k_total} keys."
+            )
         keep = torch.zeros(blocks.q_starts[-1], k_len, dtype=torch.bool, device=device)
         for s, (a, e) in enumerate(blocks.keys):
             qs, qe = blocks.q_starts[s], blocks.q_starts[s + 1]

@@ -18,25 +18,35 @@ Chunks = Union[Tensor, Sequence[Tensor]]
 def _as_lists(attn_split: Chunks, lse_split: Chunks) -> Tuple[List[Tensor], List[Tensor], bool]:
     """Chunks as ``(B, M, G, H, K)`` outputs and ``(B, G, H, M)`` lses; whether they came without ``G``."""
     if isinstance(attn_split, Tensor) and isinstance(lse_split, Tensor) and attn_split.dim() != lse_split.dim() + 1:
-        raise ArgumentError(f"Incompatible input shapes: attn_split.shape={attn_split.shape}, lse_split.shape={lse_split.shape}")
+        raise ArgumentError(
+            f"Incompatible input shapes: attn_split.shape={attn_split.shape}, lse_split.shape={lse_split.shape}"
+        )
     attns = list(attn_split.unbind(0) if isinstance(attn_split, Tensor) else attn_split)
     lses = list(lse_split.unbind(0) if isinstance(lse_split, Tensor) else lse_split)
     if len(attns) != len(lses):
-        raise ArgumentError(f"Incompatible number of LSE and attention chunks: len(attn_split)={len(attns)}, len(lse_split)={len(lses)}")
+        raise ArgumentError(
+            f"Incompatible number of LSE and attention chunks: len(attn_split)={len(attns)}, len(lse_split)={len(lses)}"
+        )
     if not attns:
         raise ArgumentError("merge_attentions: expected at least one chunk, got none.")
     no_groups = attns[0].dim() == 4
     for i, (o, s) in enumerate(zip(attns, lses)):
         if o.dim() != s.dim() + 1 or o.dim() not in (4, 5):
-            raise ArgumentError(f"Incompatible input shapes for chunk {i}: attn_split[i].shape={o.shape}, lse_split[i].shape={s.shape}")
+            raise ArgumentError(
+                f"Incompatible input shapes for chunk {i}: attn_split[i].shape={o.shape}, lse_split[i].shape={s.shape}"
+            )
     if no_groups:
         attns, lses = [o.unsqueeze(2) for o in attns], [s.unsqueeze(1) for s in lses]
     B, M, G, H, K = attns[0].shape
     for i, (o, s) in enumerate(zip(attns, lses)):
         if o.shape != (B, M, G, H, K):
-            raise ArgumentError(f"Incompatible input shapes for attention chunk {i}: attn_split[i].shape={o.shape}, (B, M, G, H, Kq)={(B, M, G, H, K)}")
+            raise ArgumentError(
+                f"Incompatible input shapes for attention chunk {i}: attn_split[i].shape={o.shape}, (B, M, G, H, Kq)={(B, M, G, H, K)}"
+            )
         if s.shape != (B, G, H, M):
-            raise ArgumentError(f"Incompatible input shapes for LSE chunk {i}: lse_split[i].shape={s.shape}, (B, G, H, M)={(B, G, H, M)}")
+            raise ArgumentError(
+                f"Incompatible input shapes for LSE chunk {i}: lse_split[i].shape={s.shape}, (B, G, H, M)={(B, G, H, M)}"
+            )
     return attns, lses, no_groups
 
 

@@ -34,16 +34,37 @@ AttentionOp = Tuple[Optional[Type[AttentionFwOpBase]], Optional[Type[AttentionBw
 
 
 def _pair(name: str) -> AttentionOp:
-    fw = type(f"{name}FwOp", (AttentionFwOpBase,), {"NAME": f"{name}F", "__doc__": f"Stand-in for xformers' {name} forward."})
-    bw = type(f"{name}BwOp", (AttentionBwOpBase,), {"NAME": f"{name}B", "__doc__": f"Stand-in for xformers' {name} backward."})
+    fw = type(
+        f"{name}FwOp", (AttentionFwOpBase,), {"NAME": f"{name}F", "__doc__": f"Stand-in for xformers' {name} forward."}
+    )
+    bw = type(
+        f"{name}BwOp", (AttentionBwOpBase,), {"NAME": f"{name}B", "__doc__": f"Stand-in for xformers' {name} backward."}
+    )
     return fw, bw
 
 
 MemoryEfficientAttentionCutlassOp = _pair("cutlass")
 MemoryEfficientAttentionFlashAttentionOp = _pair("flash")
-MemoryEfficientAttentionCutlassFwdFlashBwOp = (MemoryEfficientAttentionCutlassOp[0], MemoryEfficientAttentionFlashAttentionOp[1])
+MemoryEfficientAttentionCutlassFwdFlashBwOp = (
+    MemoryEfficientAttentionCutlassOp[0],
+    MemoryEfficientAttentionFlashAttentionOp[1],
+)
 MemoryEfficientAttentionCkOp = _pair("ck")
 MemoryEfficientAttentionSplitKCkOp = (_pair("ck_splitK")[0], MemoryEfficientAttentionCkOp[1])
 
-ALL_FW_OPS = [op for op, _ in (MemoryEfficientAttentionCutlassOp, MemoryEfficientAttentionFlashAttentionOp, MemoryEfficientAttentionCkOp)]
-ALL_BW_OPS = [op for _, op in (MemoryEfficientAttentionCutlassOp, MemoryEfficientAttentionFlashAttentionOp, MemoryEfficientAttentionCkOp)]
+ALL_FW_OPS = [
+    op
+    for op, _ in (
+        MemoryEfficientAttentionCutlassOp,
+        MemoryEfficientAttentionFlashAttentionOp,
+        MemoryEfficientAttentionCkOp,
+    )
+]
+ALL_BW_OPS = [
+    op
+    for _, op in (
+        MemoryEfficientAttentionCutlassOp,
+        MemoryEfficientAttentionFlashAttentionOp,
+        MemoryEfficientAttentionCkOp,
+    )
+]

@@ -97,7 +97,9 @@ Reading = Union[Dense, Blocks]
 
 def _field(bias: object, name: str) -> object:
     if not hasattr(bias, name):
-        raise ArgumentError(f"attn_bias of type {type(bias).__name__} has no field {name!r}, which that class has in xformers 0.0.35.")
+        raise ArgumentError(
+            f"attn_bias of type {type(bias).__name__} has no field {name!r}, which that class has in xformers 0.0.35."
+        )
     return getattr(bias, name)
 
 
@@ -162,10 +164,14 @@ def _paged(keys: Callable[[object], Tuple[Tuple[int, int], ...]], band: Band) ->
     def read(bias: object) -> Blocks:
         tables, page_size = _field(bias, "block_tables"), _field(bias, "page_size")
         if not isinstance(tables, Tensor) or tables.dim() != 2 or tables.is_floating_point():
-            raise ArgumentError(f"Expected attn_bias.block_tables to be a 2-D int tensor (batch, pages per row), got {tables!r}.")
+            raise ArgumentError(
+                f"Expected attn_bias.block_tables to be a 2-D int tensor (batch, pages per row), got {tables!r}."
+            )
         if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size <= 0:
             raise ArgumentError(f"Expected attn_bias.page_size to be an int > 0, got {page_size!r}.")
-        return _checked(Blocks(type(bias).__name__, band, _q_starts(bias), keys(bias), block_tables=tables, page_size=page_size))
+        return _checked(
+            Blocks(type(bias).__name__, band, _q_starts(bias), keys(bias), block_tables=tables, page_size=page_size)
+        )
 
     return read
 
@@ -180,10 +186,16 @@ def _checked(blocks: Blocks) -> Blocks:
     for s, (a, e) in enumerate(keys):
         if not 0 <= a <= e or (limit is not None and e > limit):
             where = f"the {limit} keys of the bias" if row is None else f"a row of {row} paged keys"
-            raise ArgumentError(f"attn_bias ({blocks.name}): the keys of block {s}, [{a}, {e}), are not within {where}.")
+            raise ArgumentError(
+                f"attn_bias ({blocks.name}): the keys of block {s}, [{a}, {e}), are not within {where}."
+            )
     if blocks.block_tables is not None and blocks.block_tables.shape[0] != n:
-        raise ArgumentError(f"attn_bias ({blocks.name}): block_tables has {blocks.block_tables.shape[0]} rows for {n} sequences.")
-    return Blocks(blocks.name, blocks.band, blocks.q_starts, keys, blocks.k_total, blocks.block_tables, blocks.page_size)
+        raise ArgumentError(
+            f"attn_bias ({blocks.name}): block_tables has {blocks.block_tables.shape[0]} rows for {n} sequences."
+        )
+    return Blocks(
+        blocks.name, blocks.band, blocks.q_starts, keys, blocks.k_total, blocks.block_tables, blocks.page_size
+    )
 
 
 def _local_causal(bottom_right: bool) -> Callable[[object], Band]:

@@ -50,7 +50,9 @@ def _check_lengths(name: str, lengths: object) -> List[int]:
     except TypeError:
         values = [-1]
     if any(n < 0 for n in values):
-        raise ArgumentError(f"Expected {name} to be a sequence of ints >= 0 (a Python list, not a tensor), got {lengths!r}.")
+        raise ArgumentError(
+            f"Expected {name} to be a sequence of ints >= 0 (a Python list, not a tensor), got {lengths!r}."
+        )
     return values
 
 
@@ -130,14 +132,21 @@ class PaddedSeqLenInfo(SeqLenInfo):
 
     def __post_init__(self) -> None:
         if len(self.seqstart_py) != len(self.seqlen_py) + 1:
-            raise ArgumentError(f"Expected one more seqstart than seqlen, got {len(self.seqstart_py)} and {len(self.seqlen_py)}.")
+            raise ArgumentError(
+                f"Expected one more seqstart than seqlen, got {len(self.seqstart_py)} and {len(self.seqlen_py)}."
+            )
 
     def to(self, device: Device) -> "PaddedSeqLenInfo":
         if self.seqlen.device == torch.device(device):
             return self
         return PaddedSeqLenInfo(
-            _moved(self.seqstart, device), self.max_seqlen, self.min_seqlen, self.seqstart_py,
-            _moved(self.seqlen, device), self.seqlen_py, self.padding,
+            _moved(self.seqstart, device),
+            self.max_seqlen,
+            self.min_seqlen,
+            self.seqstart_py,
+            _moved(self.seqlen, device),
+            self.seqlen_py,
+            self.padding,
         )
 
     def intervals(self) -> Iterator[Tuple[int, int]]:
@@ -157,8 +166,13 @@ class PaddedSeqLenInfo(SeqLenInfo):
         dev = default_device(device)
         starts = list(range(0, len(lengths) * padding + 1, padding)) if padding > 0 else [0] * (len(lengths) + 1)
         return cls(
-            seqstart=_int32(starts, dev), max_seqlen=max(lengths, default=-1), min_seqlen=min(lengths, default=-1),
-            seqstart_py=starts, seqlen=_int32(lengths, dev), seqlen_py=lengths, padding=padding,
+            seqstart=_int32(starts, dev),
+            max_seqlen=max(lengths, default=-1),
+            min_seqlen=min(lengths, default=-1),
+            seqstart_py=starts,
+            seqlen=_int32(lengths, dev),
+            seqlen_py=lengths,
+            padding=padding,
         )
 
     def from_seqlens_padded_inplace(self, seqlens: Sequence[int]) -> None:
@@ -193,8 +207,12 @@ class GappySeqInfo(SeqLenInfo):
         if self.seqlen.device == torch.device(device):
             return self
         return GappySeqInfo(
-            _moved(self.seqstart, device), self.max_seqlen, self.min_seqlen, self.seqstart_py,
-            _moved(self.seqlen, device), self.seqlen_py,
+            _moved(self.seqstart, device),
+            self.max_seqlen,
+            self.min_seqlen,
+            self.seqstart_py,
+            _moved(self.seqlen, device),
+            self.seqlen_py,
         )
 
     def intervals(self) -> Iterator[Tuple[int, int]]:
@@ -225,8 +243,12 @@ class GappySeqInfo(SeqLenInfo):
             ends = [s + n for s, n in zip(starts, lengths)]
         dev = torch.device(device) if device is not None else default_device()
         return cls(
-            seqstart=_int32(starts, dev), max_seqlen=max(lengths), min_seqlen=min(lengths), seqstart_py=starts,
-            seqlen=_int32(ends, dev), seqlen_py=ends,
+            seqstart=_int32(starts, dev),
+            max_seqlen=max(lengths),
+            min_seqlen=min(lengths),
+            seqstart_py=starts,
+            seqlen=_int32(ends, dev),
+            seqlen_py=ends,
         )
 
     def split(self, x: Tensor, batch_sizes: Optional[Sequence[int]] = None) -> List[Tensor]:

@@ -40,15 +40,28 @@ from ._seqinfo import Device, GappySeqInfo, PaddedSeqLenInfo, SeqLenInfo, defaul
 _SeqLenInfo, _PaddedSeqLenInfo, _GappySeqInfo = SeqLenInfo, PaddedSeqLenInfo, GappySeqInfo
 
 __all__ = [
-    "AttentionBias", "LowerTriangularMask", "LowerTriangularMaskWithTensorBias", "LowerTriangularFromBottomRightMask",
-    "LowerTriangularFromBottomRightLocalAttentionMask", "LocalAttentionFromBottomRightMask", "BlockDiagonalMask",
-    "BlockDiagonalCausalMask", "BlockDiagonalCausalFromBottomRightMask", "BlockDiagonalCausalLocalAttentionMask",
-    "BlockDiagonalCausalLocalAttentionFromBottomRightMask", "BlockDiagonalPaddedKeysMask",
-    "BlockDiagonalCausalWithOffsetPaddedKeysMask", "BlockDiagonalLocalAttentionPaddedKeysMask",
-    "BlockDiagonalCausalLocalAttentionPaddedKeysMask", "PagedBlockDiagonalPaddedKeysMask",
-    "PagedBlockDiagonalCausalWithOffsetPaddedKeysMask", "BlockDiagonalGappyKeysMask",
-    "BlockDiagonalCausalWithOffsetGappyKeysMask", "PagedBlockDiagonalGappyKeysMask",
-    "PagedBlockDiagonalCausalWithOffsetGappyKeysMask", "VARLEN_BIASES",
+    "AttentionBias",
+    "LowerTriangularMask",
+    "LowerTriangularMaskWithTensorBias",
+    "LowerTriangularFromBottomRightMask",
+    "LowerTriangularFromBottomRightLocalAttentionMask",
+    "LocalAttentionFromBottomRightMask",
+    "BlockDiagonalMask",
+    "BlockDiagonalCausalMask",
+    "BlockDiagonalCausalFromBottomRightMask",
+    "BlockDiagonalCausalLocalAttentionMask",
+    "BlockDiagonalCausalLocalAttentionFromBottomRightMask",
+    "BlockDiagonalPaddedKeysMask",
+    "BlockDiagonalCausalWithOffsetPaddedKeysMask",
+    "BlockDiagonalLocalAttentionPaddedKeysMask",
+    "BlockDiagonalCausalLocalAttentionPaddedKeysMask",
+    "PagedBlockDiagonalPaddedKeysMask",
+    "PagedBlockDiagonalCausalWithOffsetPaddedKeysMask",
+    "BlockDiagonalGappyKeysMask",
+    "BlockDiagonalCausalWithOffsetGappyKeysMask",
+    "PagedBlockDiagonalGappyKeysMask",
+    "PagedBlockDiagonalCausalWithOffsetGappyKeysMask",
+    "VARLEN_BIASES",
 ]
 
 
@@ -88,9 +101,9 @@ def _blocks(bias: Any) -> List[Tuple[int, int]]:
 class LowerTriangularMask(AttentionBias):
     """Causal, top-left: query ``i`` sees keys ``j <= i`` (``Mq=3, Mkv=4``)::
 
-        x . . .
-        x x . .
-        x x x .
+    x . . .
+    x x . .
+    x x x .
     """
 
     def __init__(self, device: Device = None) -> None:
@@ -117,11 +130,11 @@ class LowerTriangularMaskWithTensorBias(LowerTriangularMask):
 class LowerTriangularFromBottomRightMask(AttentionBias):
     """Causal, bottom-right: the last query sees every key, query ``i`` keys ``j <= i + Mkv - Mq``::
 
-        Mq=3, Mkv=4     Mq=4, Mkv=2 (the first rows see nothing: output 0)
-        x x . .         . .
-        x x x .         . .
-        x x x x         x .
-                        x x
+    Mq=3, Mkv=4     Mq=4, Mkv=2 (the first rows see nothing: output 0)
+    x x . .         . .
+    x x x .         . .
+    x x x x         x .
+                    x x
     """
 
     def to(self, device: Device) -> "LowerTriangularFromBottomRightMask":
@@ -136,10 +149,10 @@ class LowerTriangularFromBottomRightMask(AttentionBias):
 class LowerTriangularFromBottomRightLocalAttentionMask(LowerTriangularFromBottomRightMask):
     """Bottom-right causal with a window: ``i + d - window_size < j <= i + d`` (``window_size=2``)::
 
-        x . . .
-        x x . .
-        . x x .
-        . . x x
+    x . . .
+    x x . .
+    . x x .
+    . . x x
     """
 
     _window_size: int
@@ -257,7 +270,9 @@ class BlockDiagonalMask(AttentionBias):
     def split(self, tensor: Tensor) -> Sequence[Tensor]:
         """The inverse of :meth:`from_tensor_list`: ``(1, sum M_i, ...)`` -> ``[(B_i, M_i, ...)]``."""
         if self.q_seqinfo is not self.k_seqinfo:
-            raise ArgumentError("split() is for biases whose queries and keys share blocks; use split_queries / split_kv.")
+            raise ArgumentError(
+                "split() is for biases whose queries and keys share blocks; use split_queries / split_kv."
+            )
         return self.q_seqinfo.split(tensor, self._batch_sizes)
 
     def _derived(self, cls: Type[Any], **fields: Any) -> Any:
@@ -275,7 +290,9 @@ class BlockDiagonalMask(AttentionBias):
         """Each block causal (top-left), each query seeing at most ``window_size`` keys."""
         return self._derived(BlockDiagonalCausalLocalAttentionMask, _window_size=window_size)
 
-    def make_local_attention_from_bottomright(self, window_size: int) -> "BlockDiagonalCausalLocalAttentionFromBottomRightMask":
+    def make_local_attention_from_bottomright(
+        self, window_size: int
+    ) -> "BlockDiagonalCausalLocalAttentionFromBottomRightMask":
         """Each block causal (bottom-right), each query seeing at most ``window_size`` keys."""
         return self._derived(BlockDiagonalCausalLocalAttentionFromBottomRightMask, _window_size=window_size)
 
@@ -292,7 +309,9 @@ class BlockDiagonalCausalFromBottomRightMask(BlockDiagonalMask):
     def __post_init__(self) -> None:
         for i, (n_q, n_k) in enumerate(_blocks(self)):
             if n_k < n_q:
-                raise ValueError(f"Block #{i} has num_keys={n_k} and num_queries={n_q}. Expected `num_keys >= num_queries`")
+                raise ValueError(
+                    f"Block #{i} has num_keys={n_k} and num_queries={n_q}. Expected `num_keys >= num_queries`"
+                )
 
 
 @dataclass
@@ -305,7 +324,9 @@ class BlockDiagonalCausalLocalAttentionMask(BlockDiagonalCausalMask):
         _positive_window(self._window_size)
         for n_q, n_k in _blocks(self):
             if n_q - self._window_size >= n_k:
-                raise RuntimeError(f"No keys are attended in q_seqlen {n_q} k_seqlen {n_k} with sliding window {self._window_size}")
+                raise RuntimeError(
+                    f"No keys are attended in q_seqlen {n_q} k_seqlen {n_k} with sliding window {self._window_size}"
+                )
 
 
 @dataclass
@@ -336,8 +357,13 @@ class BlockDiagonalPaddedKeysMask(AttentionBias):
 
     @classmethod
     def from_seqlens(
-        cls, q_seqlen: Sequence[int], kv_padding: int, kv_seqlen: Sequence[int], causal_diagonal: Any = None,
-        *, device: Device = None,
+        cls,
+        q_seqlen: Sequence[int],
+        kv_padding: int,
+        kv_seqlen: Sequence[int],
+        causal_diagonal: Any = None,
+        *,
+        device: Device = None,
     ) -> "BlockDiagonalPaddedKeysMask":
         """Query blocks of ``q_seqlen[i]``; key blocks of ``kv_padding`` slots using ``kv_seqlen[i]``. (``causal_diagonal``: unused.)"""
         if len(kv_seqlen) != len(q_seqlen):
@@ -354,8 +380,13 @@ class BlockDiagonalPaddedKeysMask(AttentionBias):
         """The same sequences with the keys in pages: ``block_tables (B, pages per row)``."""
         k = self.k_seqinfo
         padded = PaddedSeqLenInfo(
-            seqstart=k.seqstart, max_seqlen=k.max_seqlen, min_seqlen=k.min_seqlen, seqstart_py=k.seqstart_py,
-            seqlen=k.seqlen, seqlen_py=k.seqlen_py, padding=block_tables.shape[1] * page_size,
+            seqstart=k.seqstart,
+            max_seqlen=k.max_seqlen,
+            min_seqlen=k.min_seqlen,
+            seqstart_py=k.seqstart_py,
+            seqlen=k.seqlen,
+            seqlen_py=k.seqlen_py,
+            padding=block_tables.shape[1] * page_size,
         )
         return paged_type(q_seqinfo=self.q_seqinfo, k_seqinfo=padded, block_tables=block_tables, page_size=page_size)
 
@@ -408,7 +439,9 @@ class BlockDiagonalCausalLocalAttentionPaddedKeysMask(BlockDiagonalPaddedKeysMas
 
 def _check_paged(block_tables: Tensor, page_size: int) -> None:
     if not isinstance(block_tables, Tensor) or block_tables.dim() != 2:
-        raise ArgumentError(f"Expected block_tables to be a 2-D int tensor (batch, pages per row), got {block_tables!r}.")
+        raise ArgumentError(
+            f"Expected block_tables to be a 2-D int tensor (batch, pages per row), got {block_tables!r}."
+        )
     if not isinstance(page_size, int) or page_size <= 0:
         raise ArgumentError(f"Expected page_size to be an int > 0, got {page_size!r}.")
 
@@ -436,7 +469,13 @@ class PagedBlockDiagonalPaddedKeysMask(AttentionBias):
 
     @classmethod
     def from_seqlens(
-        cls, q_seqlen: Sequence[int], kv_seqlen: Sequence[int], block_tables: Tensor, page_size: int, *, device: Device = None
+        cls,
+        q_seqlen: Sequence[int],
+        kv_seqlen: Sequence[int],
+        block_tables: Tensor,
+        page_size: int,
+        *,
+        device: Device = None,
     ) -> "PagedBlockDiagonalPaddedKeysMask":
         if len(kv_seqlen) != len(q_seqlen):
             raise ArgumentError(f"Expected as many kv_seqlen as q_seqlen, got {list(kv_seqlen)} and {list(q_seqlen)}.")
@@ -444,7 +483,8 @@ class PagedBlockDiagonalPaddedKeysMask(AttentionBias):
         return cls(
             q_seqinfo=SeqLenInfo.from_seqlens(q_seqlen, device=dev),
             k_seqinfo=PaddedSeqLenInfo.from_seqlens_padded(kv_seqlen, block_tables.shape[1] * page_size, device=dev),
-            block_tables=block_tables, page_size=page_size,
+            block_tables=block_tables,
+            page_size=page_size,
         )
 
 
@@ -483,7 +523,11 @@ class BlockDiagonalGappyKeysMask(AttentionBias):
         )
 
     def make_paged(
-        self, block_tables: Tensor, page_size: int, notional_padding: int, paged_type: Type["PagedBlockDiagonalGappyKeysMask"]
+        self,
+        block_tables: Tensor,
+        page_size: int,
+        notional_padding: int,
+        paged_type: Type["PagedBlockDiagonalGappyKeysMask"],
     ) -> AttentionBias:
         """The same, with block ``i``'s keys living in row ``i`` of pages (rows ``notional_padding`` keys apart)."""
         if notional_padding % page_size:
@@ -498,9 +542,12 @@ class BlockDiagonalGappyKeysMask(AttentionBias):
         ends = [a + n for a, n in zip(starts, self.k_seqinfo.seqlen_py)]
         dev = block_tables.device
         k_seqinfo = GappySeqInfo(
-            seqstart=torch.tensor(starts + [-1], dtype=torch.int32, device=dev), max_seqlen=self.k_seqinfo.max_seqlen,
-            min_seqlen=self.k_seqinfo.min_seqlen, seqstart_py=starts + [-1],
-            seqlen=torch.tensor(ends, dtype=torch.int32, device=dev), seqlen_py=ends,
+            seqstart=torch.tensor(starts + [-1], dtype=torch.int32, device=dev),
+            max_seqlen=self.k_seqinfo.max_seqlen,
+            min_seqlen=self.k_seqinfo.min_seqlen,
+            seqstart_py=starts + [-1],
+            seqlen=torch.tensor(ends, dtype=torch.int32, device=dev),
+            seqlen_py=ends,
         )
         return paged_type(q_seqinfo=self.q_seqinfo, k_seqinfo=k_seqinfo, block_tables=block_tables, page_size=page_size)
 
@@ -530,17 +577,26 @@ class PagedBlockDiagonalGappyKeysMask(AttentionBias):
 
     @classmethod
     def from_seqlens(
-        cls, q_seqlen: Sequence[int], kv_seqstarts: Sequence[int], kv_seqlen: Sequence[int], block_tables: Tensor,
-        page_size: int, *, device: Device = None,
+        cls,
+        q_seqlen: Sequence[int],
+        kv_seqstarts: Sequence[int],
+        kv_seqlen: Sequence[int],
+        block_tables: Tensor,
+        page_size: int,
+        *,
+        device: Device = None,
     ) -> "PagedBlockDiagonalGappyKeysMask":
         """``kv_seqstarts[i]``: where block ``i``'s keys start within its row (one entry per block)."""
         if not len(q_seqlen) == len(kv_seqlen) == len(kv_seqstarts):
-            raise ArgumentError(f"Expected one q_seqlen, kv_seqlen and kv_seqstarts per block, got {q_seqlen}, {kv_seqlen}, {kv_seqstarts}.")
+            raise ArgumentError(
+                f"Expected one q_seqlen, kv_seqlen and kv_seqstarts per block, got {q_seqlen}, {kv_seqlen}, {kv_seqstarts}."
+            )
         dev = block_tables.device if device is None else torch.device(device)
         return cls(
             q_seqinfo=SeqLenInfo.from_seqlens(q_seqlen, device=dev),
             k_seqinfo=GappySeqInfo.from_seqlens_gappy(kv_seqstarts, kv_seqlen, True, device=dev),
-            block_tables=block_tables, page_size=page_size,
+            block_tables=block_tables,
+            page_size=page_size,
         )
 
 
@@ -553,6 +609,9 @@ class PagedBlockDiagonalCausalWithOffsetGappyKeysMask(PagedBlockDiagonalGappyKey
 
 #: The biases of packed sequences (inputs of batch 1).
 VARLEN_BIASES = (
-    BlockDiagonalMask, BlockDiagonalGappyKeysMask, BlockDiagonalPaddedKeysMask, PagedBlockDiagonalPaddedKeysMask,
+    BlockDiagonalMask,
+    BlockDiagonalGappyKeysMask,
+    BlockDiagonalPaddedKeysMask,
+    PagedBlockDiagonalPaddedKeysMask,
     PagedBlockDiagonalGappyKeysMask,
 )

@@ -1,0 +1,3 @@
+"""The package's version: the one place it is written (pyproject reads it, ``subquad --version`` prints it)."""
+
+__version__ = "0.2.0"
