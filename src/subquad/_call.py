@@ -461,7 +461,7 @@ def _run_tiles_recovering(
                 inp if inp.packed is None else _engine.planning_view(inp), opts, budget, "matmul", shape=plan.shape
             )
             tiles, backward_tiles = plan.chunk_size, plan.backward_chunk_size
-        except Exception as e:  # noqa: BLE001 - only real out-of-memory errors are retried
+        except Exception as e:  # only real out-of-memory errors are retried
             if attempt == 1 or from_callback(e) or not is_oom(e):
                 raise
             old = tiles

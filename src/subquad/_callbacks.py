@@ -34,10 +34,8 @@ def call_user(fn: Callable[..., Any], *args: Any) -> Any:
     try:
         return fn(*args)
     except Exception as e:
-        try:
+        with contextlib.suppress(Exception):  # an exception type without attributes: it still propagates unchanged
             e._subquad_from_callback = True  # type: ignore[attr-defined]
-        except Exception:  # an exception type without attributes: it still propagates unchanged
-            pass
         raise
 
 

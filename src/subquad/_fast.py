@@ -52,7 +52,7 @@ class Entry:
     without a new check (a decode step adds one key at a time).
     """
 
-    __slots__ = ("backend", "budget", "direct", "plain", "scale", "gqa", "fits")
+    __slots__ = ("backend", "budget", "direct", "fits", "gqa", "plain", "scale")
 
     def __init__(self, backend: str, budget: Optional[int], direct: bool, plain: bool, scale: float, gqa: bool) -> None:
         self.backend = backend  # "fused" or "sdpa"
@@ -246,7 +246,7 @@ def run(
             out, lse = backend.run_whole(inp, return_lse)
         else:
             out, lse = _engine.forward(inp, "fused", (Lq, Lk), 0, need_lse=return_lse)
-    except Exception:  # noqa: BLE001 - the full path recovers (or raises) as it always does
+    except Exception:  # the full path recovers (or raises) as it always does
         return None
     out = out.reshape(inp.output_shape)
     if return_lse:
@@ -279,7 +279,7 @@ def _run_plain(
             # math path would fit any budget.
             return TORCH_SDPA(query, key_, value, is_causal=is_causal, scale=entry.scale)
         out, lse = cpu_flash_forward()(query, key_, value, 0.0, is_causal, attn_mask=None, scale=entry.scale)
-    except Exception:  # noqa: BLE001 - the full path recovers (or raises) as it always does
+    except Exception:  # the full path recovers (or raises) as it always does
         return None
     if return_lse:
         return out, lse.to(torch.float64 if out.dtype == torch.float64 else torch.float32)

@@ -7,7 +7,7 @@ and counts them (:data:`TILES`).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -97,7 +97,7 @@ class Grads(NamedTuple):
     dk: Optional[Tensor]
     dv: Optional[Tensor]
     dmask: Optional[Tensor]
-    proxies: Dict[int, Tensor] = {}
+    proxies: Mapping[int, Tensor] = {}
     dcaptured: Sequence[Tensor] = ()
 
 

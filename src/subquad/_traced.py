@@ -146,7 +146,7 @@ def value_key(x: Any, refs: List[weakref.ref], depth: int = 0) -> Any:
 
 def _cell_full(cell: Any) -> bool:
     try:
-        cell.cell_contents
+        _ = cell.cell_contents  # an empty cell raises
     except ValueError:
         return False
     return True
@@ -174,7 +174,7 @@ def _trace_on_tile(fn: Callable[..., Tensor], device: torch.device, score_dtype:
 def _trace_structure(fn: Callable[..., Tensor], dtype: torch.dtype, device: torch.device) -> Structure:
     try:
         graph = _trace_on_tile(fn, device, dtype)
-    except Exception as e:  # noqa: BLE001 - anything untraceable still runs, on the generic path
+    except Exception as e:  # anything untraceable still runs, on the generic path
         first = (str(e).strip().splitlines() or [""])[0][:120]
         return Structure("general", reason=f"it could not be traced ({type(e).__name__}: {first})")
     return _classify(graph)
@@ -221,9 +221,9 @@ def _classify(graph: Any) -> Structure:
             elif y in dep and x not in dep and cur.kwargs.get("alpha", 1) == 1:
                 nxt = y
             adds = True
-        elif target == "aten.sub.Tensor" and args[0] in dep and args[1] not in dep:
-            nxt, adds = args[0], True
-        elif target in ("aten.add.Scalar", "aten.sub.Scalar") and args[0] in dep:
+        elif (target == "aten.sub.Tensor" and args[0] in dep and args[1] not in dep) or (
+            target in ("aten.add.Scalar", "aten.sub.Scalar") and args[0] in dep
+        ):
             nxt, adds = args[0], True
         elif target in ("aten.where.self", "aten.where.ScalarOther", "aten.where.ScalarSelf"):
             cond, x, y = args[0], args[1], args[2]
@@ -234,9 +234,11 @@ def _classify(graph: Any) -> Structure:
         elif target in ("aten.masked_fill.Scalar", "aten.masked_fill.Tensor"):
             if args[0] in dep and args[1] not in dep and args[2] not in dep and _is_neg_inf(graph, args[2]):
                 nxt, masks = args[0], True
-        elif target in _PASS_THROUGH or (target in _SAME_SHAPE and _same_shape(cur, args[0])):
-            nxt = args[0]
-        elif target == "aten._to_copy.default" and _same_dtype(cur, args[0]):
+        elif (
+            target in _PASS_THROUGH
+            or (target in _SAME_SHAPE and _same_shape(cur, args[0]))
+            or (target == "aten._to_copy.default" and _same_dtype(cur, args[0]))
+        ):
             nxt = args[0]
         if nxt is None or nxt not in dep:
             return Structure("general", reason=f"the score goes through {target}")
@@ -390,7 +392,7 @@ def mask_mod_structure(fn: Callable[..., Tensor], device: torch.device) -> MaskS
 def _trace_mask(fn: Callable[..., Tensor], device: torch.device) -> MaskStructure:
     try:
         graph = _trace_on_tile(fn, device, None)
-    except Exception as e:  # noqa: BLE001 - evaluated per tile instead
+    except Exception as e:  # evaluated per tile instead
         return MaskStructure("general", reason=f"it could not be traced ({type(e).__name__})")
     nodes = list(graph.graph.nodes)
     places = [n for n in nodes if n.op == "placeholder"]

@@ -57,9 +57,8 @@ def _real(name: str, value: object) -> float:
     """A number: Python and numpy scalars, or a one-element tensor (SDPA accepts all three)."""
     if isinstance(value, bool) or not isinstance(value, (numbers.Real, Tensor)):
         raise ArgumentTypeError(f"Expected {name} to be a number, got {type(value).__name__} {value!r}.")
-    if isinstance(value, Tensor):
-        if value.numel() != 1 or value.dtype == torch.bool or value.is_complex():
-            raise ArgumentTypeError(f"Expected {name} to be a number, got a tensor of shape {_shape(value)}.")
+    if isinstance(value, Tensor) and (value.numel() != 1 or value.dtype == torch.bool or value.is_complex()):
+        raise ArgumentTypeError(f"Expected {name} to be a number, got a tensor of shape {_shape(value)}.")
     return float(value)
 
 

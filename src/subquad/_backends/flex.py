@@ -156,11 +156,11 @@ class Flex(Backend):
                     out = _call(_compiled(), inp, block_mask)
                 except FlexUnavailable:
                     raise
-                except Exception:  # noqa: BLE001 - some kernels compile only with static shapes
+                except Exception:  # some kernels compile only with static shapes
                     out = _call(_compiled(static=True), inp, block_mask)
                     with _LOCK:
                         _STATIC_ONLY.add(signature)
-        except Exception as e:  # noqa: BLE001 - any failure to compile hands the call to the tiles
+        except Exception as e:  # any failure to compile hands the call to the tiles
             reason = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:160]}"
             with _LOCK:
                 _FAILED[None if _environmental(e) else signature] = reason
@@ -237,10 +237,12 @@ def _call(flex: Callable[..., Tensor], inp: Inputs, block_mask: Any) -> Tensor:
     # Distinct float constants specialize (a dynamic float trips inductor's flex lowering); a
     # recompile limit that is hit raises instead of running FlexAttention eagerly, which would
     # materialize the scores.
-    with torch._dynamo.config.patch(specialize_float=True, recompile_limit=64, fail_on_recompile_limit_hit=True):
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            return flex(inp.q, inp.k, inp.v, _score_mod(inp), block_mask, inp.scale, inp.G > 1)
+    with (
+        torch._dynamo.config.patch(specialize_float=True, recompile_limit=64, fail_on_recompile_limit_hit=True),
+        warnings.catch_warnings(),
+    ):
+        warnings.simplefilter("ignore")
+        return flex(inp.q, inp.k, inp.v, _score_mod(inp), block_mask, inp.scale, inp.G > 1)
 
 
 def _environmental(e: BaseException) -> bool:

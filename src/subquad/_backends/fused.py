@@ -214,7 +214,8 @@ class FusedCPU(Backend):
         dtype = inp.bias_dtype
         bias = tile_bias(inp, qs, qe, seg, dtype, causal_in_kernel=self.causal_in_kernel(inp, seg))
         if inp.score_mod is not None:
-            add = getattr(inp.score_mod, "additive_bias")  # a traced or built-in additive score_mod
+            # a traced or built-in additive score_mod: an optional attribute, so not on ScoreMod's type
+            add = getattr(inp.score_mod, "additive_bias")  # noqa: B009
             b, h, qi, ki = index_grids(inp, qs, qe, seg.ks, seg.ke)
             extra = call_user(add, b, h, qi, ki).to(dtype)
             bias = extra if bias is None else bias + extra

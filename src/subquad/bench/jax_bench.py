@@ -95,7 +95,7 @@ def run_case(
     import jax.numpy as jnp
     import numpy as np
 
-    B, T, N, H = shape
+    _B, T, _N, _H = shape
     causal = mask == "causal"
     result: Dict[str, Any] = {"impl": name, "shape": list(shape), "mask": mask, "mode": mode, "dtype": "fp32"}
     fn = _impl(name, causal, budget)

@@ -402,7 +402,7 @@ def time_interleaved(rows: list[tuple[Impl, Result]], case: Case, timing: Timing
                 _record_failure(result, impl, failed.exc, [])
                 steps.pop(failed.name)
                 continue
-            for name, (impl, result) in live.items():
+            for name, (_impl, result) in live.items():
                 _record_times(result, case, times[name])
             break
     finally:
@@ -471,7 +471,7 @@ class Worker:
         env["MALLOC_MMAP_THRESHOLD_"] = "131072"
         src = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [src, env.get("PYTHONPATH")]))
-        self.stderr = tempfile.TemporaryFile()
+        self.stderr = tempfile.TemporaryFile()  # noqa: SIM115 - open while the child writes to it
         self.proc = subprocess.Popen(
             self.command,
             stdin=subprocess.PIPE,

@@ -7,6 +7,7 @@ worker runs with ``MALLOC_MMAP_THRESHOLD_=131072`` so that freed tensors leave t
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
 from typing import Optional
@@ -42,10 +43,8 @@ class CudaPeak:
 
 def _malloc_trim() -> None:
     """Hand free heap pages back to the OS (glibc), so that a call reusing them shows in RSS."""
-    try:
+    with contextlib.suppress(OSError, AttributeError):  # not glibc
         ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 def status_bytes(key: str) -> int:

@@ -111,7 +111,7 @@ def _xformers_reasons(spec: ModelSpec, device: str, mode: str) -> list[str]:
             _XFORMERS_CHECKED[device] = []
         except ImportError:
             _XFORMERS_CHECKED[device] = ["xformers is not installed (pip install xformers)"]
-        except Exception as exc:  # noqa: BLE001 - any refusal means no operator here
+        except Exception as exc:  # any refusal means no operator here
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
             _XFORMERS_CHECKED[device] = [f"xformers has no operator on {device}: {first}"]
     return list(_XFORMERS_CHECKED[device])

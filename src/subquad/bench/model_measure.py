@@ -432,7 +432,7 @@ class _Timer:
                     calls[r.impl].setup()
                     calls[r.impl].run()
             times = timing_mod.interleaved(calls, min_rounds=rounds, max_rounds=rounds, target_s=0.0)
-        except Exception as exc:  # noqa: BLE001 - the memory phase ran it; report, do not crash
+        except Exception as exc:  # the memory phase ran it; report, do not crash
             for r in live:
                 r.reason = f"timing failed: {type(exc).__name__}: {str(exc)[:200]}"
             return

@@ -197,7 +197,7 @@ def render_plain(results: list[Result]) -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
-def print_table(results: list[Result], *, plain: bool = False, file: TextIO = None) -> None:
+def print_table(results: list[Result], *, plain: bool = False, file: Optional[TextIO] = None) -> None:
     """Print the results table; with rich when it is installed (and ``plain`` is off)."""
     file = file or sys.stdout
     if plain or not have_rich():
@@ -235,7 +235,7 @@ class Progress:
     """Progress while the bench runs: a rich progress bar that logs each result, or one plain
     line per result. Use as a context manager and pass ``update`` to ``measure.run_all``."""
 
-    def __init__(self, total: int, *, plain: bool = False, file: TextIO = None):
+    def __init__(self, total: int, *, plain: bool = False, file: Optional[TextIO] = None):
         self.total = total
         self.file = file or sys.stderr
         self.rich = None

@@ -13,8 +13,8 @@ if __name__ == "__main__":
     _PROTOCOL = os.fdopen(os.dup(sys.stdout.fileno()), "w", buffering=1)
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
 
-from .measure import run_job  # noqa: E402 (after the redirection: importing torch may print)
-from .model_measure import run_memory_job  # noqa: E402
+from .measure import run_job  # after the redirection: importing torch may print
+from .model_measure import run_memory_job
 
 
 def main() -> int:

@@ -217,14 +217,14 @@ def _choose_chunks(
         spec = make(tq, tk)
         if fits(spec):
             return spec
-        if tq <= _SMALLEST_CHUNK and tk <= _SMALLEST_CHUNK or tq == 1 and tk == 1:
+        if (tq <= _SMALLEST_CHUNK and tk <= _SMALLEST_CHUNK) or (tq == 1 and tk == 1):
             smallest = make(min(_SMALLEST_CHUNK, T), min(_SMALLEST_CHUNK, S))
             need = memory_model(smallest, dtype, need_grad=True, bias_grad=need_bias_grad)
             raise MemoryBudgetError(
                 f"memory_budget={format_bytes(budget or 0)} is too small: even {smallest.tq}x{smallest.tk} chunks need "
                 f"about {format_bytes(need)} (the float32 gradients and per-row statistics alone grow with T and S)."
             )
-        if tk >= tq and tk > _SMALLEST_CHUNK or tq <= _SMALLEST_CHUNK:
+        if (tk >= tq and tk > _SMALLEST_CHUNK) or tq <= _SMALLEST_CHUNK:
             tk = max(1, tk // 2)
         else:
             tq = max(1, tq // 2)

@@ -94,7 +94,7 @@ class SeqLenInfo:
 
     def from_seqlens_inplace(self, seqlens: Iterable[int]) -> None:
         """Update in place with as many blocks, none longer than ``max_seqlen`` (CUDA graphs)."""
-        lo, hi, starts = self._starts(seqlens)
+        _lo, hi, starts = self._starts(seqlens)
         if len(starts) != len(self.seqstart_py) or hi > self.max_seqlen:
             raise ArgumentError(
                 f"An in-place update keeps the number of blocks ({len(self.seqstart_py) - 1}) and max_seqlen "

@@ -80,9 +80,7 @@ def _moved(bias: Any, device: Device) -> Any:
     changes = {}
     for f in dataclasses.fields(bias):
         value = getattr(bias, f.name)
-        if isinstance(value, SeqLenInfo):
-            changes[f.name] = value.to(device)
-        elif isinstance(value, Tensor):
+        if isinstance(value, (SeqLenInfo, Tensor)):
             changes[f.name] = value.to(device)
     return dataclasses.replace(bias, **changes)
 
