@@ -14,6 +14,11 @@ import pytest
 import torch
 from torch import Tensor
 
+import _machine
+
+# Before any test can measure a rate: SUBQUAD_TEST_RATE_FACTOR and SUBQUAD_TEST_RECORD (_machine.py).
+_machine.install()
+
 
 def naive_attention(
     q: Tensor,
@@ -105,3 +110,14 @@ def assert_close_to_golden(test: Tensor, golden: Tensor, reference: Optional[Ten
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture
+def fixed_rates(monkeypatch):
+    """A fixed rate table in place of the rates subquad measures on this machine (for tests of
+    predicted times, whose verdicts must not depend on how fast or busy the machine is)."""
+    return _machine.inject_rates(monkeypatch)
+
+
+def pytest_runtest_setup(item):
+    _machine.sweep()
