@@ -96,7 +96,8 @@ def attention(
         MemoryBudgetError: the budget cannot hold even the smallest tiles, or the forced
             ``chunk_size`` (says what would fit).
         NotImplementedError: a forced ``backend`` cannot run the call (with its reasons).
-        Whatever ``score_mod`` / ``mask_mod`` raise, unchanged (never retried or hidden).
+
+    Whatever ``score_mod`` / ``mask_mod`` raise propagates unchanged (never retried or hidden).
     """
     if (
         torch.compiler.is_compiling()

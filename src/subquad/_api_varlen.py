@@ -64,19 +64,21 @@ def varlen_attention(
                                   x x x . .      x x x x x
 
     Args:
-        max_seqlen_q, max_seqlen_k: the longest sequences (flash-attn passes them); checked when
-            given, computed when not.
+        max_seqlen_q: the longest query sequence (flash-attn passes it); checked when given,
+            computed when not.
+        max_seqlen_k: the longest key sequence, likewise.
         seqused_k: ``(batch,)`` int32: sequence ``s`` uses only its first ``seqused_k[s]`` keys
             (flash-attn 3's name; padded or cached key blocks); its alignment counts those.
         window: ``(left, right)``: row ``i`` sees keys from ``left`` before to ``right`` after its
             aligned diagonal (``None``: unbounded on that side); tiles outside are skipped.
-        Others as :func:`subquad.attention` (``memory_budget``: tiles are planned for the longest
-        sequence; the lse of every row, kept for the backward, counts too).
+
+    The other arguments are :func:`subquad.attention`'s (``memory_budget``: tiles are planned for
+    the longest sequence; the lse of every row, kept for the backward, counts too).
 
     Raises:
         TypeError / ValueError (also ``RuntimeError``): bad shapes (each tensor 3-D), offsets that
-        do not start at 0, decrease or end elsewhere than ``total``, a ``max_seqlen`` shorter than
-        a sequence, an unknown ``alignment``; as :func:`subquad.attention` otherwise.
+            do not start at 0, decrease or end elsewhere than ``total``, a ``max_seqlen`` shorter
+            than a sequence, an unknown ``alignment``; as :func:`subquad.attention` otherwise.
     """
     return _call.varlen_attention(
         query,

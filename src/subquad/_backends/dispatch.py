@@ -14,6 +14,11 @@ from .sdpa import Sdpa
 
 BACKENDS: Dict[str, Backend] = {b.name: b for b in (Sdpa(), Flex(), FusedCPU(), Matmul())}
 BACKEND_NAMES: Tuple[str, ...] = tuple(BACKENDS)
+"""The backends a call can name with ``backend=`` (besides ``"auto"``): ``"sdpa"``, ``"flex"``, ``"fused"``, ``"matmul"``.
+
+Public as ``subquad.BACKENDS``. Which of them can run a given call, and why the others cannot, is
+what :func:`subquad.explain` prints.
+"""
 
 
 def priority(device: torch.device) -> List[str]:

@@ -20,6 +20,8 @@ from ._group import Group, torch_distributed
 from ._layouts import LAYOUTS, pieces
 
 STRATEGIES = ("auto", "ring", "ulysses")
+"""The ``strategy=`` values of :func:`~subquad.distributed.attention`: ``"ring"``, ``"ulysses"``
+(all-to-all over heads) or ``"auto"`` (the one that sends fewer bytes; ``explain()`` says why)."""
 
 
 _DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)

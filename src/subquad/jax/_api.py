@@ -50,8 +50,9 @@ def attention(
     except that a row that sees no key gives 0 (lse ``-inf``), not NaN.
 
     Args:
-        query, key, value: ``(B, T, N, H)``, ``(B, S, K, H)``, ``(B, S, K, Hv)``, or without ``B``;
-            one floating dtype; ``N`` a multiple of ``K``.
+        query: ``(B, T, N, H)``, or ``(T, N, H)`` without the batch axis.
+        key: ``(B, S, K, H)`` (or ``(S, K, H)``); ``N`` a multiple of ``K`` (GQA when ``K < N``).
+        value: ``(B, S, K, Hv)`` (or ``(S, K, Hv)``); one floating dtype for all three.
         bias: added to the scaled scores; broadcastable to ``(B, N, T, S)`` (at most 4 dims,
             each 1 or full). Differentiable: its gradient has its shape.
         mask: bool, True = attend; broadcastable to ``(B, N, T, S)``.
@@ -64,9 +65,9 @@ def attention(
                    [x x . . .]
                    [x x x . .]
 
-          Key chunks above the diagonal are skipped, not computed.
-        query_seq_lengths, key_value_seq_lengths: ``(B,)`` int32; rows/keys at or beyond are
-            padding (padding rows give 0).
+            Key chunks above the diagonal are skipped, not computed.
+        query_seq_lengths: ``(B,)`` int32; query rows at or beyond it are padding (they give 0).
+        key_value_seq_lengths: ``(B,)`` int32; keys at or beyond it are padding (never attended).
         local_window_size: ``w`` or ``(left, right)``: row ``t`` sees keys in
             ``[t - left, t + right]``; chunks outside are skipped.
         score_mod: ``score_mod(score, b, h, q_idx, kv_idx) -> score``, called once per chunk with
@@ -91,9 +92,10 @@ def attention(
             available with a mesh (use ``mask_mod``).
 
     Raises:
-        ValueError / TypeError naming the argument (both also ``RuntimeError`` subclasses, as in
-        subquad's PyTorch API); :class:`MemoryBudgetError` when no chunks fit ``memory_budget``;
-        ``ImportError`` without JAX.
+        ValueError / TypeError: invalid arguments, naming the argument (both also ``RuntimeError``
+            subclasses, as in subquad's PyTorch API).
+        MemoryBudgetError: no chunks fit ``memory_budget``, or a forced ``chunk_size`` does not.
+        ImportError: JAX is not installed (``pip install 'subquad[jax]'``).
     """
     if mesh is not None:
         for name, given in (
@@ -183,16 +185,20 @@ def ring_attention(
 
     Args:
         axis_name: the ``shard_map`` mesh axis the sequence is sharded over.
-        bias, mask: this device's rows of a ``(B, N, T, S)`` bias (added) / bool mask (True =
-            attend): ``(B, N, T/P, S)`` with the key columns in global order; each dim 1 or full.
-        score_mod, mask_mod: as in :func:`attention`, called with **global** positions, so ALiBi,
-            sliding windows and document masks are exact across shards.
-        chunk_size, memory_budget: for each block's chunks, as in :func:`attention`.
-        Others as in :func:`attention` (causal is top-left aligned in global positions).
+        bias: this device's rows of a ``(B, N, T, S)`` bias (added): ``(B, N, T/P, S)`` with the
+            key columns in global order; each dim 1 or full.
+        mask: this device's rows of a bool ``(B, N, T, S)`` mask (True = attend), as ``bias``.
+        score_mod: as in :func:`attention`, called with **global** positions, so ALiBi, sliding
+            windows and document masks are exact across shards.
+        mask_mod: as in :func:`attention`, with global positions too.
+        chunk_size: for each block's chunks, as in :func:`attention`.
+        memory_budget: for each block's chunks, as in :func:`attention`.
+
+    The other arguments are :func:`attention`'s (causal is top-left aligned in global positions).
 
     Raises:
-        ValueError naming the argument: ``axis_name`` not bound (called outside ``shard_map``), an
-        unknown ``layout``, ``zigzag`` shards of odd length, and :func:`attention`'s checks.
+        ValueError: naming the argument: ``axis_name`` not bound (called outside ``shard_map``),
+            an unknown ``layout``, ``zigzag`` shards of odd length, and :func:`attention`'s checks.
     """
     out, lse = _sharded.ring_attention(
         query,
@@ -237,8 +243,8 @@ def ulysses_attention(
     ``(P-1)/P`` of its shards instead of the ring's ``P-1`` K/V shards.
 
     Raises:
-        ValueError naming the argument: heads not divisible by ``P``, ``axis_name`` not bound, and
-        :func:`ring_attention`'s checks.
+        ValueError: naming the argument: heads not divisible by ``P``, ``axis_name`` not bound,
+            and :func:`ring_attention`'s checks.
     """
     out, lse = _sharded.ulysses_attention(
         query,

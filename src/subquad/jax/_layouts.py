@@ -19,6 +19,8 @@ from jax import lax
 from .._errors import ArgumentError
 
 LAYOUTS = ("zigzag", "contiguous")
+"""The ``layout=`` values: ``"zigzag"`` (device ``r`` holds chunks ``r`` and ``2P-1-r`` of ``2P``:
+equal causal work) and ``"contiguous"`` (device ``r`` holds the ``r``-th run of positions)."""
 
 
 def check_layout(layout: object) -> str:

@@ -42,7 +42,8 @@ def install() -> bool:
         True if ``import flash_attn`` now resolves to subquad's stand-in, False if to flash-attn.
 
     Raises:
-        Any other exception importing flash-attn raises (a bug there is not hidden).
+        Exception: any other exception that importing flash-attn raises propagates (a bug there
+            is not hidden).
     """
     package = sys.modules[__name__.rpartition(".")[0]]
     present = sys.modules.get("flash_attn")

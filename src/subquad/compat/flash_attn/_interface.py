@@ -71,9 +71,9 @@ def flash_attn_func(
             ALiBi and the causal kernel it includes flash-attn's ``slope * diag`` shift.
 
     Raises:
-        RuntimeError (subquad's ``ArgumentError``/``ArgumentTypeError``, also ``ValueError``/
-        ``TypeError``): flash-attn's checks (shapes, dtypes, head counts, ALiBi shapes), with its
-        messages. float32/float64, any head dim and any device are accepted.
+        RuntimeError: flash-attn's checks (shapes, dtypes, head counts, ALiBi shapes), with its
+            messages, as subquad's ``ArgumentError``/``ArgumentTypeError`` (also ``ValueError``/
+            ``TypeError``). float32/float64, any head dim and any device are accepted.
     """
     return _calls.dense_call(
         q,
@@ -189,9 +189,9 @@ def flash_attn_varlen_func(
 
     Raises:
         RuntimeError (subquad's ``ArgumentError``/``ArgumentTypeError``): flash-attn's checks,
-        offsets that do not start at 0, decrease or pass ``total``, a ``max_seqlen`` shorter than a
-        sequence (flash-attn would skip its rows), a ``block_table`` too short or naming pages
-        outside the cache.
+            offsets that do not start at 0, decrease or pass ``total``, a ``max_seqlen`` shorter
+            than a sequence (flash-attn would skip its rows), a ``block_table`` too short or
+            naming pages outside the cache.
     """
     return _calls.varlen_call(
         q,

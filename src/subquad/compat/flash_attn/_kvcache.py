@@ -73,15 +73,17 @@ def flash_attn_with_kvcache(
     Args:
         rotary_interleaved: pairs ``(x[2i], x[2i+1])`` (True) or ``(x[i], x[i + rotary_dim/2])``.
         num_splits: accepted; subquad plans its own tiles.
-        Others as :func:`~subquad.compat.flash_attn.flash_attn_func`; no dropout, no gradient
-        (it runs under ``torch.no_grad()``, as flash-attn has no backward for it).
+
+    The other arguments are :func:`~subquad.compat.flash_attn.flash_attn_func`'s; no dropout, no
+    gradient (it runs under ``torch.no_grad()``, as flash-attn has no backward for it).
 
     Raises:
         RuntimeError (subquad's ``ArgumentError``/``ArgumentTypeError``): flash-attn's checks and
-        messages (``k`` without ``v`` or ``cache_seqlens``, rotary tables without new keys or too
-        short, ``cache_batch_idx`` with a paged cache, shapes, dtypes); also what flash-attn would
-        run out of bounds with: writes past the cache, rotary positions past ``seqlen_ro``,
-        ``cache_batch_idx`` or ``block_table`` entries outside the cache, ``v`` without ``k``.
+            messages (``k`` without ``v`` or ``cache_seqlens``, rotary tables without new keys or
+            too short, ``cache_batch_idx`` with a paged cache, shapes, dtypes); also what
+            flash-attn would run out of bounds with: writes past the cache, rotary positions past
+            ``seqlen_ro``, ``cache_batch_idx`` or ``block_table`` entries outside the cache, ``v``
+            without ``k``.
     """
     with torch.no_grad():
         return _with_kvcache(

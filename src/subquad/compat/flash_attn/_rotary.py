@@ -63,9 +63,10 @@ def apply_rotary_emb(
     ``inplace=True`` writes into ``x`` and returns it. Differentiable in ``x`` (plain torch ops).
 
     Raises:
-        RuntimeError (subquad's ``ArgumentError``; flash-attn asserts): ``cos``/``sin`` shapes that
-        differ, ``rotary_dim > D``, ``seqlen_ro`` shorter than the sequences, an int offset that
-        runs past ``seqlen_ro``, ``cu_seqlens`` without ``max_seqlen``, offsets not ``(B,)``.
+        RuntimeError (subquad's ``ArgumentError``; flash-attn asserts): ``cos``/``sin`` shapes
+            that differ, ``rotary_dim > D``, ``seqlen_ro`` shorter than the sequences, an int
+            offset that runs past ``seqlen_ro``, ``cu_seqlens`` without ``max_seqlen``, offsets
+            not ``(B,)``.
     """
     x, cos, sin = (_checks.tensor(n, t) for n, t in (("x", x), ("cos", cos), ("sin", sin)))
     if cos.dim() != 2 or sin.shape != cos.shape:

@@ -25,6 +25,7 @@ from .fmha import (
 )
 
 AttentionMask = AttentionBias  # xformers' old name
+"""xformers' old name for :class:`~subquad.compat.xformers.ops.fmha.attn_bias.AttentionBias` (the same class)."""
 
 __all__ = [
     "fmha",

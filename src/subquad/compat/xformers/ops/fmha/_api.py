@@ -107,7 +107,8 @@ def memory_efficient_attention_forward_requires_grad(
 
     Raises:
         NotImplementedError: ``p != 0`` (as xformers: use :func:`memory_efficient_attention`).
-        As :func:`memory_efficient_attention` otherwise.
+
+    Otherwise it raises as :func:`memory_efficient_attention`.
     """
     if p != 0.0:
         raise NotImplementedError(_NO_DROPOUT)

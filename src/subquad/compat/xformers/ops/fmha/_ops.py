@@ -31,6 +31,7 @@ class AttentionBwOpBase(AttentionOpBase):
 
 
 AttentionOp = Tuple[Optional[Type[AttentionFwOpBase]], Optional[Type[AttentionBwOpBase]]]
+"""The type of an ``op=`` argument: a ``(forward operator, backward operator)`` pair, as in xformers."""
 
 
 def _pair(name: str) -> AttentionOp:
@@ -44,13 +45,18 @@ def _pair(name: str) -> AttentionOp:
 
 
 MemoryEfficientAttentionCutlassOp = _pair("cutlass")
+"""Stand-in for xformers' CUTLASS operator pair; accepted as ``op=`` and ignored."""
 MemoryEfficientAttentionFlashAttentionOp = _pair("flash")
+"""Stand-in for xformers' flash-attention operator pair; accepted as ``op=`` and ignored."""
 MemoryEfficientAttentionCutlassFwdFlashBwOp = (
     MemoryEfficientAttentionCutlassOp[0],
     MemoryEfficientAttentionFlashAttentionOp[1],
 )
+"""Stand-in for xformers' CUTLASS-forward, flash-backward pair; accepted as ``op=`` and ignored."""
 MemoryEfficientAttentionCkOp = _pair("ck")
+"""Stand-in for xformers' Composable Kernel (ROCm) operator pair; accepted as ``op=`` and ignored."""
 MemoryEfficientAttentionSplitKCkOp = (_pair("ck_splitK")[0], MemoryEfficientAttentionCkOp[1])
+"""Stand-in for xformers' split-K Composable Kernel pair; accepted as ``op=`` and ignored."""
 
 ALL_FW_OPS = [
     op
@@ -60,6 +66,7 @@ ALL_FW_OPS = [
         MemoryEfficientAttentionCkOp,
     )
 ]
+"""The forward stand-ins, as xformers lists its forward operators."""
 ALL_BW_OPS = [
     op
     for _, op in (
@@ -68,3 +75,4 @@ ALL_BW_OPS = [
         MemoryEfficientAttentionCkOp,
     )
 ]
+"""The backward stand-ins, as xformers lists its backward operators."""
