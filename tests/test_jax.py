@@ -455,6 +455,7 @@ def test_explain_names_chunks_and_memory():
 
 
 def test_import_subquad_does_not_import_jax():
+    pytest.importorskip("torch")  # `import subquad` is the torch face (tests/test_packaging.py: without torch)
     code = "import sys, subquad; assert 'jax' not in sys.modules, 'jax imported'; print('ok')"
     env = dict(os.environ)
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
@@ -484,6 +485,7 @@ def test_score_mod_closing_over_int_and_float_tracers_under_jit_and_grad():
 
 
 def test_bench_cli_runs_the_jax_preset(tmp_path, capsys):
+    pytest.importorskip("torch")  # `subquad bench` is a torch program, its JAX presets included
     from subquad.bench import cli
 
     assert cli.main(["--framework", "jax", "--preset", "jax-quick", "--impl", "subquad-jax", "--seconds", "0.01", "--out", str(tmp_path)]) == 0

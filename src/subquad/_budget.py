@@ -4,7 +4,8 @@
 (``None`` means half the device's free memory) into the bytes a call may use beyond its inputs
 and outputs, once per call; :func:`format_bytes` / :func:`format_seconds` are how every message
 and plan prints them. Used by the torch calls, ``subquad.jax``, ``subquad.distributed``, the CLI
-and the fast path; it imports nothing of subquad's but its exception classes.
+and the fast path; it imports nothing of subquad's but its exception classes, and torch only to ask
+a torch device for its free memory (``subquad.jax`` uses it without torch).
 """
 
 from __future__ import annotations
@@ -13,11 +14,12 @@ import math
 import os
 import re
 import time
-from typing import List, Optional, Union
-
-import torch
+from typing import TYPE_CHECKING, List, Optional, Union
 
 from ._errors import ArgumentError
+
+if TYPE_CHECKING:
+    import torch
 
 Budget = Union[int, str, None]
 """What callers pass: bytes, a string with a unit (``"512MiB"``, ``"2GB"``), or ``None``."""
@@ -96,6 +98,8 @@ def free_memory_bytes(device: torch.device) -> int:
             return int(_CPU_FREE_CACHE[1])
         _CPU_FREE_CACHE[:] = [now, _cpu_available_bytes()]
         return int(_CPU_FREE_CACHE[1])
+    import torch  # optional (subquad[torch]): only torch devices come here, and subquad.jax comes without torch
+
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
         reusable = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)

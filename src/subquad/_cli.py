@@ -1,4 +1,8 @@
-"""The ``subquad`` command: ``subquad info`` and ``subquad bench``."""
+"""The ``subquad`` command: ``subquad info``, ``subquad bench`` and ``subquad --version``.
+
+``--version`` and ``--help`` need no torch (JAX users have none); ``info`` and ``bench`` import it
+when they run, and without it say what to install.
+"""
 
 from __future__ import annotations
 
@@ -6,16 +10,18 @@ import argparse
 import sys
 from typing import List, Optional
 
-import torch
-
-import subquad
-from subquad._backends import cpu_flash_unavailable_reason
 from subquad._budget import format_bytes, free_memory_bytes
-from subquad.bench.cli import main as bench_main
+from subquad._requires import require_torch
+from subquad._version import __version__
 
 
 def _info(args: argparse.Namespace) -> int:
-    device = torch.device(args.device)
+    import torch  # optional dependency (subquad[torch]), present: main() required it
+
+    import subquad  # optional: the torch face, loaded in full once torch is there
+    from subquad._backends import cpu_flash_unavailable_reason  # optional: needs torch
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     print(f"subquad {subquad.__version__}, torch {torch.__version__}")
     name = (
         torch.cuda.get_device_name(device)
@@ -55,12 +61,11 @@ def _info(args: argparse.Namespace) -> int:
 
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "bench":
-        return int(bench_main(argv[1:]) or 0)
     parser = argparse.ArgumentParser(prog="subquad", description="Exact attention in bounded memory.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command")
     p = sub.add_parser("info", help="device, available kernels, and the plan for a sample input")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     p.add_argument(
         "--shape",
         type=lambda s: tuple(int(x) for x in s.split(",")),
@@ -72,9 +77,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--causal", action="store_true")
     p.add_argument("--run", action="store_true", help="also run the sample input and time it")
     sub.add_parser("bench", help="benchmark attention implementations on this machine (see `subquad bench --help`)")
-    args = parser.parse_args(argv)
-    if args.command is None:
-        args = parser.parse_args(["info"])
+    # `subquad bench` parses its own arguments; --version and --help end in parse_args, without torch.
+    args = None if argv[:1] == ["bench"] else parser.parse_args(argv or ["info"])
+    try:
+        require_torch()
+    except ModuleNotFoundError as e:
+        parser.exit(1, f"{e}\n")
+    if args is None:
+        from subquad.bench.cli import main as bench_main  # optional: needs torch, required above
+
+        return int(bench_main(argv[1:]) or 0)
     if args.command == "info":
         if len(args.shape) != 4:
             parser.error("--shape takes four integers B,H,L,E")

@@ -20,7 +20,8 @@ log-sum-exp, FlashAttention-2 style. Works under ``jit``, ``grad`` and ``vmap``.
   sharded arrays and picks the strategy; :func:`shard`/:func:`unshard` put a whole sequence in a
   layout's order (``zigzag``: device ``r`` holds chunks ``r`` and ``2P-1-r`` of ``2P``).
 
-``import subquad`` never imports JAX; ``import subquad.jax`` does (``pip install subquad[jax]``).
+``import subquad`` never imports JAX; ``import subquad.jax`` does (``pip install subquad[jax]``), and
+needs no PyTorch (without it, the rest of ``subquad`` says what to install).
 """
 
 from __future__ import annotations
