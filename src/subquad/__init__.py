@@ -7,6 +7,8 @@ PyTorch is an extra (``pip install "subquad[torch]"``): without it ``import subq
 install, while ``import subquad.jax`` and ``subquad --version`` work (see ``_requires``).
 """
 
+from typing import Any
+
 from ._errors import MemoryBudgetError
 from ._requires import require_torch, torch_face_wanted
 from ._version import __version__
@@ -36,7 +38,7 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str):  # the lazy wing: integrations import host libraries only when used
+def __getattr__(name: str) -> Any:  # the lazy wing: integrations import host libraries only when used
     if name in __all__:
         require_torch()  # without torch (only subquad.jax was imported) the torch names say what to install
     if name == "patch_sdpa":

@@ -45,7 +45,7 @@ def is_transformed(*tensors: Optional[Tensor]) -> bool:
 
 class _Attention(torch.autograd.Function):
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         meta: Meta,
         query: Tensor,
         key: Tensor,
@@ -109,7 +109,7 @@ class _Backward(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         meta: Meta,
         wanted: Tuple[bool, ...],
         grad_out: Tensor,
@@ -121,7 +121,7 @@ class _Backward(torch.autograd.Function):
         out: Tensor,
         lse: Tensor,
         *captured: Tensor,
-    ) -> Tuple[Tensor, ...]:
+    ) -> Tuple[Optional[Tensor], ...]:
         def grads_of(
             go: Tensor, gl: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, m: Optional[Tensor], o: Tensor, l: Tensor
         ) -> Tuple[Optional[Tensor], ...]:
@@ -189,15 +189,14 @@ def per_example(
     size = 0
     for t in tensors:
         if t is not None and _functorch.is_legacy_batchedtensor(t):
-            u = torch._remove_batch_dim(t, level, 1, 0)  # type: ignore[attr-defined]
+            u = torch._remove_batch_dim(t, level, 1, 0)
             size = u.shape[0]
             plain.append((u, True))
         else:
             plain.append((t, False))
     results = [fn(*[u[i] if batched and u is not None else u for u, batched in plain]) for i in range(size)]
     return tuple(
-        None if parts[0] is None else torch._add_batch_dim(torch.stack(parts), 0, level)  # type: ignore[attr-defined]
-        for parts in zip(*results)
+        None if parts[0] is None else torch._add_batch_dim(torch.stack(parts), 0, level) for parts in zip(*results)
     )
 
 
@@ -299,5 +298,7 @@ def _warn_refused(e: KernelRefused) -> None:
 
 def attention_with_grad(inp: Inputs, meta: Meta, captured: Sequence[Tensor]) -> Tuple[Tensor, Tensor]:
     """Run the call through the autograd Function (``mask_mod``/``score_mod`` ride along in ``meta``)."""
-    stripped = dataclasses.replace(inp, query=None, key=None, value=None, attn_mask=None, groups=None)
-    return _Attention.apply(meta._replace(inp=stripped), inp.query, inp.key, inp.value, inp.attn_mask, *captured)
+    # Meta holds the call without its tensors (typed as tensors: None only here); autograd gets them as arguments.
+    stripped = dataclasses.replace(inp, query=None, key=None, value=None, attn_mask=None, groups=None)  # type: ignore[arg-type]
+    out, lse = _Attention.apply(meta._replace(inp=stripped), inp.query, inp.key, inp.value, inp.attn_mask, *captured)
+    return out, lse

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from typing import Any, Dict, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, NamedTuple, Optional, Protocol, Sequence, Tuple, Union, cast
 
 import torch
 from torch import Tensor
@@ -40,7 +40,7 @@ from ._traced import normalize
 from ._validate import check_bool, make_inputs, make_packed_inputs, parse_chunk_size
 
 Tiles = Tuple[int, int]
-ChunkSize = Union[int, Tiles, None]
+ChunkSize = Union[int, Tiles, Sequence[int], None]  # a pair as a tuple or a list (parse_chunk_size)
 
 WARN_LONGER_THAN_S = 300.0
 """A call predicted to take longer than this warns once (with the plan's estimate)."""
@@ -66,6 +66,14 @@ class Varlen(NamedTuple):
     alignment: str = "top_left"
     window: Any = None
     seqused_k: Any = None
+
+
+class _Jagged(Protocol):
+    """What subquad reads of a jagged nested tensor (torch types them as plain tensors)."""
+
+    def offsets(self) -> Tensor: ...
+
+    def lengths(self) -> Optional[Tensor]: ...
 
 
 def prepare(
@@ -265,7 +273,9 @@ def varlen_attention(
     return out, lse.squeeze(0).t()
 
 
-def _nested(query: Tensor, key: Tensor, value: Tensor, *, attn_mask: Optional[Tensor], **options: Any) -> Any:
+def _nested(
+    query: Tensor, key: Tensor, value: Tensor, *, attn_mask: Optional[Tensor], **options: Any
+) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """Jagged nested tensors ``(B, H, j, E)`` (SDPA's layout for them) as packed sequences.
 
     The result is a nested tensor ``(B, H, j, Ev)`` (and the lse ``(B, H, j)``); gradients flow
@@ -286,7 +296,7 @@ def _nested(query: Tensor, key: Tensor, value: Tensor, *, attn_mask: Optional[Te
                 f"them: nested (B, j, H, E) .transpose(1, 2)), got {t.dim()} dims with the ragged dim at "
                 f"{getattr(t, '_ragged_idx', '?')}."
             )
-        if t.lengths() is not None:
+        if cast(_Jagged, t).lengths() is not None:
             raise NotImplementedError(
                 f"{name} is a nested tensor with holes (lengths); subquad takes contiguous sequences."
             )
@@ -299,10 +309,10 @@ def _nested(query: Tensor, key: Tensor, value: Tensor, *, attn_mask: Optional[Te
         raise ArgumentError(
             f"Expected query, key and value to hold the same number of sequences, got {query.size(0)}, {key.size(0)}, {value.size(0)}."
         )
-    offsets_q = query.offsets()
-    packed = [t.transpose(1, 2).values() for t in (query, key, value)]  # (total, H, E) views
-    result = varlen_attention(*packed, offsets_q, key.offsets(), **options)
-    out, lse = result if options.get("return_lse") else (result, None)
+    offsets_q = cast(_Jagged, query).offsets()
+    q, k, v = (t.transpose(1, 2).values() for t in (query, key, value))  # (total, H, E) views
+    result = varlen_attention(q, k, v, offsets_q, cast(_Jagged, key).offsets(), **options)
+    out, lse = result if isinstance(result, tuple) else (result, None)
     out = torch.nested.nested_tensor_from_jagged(out, offsets=offsets_q).transpose(1, 2)
     if lse is None:
         return out
@@ -329,8 +339,8 @@ def explain(query: Tensor, key: Tensor, value: Tensor, **options: Any) -> Plan:
         options.pop("allow_compile", None)
         if options.pop("attn_mask", None) is not None:
             raise NotImplementedError("attn_mask with nested tensors: pass the mask as a mask_mod.")
-        packed = [t.transpose(1, 2).values() for t in (query, key, value)]
-        return varlen_explain(*packed, query.offsets(), key.offsets(), **options)
+        q, k, v = (t.transpose(1, 2).values() for t in (query, key, value))
+        return varlen_explain(q, k, v, cast(_Jagged, query).offsets(), cast(_Jagged, key).offsets(), **options)
     return prepare(query, key, value, estimate_time=True, **options).plan
 
 

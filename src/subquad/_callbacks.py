@@ -14,7 +14,7 @@ What a callback *is* (traced from its graph) lives above, in :mod:`subquad._trac
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -97,8 +97,13 @@ def apply_score_mod(
 
 
 # ------------------------------------------------------------------ block states
-EMPTY, FULL, PARTIAL = 0, 1, 2
-"""A tile's state under a ``mask_mod``: skipped, computed without the mask, computed with it."""
+# A tile's state under a ``mask_mod``: skipped, computed without the mask, computed with it.
+EMPTY = 0
+"""Block state: the ``mask_mod`` hides every element of the tile, which is skipped, never computed."""
+FULL = 1
+"""Block state: the ``mask_mod`` keeps every element of the tile, which is computed without evaluating it."""
+PARTIAL = 2
+"""Block state: the ``mask_mod`` may mix kept and hidden elements; it is evaluated on the tile (always safe)."""
 
 
 def mask_mod_state(inp: Inputs, qs: int, qe: int, ks: int, ke: int) -> Tuple[int, Optional[Tensor]]:
@@ -184,7 +189,7 @@ class CapturedAsLeaves(TorchFunctionMode):
     traverse their graph once per tile.)
     """
 
-    def __init__(self, proxies: Dict[int, Tensor], known: Sequence[Tensor]) -> None:
+    def __init__(self, proxies: Mapping[int, Tensor], known: Sequence[Tensor]) -> None:
         super().__init__()
         self.proxies = proxies
         self.known: Dict[int, Tensor] = {id(t): t for t in known}

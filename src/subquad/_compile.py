@@ -244,6 +244,7 @@ def _engine_grads(
         None if grad_lse is None else grad_lse.reshape(rows),
         wanted=(True, True, True, mask_grad),
     )
+    assert dq is not None and dk is not None and dv is not None  # wanted: all three
     dq, dk, dv = (g.reshape(t.shape) for g, t in zip((dq, dk, dv), (query, key, value)))
     if dmask is not None and attn_mask is not None:
         dmask = dmask.reshape(attn_mask.shape)

@@ -13,13 +13,13 @@ import dataclasses
 import itertools
 import logging
 import time
-from typing import Iterator, Optional, Tuple
+from typing import Iterator, Optional, Tuple, cast
 
 import torch
 from torch import Tensor
 
 from . import mods
-from ._backends import BACKENDS
+from ._backends import BACKENDS, FusedCPU
 from ._callbacks import EMPTY, PARTIAL, mask_mod_state
 from ._inputs import Inputs, MaskMod
 from ._tiles import TILES, Grads, Segment
@@ -317,4 +317,5 @@ def whole_fused_backward(
     segs = list(kv_segments(inp, 0, inp.Lq, chunk[1], coalesce=False))
     if len(segs) != 1 or (segs[0].ks, segs[0].ke) != (0, inp.Lk):
         return None
-    return BACKENDS["fused"].segment_backward(inp, 0, inp.Lq, segs[0], grad_out, out, lse)
+    fused = cast(FusedCPU, BACKENDS["fused"])  # segment_backward is the fused kernel's own
+    return fused.segment_backward(inp, 0, inp.Lq, segs[0], grad_out, out, lse)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import threading
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -225,7 +225,7 @@ def run(
     scale: Optional[float],
     enable_gqa: bool,
     return_lse: bool,
-) -> Optional[Any]:
+) -> Optional[Union[Tensor, Tuple[Tensor, Tensor]]]:
     """The call's result through its remembered plan, or ``None`` to take the full path."""
     entry = _CACHE.get(k)
     if entry is None:
@@ -265,7 +265,7 @@ def _run_plain(
     return_lse: bool,
     Lq: int,
     Lk: int,
-) -> Optional[Any]:
+) -> Optional[Union[Tensor, Tuple[Tensor, Tensor]]]:
     """One fused kernel call on the caller's own tensors; Inputs are built only to re-check the fit."""
     fq, fk, fb = entry.fits
     if not (fq == Lq and Lk <= fk and _budget(entry, query.device) >= fb):

@@ -7,7 +7,7 @@ and counts them (:data:`TILES`).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, Mapping, NamedTuple, Optional, Sequence, Tuple, TypeVar
 
 import torch
 from torch import Tensor
@@ -15,6 +15,7 @@ from torch import Tensor
 from ._callbacks import eval_mask_mod, from_callback, index_grids
 from ._inputs import Inputs
 
+_R = TypeVar("_R")
 NEG_INF = float("-inf")
 
 
@@ -52,7 +53,7 @@ def is_oom(e: BaseException) -> bool:
     )
 
 
-def call_kernel(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+def call_kernel(fn: Callable[..., _R], *args: Any, **kwargs: Any) -> _R:
     """A private fused kernel; its refusals (not its out-of-memory errors) become :class:`KernelRefused`."""
     try:
         return fn(*args, **kwargs)

@@ -21,7 +21,7 @@ import types
 import warnings
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple, TypeVar, cast
 
 import torch
 from torch import Tensor
@@ -29,7 +29,7 @@ from torch.utils._pytree import tree_flatten
 
 from . import mods
 from ._callbacks import EMPTY, FULL, PARTIAL
-from ._inputs import Inputs
+from ._inputs import Inputs, MaskMod
 
 
 # ------------------------------------------------------------------ what a score_mod is, from its structure
@@ -47,14 +47,14 @@ class Structure:
     reason: str = ""
 
 
-_STRUCTURES: "collections.OrderedDict[Any, Tuple[Structure, List[weakref.ref]]]" = collections.OrderedDict()
+_T = TypeVar("_T")
+# A Structure or a MaskStructure (by the key's kind), with weak references to what the key names.
+_STRUCTURES: "collections.OrderedDict[Any, Tuple[object, List[weakref.ref]]]" = collections.OrderedDict()
 _STRUCTURE_CACHE_SIZE = 256
 _STRUCTURE_LOCK = threading.Lock()
 
 
-def _cached(
-    kind: str, fn: Callable[..., Any], dtype: torch.dtype, device: torch.device, trace: Callable[[], Any]
-) -> Any:
+def _cached(kind: str, fn: Callable[..., Any], dtype: torch.dtype, device: torch.device, trace: Callable[[], _T]) -> _T:
     refs: List[weakref.ref] = []
     key = callback_key(fn, refs, 0)
     if key is not None:
@@ -63,7 +63,7 @@ def _cached(
             hit = _STRUCTURES.get(key)
             if hit is not None and all(r() is not None for r in hit[1]):
                 _STRUCTURES.move_to_end(key)
-                return hit[0]
+                return cast(_T, hit[0])  # the key holds ``kind``: what this kind's trace() made
     found = trace()
     if key is not None:
         with _STRUCTURE_LOCK:
@@ -532,7 +532,7 @@ def _traced_score_mod(inp: Inputs) -> Tuple[Inputs, Optional[str]]:
         ), "score_mod returns the score unchanged (traced): it is left out"
     if found.kind == "mask":
         mask = ScoreModAsMask(fn, inp.stats_dtype)
-        mask_mod = mask if inp.mask_mod is None else mods.and_masks(inp.mask_mod, mask)
+        mask_mod: Optional[MaskMod] = mask if inp.mask_mod is None else mods.and_masks(inp.mask_mod, mask)
         note = "score_mod is where(cond, score, -inf) (traced): it runs as a mask_mod, empty tiles skipped"
         return dataclasses.replace(inp, score_mod=None, mask_mod=mask_mod), note
     traced = TracedScoreMod(fn, found, inp.stats_dtype)

@@ -74,10 +74,12 @@ def parse_chunk_size(chunk_size: object) -> Optional[Tuple[int, int]]:
         raise ArgumentError(
             f"Expected chunk_size to be None, a positive int or a pair (q_chunk, kv_chunk), got {chunk_size!r}."
         )
+    ints = []
     for v in pair:
         if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
             raise ArgumentError(f"Expected chunk_size entries to be positive ints, got {chunk_size!r}.")
-    return int(pair[0]), int(pair[1])  # type: ignore[arg-type]
+        ints.append(int(v))
+    return ints[0], ints[1]
 
 
 def causal_bias_offset(attn_mask: object, Lq: int, Lk: int, is_causal: bool) -> Optional[int]:

@@ -32,7 +32,7 @@ unless noted. (Over 600 lines for its one job: each built-in with its drawing an
 from __future__ import annotations
 
 import math
-from typing import Callable, List, Optional, Sequence, Union
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -74,7 +74,7 @@ class _Mask:
         """``t`` on the device of the call (ids or lengths built on CPU for a CUDA call), copied once."""
         if t.device == device:
             return t
-        cache = self.__dict__.setdefault("_device_copies", {})
+        cache: Dict[Tuple[int, torch.device], Tensor] = self.__dict__.setdefault("_device_copies", {})
         key = (id(t), device)
         if key not in cache:
             cache[key] = t.to(device)
@@ -552,7 +552,9 @@ def or_masks(*mask_mods: MaskModFn) -> _Mask:
 
 
 # ----------------------------------------------------------------------------- ALiBi
-def alibi_slopes(num_heads: int, dtype: torch.dtype = torch.float32, device: object = None) -> Tensor:
+def alibi_slopes(
+    num_heads: int, dtype: torch.dtype = torch.float32, device: Union[str, torch.device, int, None] = None
+) -> Tensor:
     """The standard ALiBi slopes of ``num_heads`` heads (Press et al., 2022), shape ``(num_heads,)``.
 
     For a power of two ``n`` they are the geometric sequence ``2**(-8 (i+1) / n)``, i = 0..n-1

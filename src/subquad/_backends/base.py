@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Iterable, List, NamedTuple, Optional, Tuple
+from typing import Iterable, List, NamedTuple, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -189,8 +189,9 @@ class Backend:
 
     def forward_rows(
         self, inp: Inputs, qs: int, qe: int, segments: Iterable[Segment], out: Optional[Tensor], seed: int
-    ) -> object:
-        """Attention of rows ``[qs, qe)`` over ``segments``: writes ``out[:, :, qs:qe]``, returns the lse."""
+    ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+        """Attention of rows ``[qs, qe)`` over ``segments``: writes ``out[:, :, qs:qe]``, returns the lse
+        (``(rows, lse)`` where :attr:`returns_rows`; ``out`` is ``None`` only there)."""
         raise NotImplementedError
 
     def backward_rows(

@@ -52,7 +52,7 @@ def _eval_keys(inp: Inputs) -> int:
     return max(BLOCK, _EVAL_BYTES // per_key // BLOCK * BLOCK)
 
 
-_COMPILED: List[Any] = []
+_COMPILED: List[Callable[..., Tensor]] = []
 _LOCK = threading.Lock()
 _FAILED: Dict[Any, str] = {}  # signature -> why compiling failed; None key: for every call
 _STATIC_ONLY: set = set()  # signatures that compile only with static shapes

@@ -7,7 +7,7 @@ the math path, which materializes ``B·H·Lq·Lk`` scores.
 from __future__ import annotations
 
 import warnings
-from typing import List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -89,7 +89,9 @@ class Sdpa(Backend):
         """``(out (B, Hq, Lq, Ev), None)``: torch's SDPA on the call, fused kernels only (no lse)."""
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
-        kwargs = dict(attn_mask=inp.attn_mask, dropout_p=inp.dropout_p, is_causal=inp.is_causal, scale=inp.scale)
+        kwargs: Dict[str, Any] = dict(
+            attn_mask=inp.attn_mask, dropout_p=inp.dropout_p, is_causal=inp.is_causal, scale=inp.scale
+        )
         if inp.G > 1:
             kwargs["enable_gqa"] = True
         if inp.device.type == "mps":

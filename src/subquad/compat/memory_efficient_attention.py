@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Any, Callable, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -89,14 +89,15 @@ def efficient_dot_product_attention_pt(
             bool, callbacks that are not callable, chunk sizes that are not positive ints.
         MemoryBudgetError: tiles of these chunk sizes do not fit subquad's default memory budget
             (half the free memory): pass smaller chunk sizes.
-        Whatever the callbacks raise, unchanged.
+
+    Whatever the callbacks raise propagates unchanged.
     """
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, Tensor):
             raise ArgumentTypeError(f"Expected {name} to be a torch.Tensor, got {type(t).__name__}.")
-    for name, t, kind in (("mask", mask, "bool"), ("bias", bias, "float")):
-        if t is not None and not isinstance(t, Tensor):
-            raise ArgumentTypeError(f"Expected {name} to be None or a {kind} torch.Tensor, got {type(t).__name__}.")
+    for name, opt, kind in (("mask", mask, "bool"), ("bias", bias, "float")):
+        if opt is not None and not isinstance(opt, Tensor):
+            raise ArgumentTypeError(f"Expected {name} to be None or a {kind} torch.Tensor, got {type(opt).__name__}.")
     if mask is not None and mask.dtype != torch.bool:
         raise ArgumentTypeError(
             f"Expected mask to be a bool tensor (True = attend; additive terms go in bias), got {mask.dtype}."
@@ -118,6 +119,7 @@ def efficient_dot_product_attention_pt(
     if tuple(torch.broadcast_shapes(query.shape[:-3], key.shape[:-3], value.shape[:-3])) != call.batch:
         qt = qt.expand(*call.batch, *qt.shape[-3:])  # mask or bias has more batch than the inputs
     low = torch.finfo(query.dtype).min
+    options: Dict[str, Any]
     if call.fns.given:
         score_mod = _torch_score_mod(call, bias, mask, low)
         options = dict(score_mod=score_mod, allow_compile=False)  # per-tile Python: never compiled
@@ -169,15 +171,16 @@ def efficient_dot_product_attention_jax(
             runs with the precision in effect where the gradient is taken.
 
     Raises:
-        As :func:`efficient_dot_product_attention_pt`; ``NotImplementedError`` for a pair of
-        different precisions; ``ImportError`` without JAX (``pip install 'subquad[jax]'``).
+        TypeError / ValueError / MemoryBudgetError: as :func:`efficient_dot_product_attention_pt`.
+        NotImplementedError: a pair of different precisions.
+        ImportError: JAX is not installed (``pip install 'subquad[jax]'``).
     """
     import jax  # optional dependency (pip install 'subquad[jax]')
     import jax.numpy as jnp
 
     import subquad.jax as sqj  # optional: JAX
 
-    arrays = []
+    arrays: List[Any] = []  # query, key, value; mask and bias may be None
     for name, x in (("query", query), ("key", key), ("value", value), ("mask", mask), ("bias", bias)):
         try:
             arrays.append(None if x is None else jnp.asarray(x))
@@ -373,7 +376,7 @@ def _torch_score_mod(call: _Call, bias: Optional[Tensor], mask: Optional[Tensor]
 
     def chunk(s: Tensor, q0: int, k0: int) -> Tensor:
         qn, kn = s.shape[-2], s.shape[-1]
-        w = s.reshape(*batch, H, qn, kn).transpose(-3, -2)
+        w: Tensor = s.reshape(*batch, H, qn, kn).transpose(-3, -2)
         # The seed's key offsets come from iterating torch.arange (0-d int64 tensors), its query offsets are ints.
         w = _seed_chunk(
             w,

@@ -141,7 +141,8 @@ def _attend(
     Lq, Lk = query.shape[1], key.shape[1]
     chunk: Optional[Tuple[int, int]] = None
     if Lq > 0 and Lk > 0:
-        chunk = (min(query_chunk_size, Lq), _kv_chunk(kv_chunk_size, kv_chunk_size_min, Lk))  # type: ignore[arg-type]
+        # The chunk sizes are ints or None, checked above.
+        chunk = (min(query_chunk_size, Lq), _kv_chunk(kv_chunk_size, kv_chunk_size_min, Lk))  # type: ignore[call-overload, arg-type]
     try:
         out = subquad.attention(query, key, value, attn_mask=mask, chunk_size=chunk)
     except subquad.MemoryBudgetError as e:
@@ -182,9 +183,9 @@ def _check_shapes(query: object, key: object, value: object, *, transposed: bool
                 if transposed
                 else " That is ComfyUI's layout (key transposed): call efficient_dot_product_attention."
             )
-        legend = "(B*H, E, Lk)" if transposed else "(B*H, Lk, E)"
+        layout = "(B*H, E, Lk)" if transposed else "(B*H, Lk, E)"
         raise ArgumentError(
-            f"Expected {key_name} {legend} = {want} and value (B*H, Lk, Ev) with B*H = {BH}, from query (B*H, Lq, E) = "
+            f"Expected {key_name} {layout} = {want} and value (B*H, Lk, Ev) with B*H = {BH}, from query (B*H, Lq, E) = "
             f"{tuple(query.shape)} and Lk = value.shape[1]; got {key_name} {tuple(key.shape)}, value "
             f"{tuple(value.shape)}.{hint}"
         )

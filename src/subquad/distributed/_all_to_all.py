@@ -50,7 +50,7 @@ def _heads_to_seq(g: Group, x: Tensor, layout: str, lengths: Sequence[int]) -> T
 
 class SeqToHeads(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: Tensor, g: Group, layout: str, lengths: List[int], inverse: bool) -> Tensor:  # type: ignore[override]
+    def forward(ctx: Any, x: Tensor, g: Group, layout: str, lengths: List[int], inverse: bool) -> Tensor:
         ctx.args = (g, layout, lengths, inverse)
         return (_heads_to_seq if inverse else _seq_to_heads)(g, x, layout, lengths)
 

@@ -74,7 +74,7 @@ def _setup(
     k4 = key.reshape(-1, *key.shape[-3:])
     v4 = value.reshape(-1, *value.shape[-3:])
     m4 = None if attn_mask is None else _mask_4d(attn_mask, query)
-    rows, cols = sub_block_caps(q4.shape[0], q4.shape[1], k4.shape[1], q4.shape[2], q4.shape[3], v4.shape[3])
+    row_cap, col_cap = sub_block_caps(q4.shape[0], q4.shape[1], k4.shape[1], q4.shape[2], q4.shape[3], v4.shape[3])
     call = Call(
         g,
         layout,
@@ -88,8 +88,8 @@ def _setup(
         scale,
         bool(enable_gqa),
         budget,
-        rows,
-        cols,
+        row_cap,
+        col_cap,
         block_state_of(mask_mod, q4.device),
     )
     return call, q4, k4, v4, m4
@@ -210,8 +210,9 @@ def ring_attention(
     Args:
         group: the process group (``None``: the default group). A group of one runs
             :func:`subquad.attention`.
-        score_mod, mask_mod: as in :func:`subquad.attention`, called with **global** query and key
+        score_mod: as in :func:`subquad.attention`, called with **global** query and key
             positions (and ``b``, ``h`` as there).
+        mask_mod: as in :func:`subquad.attention`, with global positions too.
         attn_mask: this rank's shard of a mask: its query rows and every key, ``(..., Lq/P, Lk)``
             (bool, True = attend, or float, added; dims of size 1 broadcast). Float masks get gradients.
         memory_budget: the extra memory of each step's attention call (the ring adds two K/V
@@ -227,8 +228,9 @@ def ring_attention(
         RuntimeError: no initialized process group.
         TypeError / ValueError: invalid arguments, or ranks that disagree (shapes other than the
             sequence length, dtype, options; zigzag shards of unequal length), raised on every rank.
-        Whatever a callback raises, on its rank; the other ranks then raise when the group's
-            timeout (``init_process_group(timeout=...)``) expires while they wait for it.
+
+    Whatever a callback raises propagates on its rank; the other ranks then raise when the
+    group's timeout (``init_process_group(timeout=...)``) expires while they wait for it.
     """
     setup = _setup(
         "ring",

@@ -15,6 +15,8 @@ from .._errors import ArgumentError, ArgumentTypeError
 from ._group import Group, resolve_group, torch_distributed
 
 LAYOUTS = ("zigzag", "contiguous")
+"""The ``layout=`` values: ``"zigzag"`` (rank ``r`` holds chunks ``r`` and ``2P-1-r`` of ``2P``:
+equal causal work) and ``"contiguous"`` (rank ``r`` holds the ``r``-th run of positions)."""
 
 
 def check_layout(layout: object) -> str:
@@ -88,7 +90,8 @@ def unshard(x: Tensor, dim: int, group: Any = None, layout: str = "zigzag") -> T
     dim = _check_dim(x, dim)
     if g.size == 1:
         return x
-    return _Unshard.apply(x, dim, g, layout)
+    whole: Tensor = _Unshard.apply(x, dim, g, layout)
+    return whole
 
 
 def _check_dim(x: Tensor, dim: object) -> int:
@@ -106,7 +109,7 @@ def _all_lengths(g: Group, n: int, like: Tensor) -> List[int]:
 
 class _Unshard(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: Tensor, dim: int, g: Group, layout: str) -> Tensor:  # type: ignore[override]
+    def forward(ctx: Any, x: Tensor, dim: int, g: Group, layout: str) -> Tensor:
         lengths = _all_lengths(g, x.shape[dim], x)
         if layout == "zigzag" and len(set(lengths)) > 1:
             raise ArgumentError(

@@ -312,7 +312,7 @@ class Ring(torch.autograd.Function):
     @staticmethod
     def forward(
         ctx: Any, call: Call, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], *captured: Tensor
-    ) -> Tuple[Tensor, Tensor]:  # type: ignore[override]
+    ) -> Tuple[Tensor, Tensor]:
         out, lse = _ring_forward(call, q, k, v, mask)
         ctx.save_for_backward(q, k, v, mask, out, lse, *captured)
         ctx.call = call

@@ -42,7 +42,7 @@ _REPLACEABLE = frozenset(
 )
 
 
-def _import_attention_class() -> type:
+def _import_attention_class() -> Any:  # diffusers' Attention class
     try:
         from diffusers.models.attention_processor import Attention
     except ImportError as e:  # pragma: no cover - exercised only without diffusers
@@ -145,7 +145,8 @@ class SubquadAttnProcessor:
             hidden_states = hidden_states.transpose(-1, -2).reshape(batch_size, channel, height, width)
         if attn.residual_connection:
             hidden_states = hidden_states + residual
-        return hidden_states / attn.rescale_output_factor
+        out: Tensor = hidden_states / attn.rescale_output_factor
+        return out
 
 
 def _heads_mask(attn: Any, mask: Tensor, key_length: int, batch_size: int) -> Tensor:

@@ -17,6 +17,7 @@ import subquad
 
 from .._backends import TORCH_SDPA
 
+_CausalBias: Any  # the class, its __torch_function__ swapped while a block is active; or None
 try:
     from torch.nn.attention.bias import CausalBias as _CausalBias
 except ImportError:  # a torch without the module has no such masks either
@@ -192,7 +193,7 @@ def _bias_dispatch(cls: Any, func: Any, types: Any, args: Any = (), kwargs: Any 
 
 
 # Built once here, so that installing and removing them in _Registry._sync makes no call.
-_TORCH_BIAS_DISPATCH = None if _CausalBias is None else _CausalBias.__dict__.get("__torch_function__")
+_TORCH_BIAS_DISPATCH: Any = None if _CausalBias is None else _CausalBias.__dict__.get("__torch_function__")
 _BIAS_DISPATCH = classmethod(_bias_dispatch)
 if _TORCH_BIAS_DISPATCH is None:
     _CausalBias = None
@@ -211,7 +212,7 @@ class _ExitFunction:
     def __get__(self, block: Any, owner: Any = None) -> Any:
         if block is None:  # looked up on the class (contextlib.ExitStack does): the plain function
             return owner._exit
-        exit_function = functools.partial(type(block)._exit, block)
+        exit_function: Any = functools.partial(type(block)._exit, block)  # it carries a hold
         if block.entry is None or block.entry not in _REGISTRY.live:
             exit_function.hold = hold = _Hold()
             block._exit_hold = weakref.ref(hold)

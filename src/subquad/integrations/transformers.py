@@ -37,6 +37,7 @@ from .patch import check_options
 __all__ = ["register", "LazyMask", "NAME"]
 
 NAME = "subquad"
+"""The name :func:`register` gives the attention and mask functions: ``attn_implementation="subquad"``."""
 OPTIONS = ("memory_budget", "chunk_size", "backend")
 
 _options: Dict[str, Any] = {}
@@ -231,7 +232,7 @@ def _packed_attention(
     """
     B, Hq, Lq, _ = query.shape
     q, k, v = (t.transpose(1, 2).reshape(-1, t.shape[1], t.shape[3]) for t in (query, key, value))
-    lengths = {}
+    lengths: Dict[str, Any] = {}
     for name, given in (("max_seqlen_q", kwargs.get("max_length_q")), ("max_seqlen_k", kwargs.get("max_length_k"))):
         if given is not None:
             lengths[name] = int(given)
@@ -254,10 +255,8 @@ def _packed_attention(
         return_lse=s_aux is not None,
         **_options,
     )
-    if s_aux is None:
-        out = result
-    else:
-        out, lse = result  # (B*Lq, Hq, Ev), (B*Lq, Hq)
+    out, lse = result if isinstance(result, tuple) else (result, None)  # (B*Lq, Hq, Ev), (B*Lq, Hq)
+    if s_aux is not None and lse is not None:
         out = out * torch.sigmoid(lse - s_aux.to(lse.dtype).view(1, -1)).unsqueeze(-1).to(out.dtype)
     return out.reshape(B, Lq, Hq, out.shape[-1])
 
@@ -367,10 +366,8 @@ def subquad_attention_forward(
         return_lse=s_aux is not None,
         **_options,
     )
-    if s_aux is None:
-        out = result
-    else:
-        out, lse = result
+    out, lse = result if isinstance(result, tuple) else (result, None)
+    if s_aux is not None and lse is not None:
         # softmax over the keys plus one sink logit per head: the key part is scaled by
         # exp(lse) / (exp(lse) + exp(sink)) = sigmoid(lse - sink); rows with no key give 0. The
         # lse is differentiable, so the sinks and q/k train through this.

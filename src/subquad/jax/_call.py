@@ -85,7 +85,7 @@ def memory_model(spec: Spec, dtype: Any, need_grad: bool, bias_grad: bool = Fals
     output, plus a float32 bias gradient when the bias has one.
     """
     B, N, T, S, H, Hv, tq, tk = spec.B, spec.K * spec.G, spec.T, spec.S, spec.H, spec.Hv, spec.tq, spec.tk
-    item = jnp.dtype(dtype).itemsize
+    item: int = jnp.dtype(dtype).itemsize
     tile = 4 * B * N * tq * tk
     rows = 4 * B * N * tq * (Hv + 2) + item * B * (tq * N * H + 2 * tk * spec.K * (H + Hv))
     per_call = 4 * B * N * T * 2
@@ -185,7 +185,7 @@ def _convert(fn: Callable[..., Any], axes: FrozenSet[Any], *example: Any) -> Tup
 
 
 def _eval_jaxpr(jaxpr: Any, consts: Any, *args: Any) -> Any:
-    evaluate = getattr(jax.core, "eval_jaxpr", None)
+    evaluate: Any = getattr(jax.core, "eval_jaxpr", None)
     if evaluate is None:  # pragma: no cover - newer JAX keeps it private
         from jax._src.core import eval_jaxpr as evaluate
     return evaluate(jaxpr, consts, *args)

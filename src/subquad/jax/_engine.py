@@ -334,10 +334,11 @@ def forward(
         lse = lax.dynamic_update_slice_in_dim(lse, rows_lse.astype(lse.dtype), r0, axis=3)
         return out, lse
 
-    if into is None:
-        into_or_new = (jnp.zeros((B, T, K, G, Hv), q.dtype), jnp.full((B, K, G, T), -jnp.inf, spec.F))
-        return lax.fori_loop(0, spec.nq, row_chunk, vary(into_or_new, axes))
-    return lax.fori_loop(0, spec.nq, row_chunk, vary(into, axes))
+    first = into
+    if first is None:  # (``into`` stays None: row_chunk reads it)
+        first = (jnp.zeros((B, T, K, G, Hv), q.dtype), jnp.full((B, K, G, T), -jnp.inf, spec.F))
+    result: Tuple[jax.Array, jax.Array] = lax.fori_loop(0, spec.nq, row_chunk, vary(first, axes))
+    return result
 
 
 def _merge(out_a: jax.Array, lse_a: jax.Array, out_b: jax.Array, lse_b: jax.Array) -> Tuple[jax.Array, jax.Array]:
@@ -441,7 +442,8 @@ def backward_block(
         k0 = place.keys + ks
         return dq, _add_at(dk, dkc, {1: k0}), _add_at(dv, dvc, {1: k0}), dbias, dconsts, dscale
 
-    return lax.fori_loop(0, spec.nk, key_chunk, vary(grads, axes))
+    result: Grads = lax.fori_loop(0, spec.nk, key_chunk, vary(grads, axes))
+    return result
 
 
 # ------------------------------------------------------------------ the differentiable op
@@ -456,7 +458,7 @@ def perturbed(aux: Any) -> Tuple[Aux, Tuple[Any, ...]]:
     backward accumulates: a full-size bias gradient is T x S, never built unless asked for. The
     flags travel as residuals (an array, or None).
     """
-    values = Aux(*(getattr(a, "value", a) if not isinstance(a, tuple) else tuple(c.value for c in a) for a in aux))
+    values = Aux._make(getattr(a, "value", a) if not isinstance(a, tuple) else tuple(c.value for c in a) for a in aux)
     want_bias = aux.bias is not None and aux.bias.perturbed
     want_consts = tuple(jnp.zeros(()) if c.perturbed else None for c in aux.consts)
     flags = (jnp.zeros(()) if want_bias else None, want_consts, jnp.zeros(()) if aux.scale.perturbed else None)
@@ -471,8 +473,8 @@ def wanted_grads(spec: Spec, aux: Aux, flags: Tuple[Any, ...], dq_shape: Any, dk
         jnp.zeros(c.shape, jnp.promote_types(c.dtype, spec.F)) if f is not None else None
         for c, f in zip(aux.consts, consts_flags)
     )
-    zeros = tuple(jnp.zeros(shape, spec.F) for shape in (dq_shape, dk_shape, dv_shape))
-    return (*zeros, dbias, dconsts, jnp.zeros((), spec.F) if scale_flag is not None else None)
+    dq, dk, dv = (jnp.zeros(shape, spec.F) for shape in (dq_shape, dk_shape, dv_shape))
+    return dq, dk, dv, dbias, dconsts, jnp.zeros((), spec.F) if scale_flag is not None else None
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -509,14 +511,17 @@ def cotangents(q: jax.Array, k: jax.Array, v: jax.Array, aux: Aux, grads: Grads)
     """The gradients as a custom VJP returns them: each in its primal's dtype and (under
     ``shard_map``) its type, summed over the devices for an array that they all hold alike."""
     dq, dk, dv, dbias, dconsts, dscale = grads
-    daux = Aux(
-        None if dbias is None else match(dbias.astype(aux.bias.dtype), aux.bias),
-        None,
-        None,
-        None,
-        tuple(None if d is None else match(d.astype(c.dtype), c) for d, c in zip(dconsts, aux.consts)),
-        tuple(None for _ in aux.mask_consts),
-        None if dscale is None else match(dscale, aux.scale),
+    # Aux's structure with None where nothing is differentiated (a cotangent, not values).
+    daux = Aux._make(
+        (
+            None if dbias is None or aux.bias is None else match(dbias.astype(aux.bias.dtype), aux.bias),
+            None,
+            None,
+            None,
+            tuple(None if d is None else match(d.astype(c.dtype), c) for d, c in zip(dconsts, aux.consts)),
+            tuple(None for _ in aux.mask_consts),
+            None if dscale is None else match(dscale, aux.scale),
+        )
     )
     return (
         match(dq.astype(q.dtype).reshape(q.shape), q),

@@ -7,7 +7,7 @@ Used by the rest of ``subquad.jax``: ``STRATEGIES``, ``Shapes``, ``ShardedPlan``
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import jax.numpy as jnp
 
@@ -18,6 +18,8 @@ from ._engine import Spec
 from ._ring import Ring, block_counts
 
 STRATEGIES = ("auto", "ring", "ulysses")
+"""The ``strategy=`` values of ``attention(..., mesh=...)``: ``"ring"`` (K/V shards around the
+ring), ``"ulysses"`` (all-to-all over heads) or ``"auto"`` (the one that sends fewer bytes)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,7 +164,7 @@ def ulysses_memory(s: Shapes, spec: Optional[Spec], dtype: object) -> Tuple[int,
     return int(2 * heads + engine[0]), int(4 * heads + engine[1])
 
 
-def stats_itemsize(dtype: object) -> int:
+def stats_itemsize(dtype: Any) -> int:
     return jnp.dtype(jnp.promote_types(dtype, jnp.float32)).itemsize
 
 

@@ -32,7 +32,7 @@ from ._plan import (
 )
 from ._ring import Ring, ring
 
-shard_map = getattr(jax, "shard_map", None)
+shard_map: Any = getattr(jax, "shard_map", None)
 if shard_map is None:  # pragma: no cover - JAX before 0.6 keeps it in experimental
     from jax.experimental.shard_map import shard_map
 
@@ -197,13 +197,12 @@ def _mesh_axis(mesh: Any, axis_name: Any) -> Tuple[Any, int]:
 def _layout_for(layout: Any, strategy: str, is_causal: bool) -> str:
     """The wrapper's arrays are in global order, so its shards are contiguous; the ring reorders
     them to zigzag (two ppermutes each way) where that balances causal work, or when asked to."""
-    if layout is not None:
-        check_layout(layout)
+    checked = None if layout is None else check_layout(layout)
     if strategy != "ring":
         return "contiguous"
-    if layout is None:
+    if checked is None:
         return "zigzag" if is_causal else "contiguous"
-    return layout
+    return checked
 
 
 def _shapes(query: Any, key: Any, value: Any, P: int) -> Shapes:

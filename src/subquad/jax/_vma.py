@@ -13,7 +13,7 @@ and on JAX versions without these types (before 0.6) they change nothing.
 
 from __future__ import annotations
 
-from typing import Any, FrozenSet, Tuple
+from typing import Any, FrozenSet, Set, Tuple
 
 import jax
 from jax import lax
@@ -22,7 +22,8 @@ from jax import lax
 def _axes_of(x: Any) -> Tuple[Any, ...]:
     typeof = getattr(jax, "typeof", None)
     try:
-        aval = typeof(x) if typeof is not None else jax.core.get_aval(x)
+        # get_aval: JAX before 0.6 (newer stubs lack it)
+        aval = typeof(x) if typeof is not None else jax.core.get_aval(x)  # type: ignore[attr-defined, unused-ignore]
     except TypeError:  # a Python scalar or None: varies over nothing
         return ()
     vma = getattr(aval, "vma", None)  # JAX 0.6 - 0.9
@@ -33,7 +34,7 @@ def _axes_of(x: Any) -> Tuple[Any, ...]:
 
 def varying_axes(*trees: Any) -> FrozenSet[Any]:
     """The mesh axes any array in ``trees`` varies over (empty outside ``shard_map``)."""
-    found = set()
+    found: Set[Any] = set()
     for leaf in jax.tree_util.tree_leaves(trees):
         found.update(_axes_of(leaf))
     return frozenset(found)

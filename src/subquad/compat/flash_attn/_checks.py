@@ -13,7 +13,7 @@ Used by the rest of the package: :func:`dims`, :func:`shape`, :func:`float_dtype
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, Tuple
+from typing import Any, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -81,10 +81,10 @@ def index_tensor(name: str, t: object, size: Optional[int] = None, legend: str =
     return t
 
 
-def window_size(value: object) -> Tuple[int, int]:
+def window_size(value: Any) -> Tuple[int, int]:
     """``(left, right)`` as Python ints (flash-attn's tests pass a tensor of two)."""
     try:
-        left, right = (int(x) for x in value)  # type: ignore[union-attr]
+        left, right = (int(x) for x in value)
     except (TypeError, ValueError):
         raise ArgumentError(f"window_size must be (left, right), two ints (-1 = unbounded), got {value!r}.") from None
     return left, right

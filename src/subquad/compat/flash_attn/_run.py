@@ -36,7 +36,7 @@ def dense(q: Tensor, k: Tensor, v: Tensor, sem: Semantics, want_lse: bool) -> Re
         dropout_p=sem.dropout_p,
         return_lse=want_lse,
     )
-    out, lse = result if want_lse else (result, None)
+    out, lse = result if isinstance(result, tuple) else (result, None)
     # flash-attn's layout; subquad's tiles usually write (B, Sq, Hq, Ev) already (then no copy).
     out = out.transpose(1, 2).contiguous()
     if lse is None:
@@ -87,7 +87,7 @@ def packed(
         dropout_p=sem.dropout_p,
         return_lse=want_lse,
     )
-    out, lse = result if want_lse else (result, None)
+    out, lse = result if isinstance(result, tuple) else (result, None)
     if lse is None:
         return out, None
     seq = torch.repeat_interleave(torch.arange(n, device=device), torch.tensor(rows, device=device))

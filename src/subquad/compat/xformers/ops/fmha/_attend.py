@@ -32,7 +32,7 @@ Result = Tuple[Tensor, Optional[Tensor]]
 
 def forward(inp: Inputs, reading: Reading, *, return_lse: bool) -> Result:
     """``out`` in the inputs' layout (contiguous, ``inp.get_output_dtype()``), ``lse`` in xformers' layout (or None)."""
-    out, lse = (_blocks if isinstance(reading, Blocks) else _dense)(inp, reading, return_lse)  # type: ignore[operator]
+    out, lse = _blocks(inp, reading, return_lse) if isinstance(reading, Blocks) else _dense(inp, reading, return_lse)
     out = out.to(inp.get_output_dtype())
     return (out if out.is_contiguous() else out.contiguous()), lse
 
@@ -96,7 +96,7 @@ def _dense(inp: Inputs, reading: Dense, return_lse: bool) -> Result:
         return_lse=return_lse,
         **_dense_mask(reading.band, inp.query.shape[1], inp.key.shape[1], reading.tensor is not None),
     )
-    out, lse = result if return_lse else (result, None)
+    out, lse = result if isinstance(result, tuple) else (result, None)
     out = out if out.dim() == 3 else out.movedim(-2, 1)
     if lse is not None and lse.dim() == 2:  # BMK: xformers gives its lse a head axis of 1
         lse = lse.unsqueeze(1)
@@ -160,7 +160,7 @@ def _runs(blocks: Blocks) -> List[Tuple[int, int]]:
     return runs
 
 
-def _run_parts(q: Tensor, k: Tensor, v: Tensor, blocks: Blocks, options: Dict[str, Any]) -> List[Result]:
+def _run_parts(q: Tensor, k: Tensor, v: Tensor, blocks: Blocks, options: Dict[str, Any]) -> List[Tuple[Tensor, Tensor]]:
     parts = []
     for s0, s1 in _runs(blocks):
         qa, qb = blocks.q_starts[s0], blocks.q_starts[s1]
@@ -169,21 +169,23 @@ def _run_parts(q: Tensor, k: Tensor, v: Tensor, blocks: Blocks, options: Dict[st
         cu_k = [a - ka for a, _ in ranges] + [kb - ka]
         used = [e - a for a, e in ranges]
         tidy = all(n == cu_k[i + 1] - cu_k[i] for i, n in enumerate(used))
-        parts.append(
-            subquad.varlen_attention(  # type: ignore[arg-type]
-                q[qa:qb],
-                k[ka:kb],
-                v[ka:kb],
-                [x - qa for x in blocks.q_starts[s0 : s1 + 1]],
-                cu_k,
-                seqused_k=None if tidy else torch.tensor(used, dtype=torch.int32),
-                **options,
-            )
+        result = subquad.varlen_attention(
+            q[qa:qb],
+            k[ka:kb],
+            v[ka:kb],
+            [x - qa for x in blocks.q_starts[s0 : s1 + 1]],  # type: ignore[arg-type]  # lists are taken too
+            cu_k,  # type: ignore[arg-type]
+            seqused_k=None if tidy else torch.tensor(used, dtype=torch.int32),
+            **options,
         )
+        assert isinstance(result, tuple)  # options: return_lse=True
+        parts.append(result)
     return parts
 
 
-def _paged_parts(q: Tensor, k: Tensor, v: Tensor, blocks: Blocks, options: Dict[str, Any]) -> List[Result]:
+def _paged_parts(
+    q: Tensor, k: Tensor, v: Tensor, blocks: Blocks, options: Dict[str, Any]
+) -> List[Tuple[Tensor, Tensor]]:
     assert blocks.block_tables is not None and blocks.page_size is not None
     ps = blocks.page_size
     pages_k, pages_v = k.unflatten(0, (-1, ps)), v.unflatten(0, (-1, ps))  # (num_pages, ps, heads, dim)
@@ -196,14 +198,14 @@ def _paged_parts(q: Tensor, k: Tensor, v: Tensor, blocks: Blocks, options: Dict[
         keys, values = (
             p.index_select(0, pages).flatten(0, 1)[a - first * ps : e - first * ps] for p in (pages_k, pages_v)
         )
-        parts.append(
-            subquad.varlen_attention(  # type: ignore[arg-type]
-                q[qa:qb],
-                keys,
-                values,
-                [0, qb - qa],
-                [0, e - a],
-                **options,
-            )
+        result = subquad.varlen_attention(
+            q[qa:qb],
+            keys,
+            values,
+            [0, qb - qa],  # type: ignore[arg-type]  # lists are taken too
+            [0, e - a],  # type: ignore[arg-type]
+            **options,
         )
+        assert isinstance(result, tuple)  # options: return_lse=True
+        parts.append(result)
     return parts

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from torch import Tensor
 
@@ -104,13 +104,13 @@ def _field(bias: object, name: str) -> object:
 
 
 def _ints(bias: object, path: str) -> List[int]:
-    obj: object = bias
+    obj: Any = bias  # the user's attribute: checked here
     for part in path.split("."):
         obj = _field(obj, part)
     try:
-        if isinstance(obj, Tensor) or any(isinstance(x, bool) for x in obj):  # type: ignore[union-attr]
+        if isinstance(obj, Tensor) or any(isinstance(x, bool) for x in obj):
             raise TypeError
-        return [operator.index(x) for x in obj]  # type: ignore[union-attr]
+        return [operator.index(x) for x in obj]
     except TypeError:
         raise ArgumentError(f"Expected attn_bias.{path} to be a list of ints, got {obj!r}.") from None
 

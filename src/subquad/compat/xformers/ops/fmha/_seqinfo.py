@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
-from typing import Iterable, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -19,6 +19,7 @@ from torch import Tensor
 from subquad._errors import ArgumentError
 
 Device = Union[str, torch.device, None]
+ToDevice = Union[str, torch.device]  # what the offsets' .to() takes (torch.device(None) raises)
 
 
 def default_device(device: Device = None) -> torch.device:
@@ -41,12 +42,12 @@ def _moved(t: Tensor, device: Device) -> Tensor:
     return t if device is None or t.device == torch.device(device) else t.to(device)
 
 
-def _check_lengths(name: str, lengths: object) -> List[int]:
+def _check_lengths(name: str, lengths: Any) -> List[int]:
     """Python ints >= 0 (numpy integers too); a tensor is refused (its values would need a device sync)."""
     try:
-        if isinstance(lengths, Tensor) or any(isinstance(n, bool) for n in lengths):  # type: ignore[union-attr]
+        if isinstance(lengths, Tensor) or any(isinstance(n, bool) for n in lengths):
             raise TypeError
-        values = [operator.index(n) for n in lengths]  # type: ignore[union-attr]
+        values = [operator.index(n) for n in lengths]
     except TypeError:
         values = [-1]
     if any(n < 0 for n in values):
@@ -69,7 +70,7 @@ class SeqLenInfo:
     min_seqlen: int
     seqstart_py: List[int]
 
-    def to(self, device: Device) -> "SeqLenInfo":
+    def to(self, device: ToDevice) -> "SeqLenInfo":
         if self.seqstart.device == torch.device(device):
             return self
         return SeqLenInfo(_moved(self.seqstart, device), self.max_seqlen, self.min_seqlen, self.seqstart_py)
@@ -136,7 +137,7 @@ class PaddedSeqLenInfo(SeqLenInfo):
                 f"Expected one more seqstart than seqlen, got {len(self.seqstart_py)} and {len(self.seqlen_py)}."
             )
 
-    def to(self, device: Device) -> "PaddedSeqLenInfo":
+    def to(self, device: ToDevice) -> "PaddedSeqLenInfo":
         if self.seqlen.device == torch.device(device):
             return self
         return PaddedSeqLenInfo(
@@ -203,7 +204,7 @@ class GappySeqInfo(SeqLenInfo):
     seqlen: Tensor
     seqlen_py: Sequence[int]
 
-    def to(self, device: Device) -> "GappySeqInfo":
+    def to(self, device: ToDevice) -> "GappySeqInfo":
         if self.seqlen.device == torch.device(device):
             return self
         return GappySeqInfo(

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, ClassVar, List, Optional, Sequence, Tuple, Type, Union
+from typing import Any, Callable, ClassVar, List, Optional, Sequence, Tuple, Type, TypeVar, Union
 
 import torch
 from torch import Tensor
@@ -34,10 +34,11 @@ from subquad._errors import ArgumentError
 
 from ._materialize import materialize as _materialize
 from ._reading import read_bias
-from ._seqinfo import Device, GappySeqInfo, PaddedSeqLenInfo, SeqLenInfo, default_device
+from ._seqinfo import Device, GappySeqInfo, PaddedSeqLenInfo, SeqLenInfo, ToDevice, default_device
 
 # xformers' own (underscored) names for the sequence infos.
 _SeqLenInfo, _PaddedSeqLenInfo, _GappySeqInfo = SeqLenInfo, PaddedSeqLenInfo, GappySeqInfo
+_B = TypeVar("_B")
 
 __all__ = [
     "AttentionBias",
@@ -75,14 +76,16 @@ class AttentionBias:
         return _materialize(read_bias(self), shape, dtype, device)
 
 
-def _moved(bias: Any, device: Device) -> Any:
+def _moved(bias: _B, device: ToDevice) -> _B:
     """A copy of a dataclass bias with its tensors (offsets, block tables) on ``device``."""
+    data: Any = bias  # one of the dataclass biases below
     changes = {}
-    for f in dataclasses.fields(bias):
-        value = getattr(bias, f.name)
+    for f in dataclasses.fields(data):
+        value = getattr(data, f.name)
         if isinstance(value, (SeqLenInfo, Tensor)):
             changes[f.name] = value.to(device)
-    return dataclasses.replace(bias, **changes)
+    moved: _B = dataclasses.replace(data, **changes)
+    return moved
 
 
 def _positive_window(window_size: int) -> None:
@@ -213,7 +216,7 @@ class BlockDiagonalMask(AttentionBias):
     k_seqinfo: SeqLenInfo
     _batch_sizes: Optional[Sequence[int]] = None
 
-    def to(self, device: Device) -> "BlockDiagonalMask":
+    def to(self, device: ToDevice) -> "BlockDiagonalMask":
         return _moved(self, device)
 
     @classmethod
@@ -273,7 +276,7 @@ class BlockDiagonalMask(AttentionBias):
             )
         return self.q_seqinfo.split(tensor, self._batch_sizes)
 
-    def _derived(self, cls: Type[Any], **fields: Any) -> Any:
+    def _derived(self, cls: Callable[..., _B], **fields: Any) -> _B:
         return cls(q_seqinfo=self.q_seqinfo, k_seqinfo=self.k_seqinfo, _batch_sizes=self._batch_sizes, **fields)
 
     def make_causal(self) -> "BlockDiagonalCausalMask":
@@ -350,7 +353,7 @@ class BlockDiagonalPaddedKeysMask(AttentionBias):
     q_seqinfo: SeqLenInfo
     k_seqinfo: PaddedSeqLenInfo
 
-    def to(self, device: Device) -> "BlockDiagonalPaddedKeysMask":
+    def to(self, device: ToDevice) -> "BlockDiagonalPaddedKeysMask":
         return _moved(self, device)
 
     @classmethod
@@ -462,7 +465,7 @@ class PagedBlockDiagonalPaddedKeysMask(AttentionBias):
     def __post_init__(self) -> None:
         _check_paged(self.block_tables, self.page_size)
 
-    def to(self, device: Device) -> "PagedBlockDiagonalPaddedKeysMask":
+    def to(self, device: ToDevice) -> "PagedBlockDiagonalPaddedKeysMask":
         return _moved(self, device)
 
     @classmethod
@@ -505,7 +508,7 @@ class BlockDiagonalGappyKeysMask(AttentionBias):
     q_seqinfo: SeqLenInfo
     k_seqinfo: GappySeqInfo
 
-    def to(self, device: Device) -> "BlockDiagonalGappyKeysMask":
+    def to(self, device: ToDevice) -> "BlockDiagonalGappyKeysMask":
         return _moved(self, device)
 
     @classmethod
@@ -570,7 +573,7 @@ class PagedBlockDiagonalGappyKeysMask(AttentionBias):
     def __post_init__(self) -> None:
         _check_paged(self.block_tables, self.page_size)
 
-    def to(self, device: Device) -> "PagedBlockDiagonalGappyKeysMask":
+    def to(self, device: ToDevice) -> "PagedBlockDiagonalGappyKeysMask":
         return _moved(self, device)
 
     @classmethod
@@ -605,7 +608,6 @@ class PagedBlockDiagonalCausalWithOffsetGappyKeysMask(PagedBlockDiagonalGappyKey
     _UNPAGED_TYPE: ClassVar[Type[BlockDiagonalGappyKeysMask]] = BlockDiagonalCausalWithOffsetGappyKeysMask
 
 
-#: The biases of packed sequences (inputs of batch 1).
 VARLEN_BIASES = (
     BlockDiagonalMask,
     BlockDiagonalGappyKeysMask,
@@ -613,3 +615,5 @@ VARLEN_BIASES = (
     PagedBlockDiagonalPaddedKeysMask,
     PagedBlockDiagonalGappyKeysMask,
 )
+"""The biases of packed sequences (inputs of batch 1), as xformers lists them, for code that checks
+``isinstance(attn_bias, VARLEN_BIASES)``."""
