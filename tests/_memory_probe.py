@@ -22,7 +22,10 @@ import sys
 
 import torch
 
+import _machine
 import subquad
+
+_machine.install()  # the suite's switches (SUBQUAD_TEST_RATE_FACTOR, ...) hold in this process too
 
 
 def _kib(field: str) -> int:
