@@ -359,6 +359,7 @@ def dense_keep(inputs: BenchInputs) -> torch.Tensor:
     i = torch.arange(case.q_len, device=device).view(-1, 1)
     j = torch.arange(case.kv_len, device=device).view(1, -1)
     if case.mask == "document":
+        assert inputs.doc_ids is not None  # made for document cases
         return inputs.doc_ids[: case.q_len].view(-1, 1) == inputs.doc_ids[: case.kv_len].view(1, -1)
     keep = j <= i
     if case.mask == "window":
@@ -374,6 +375,7 @@ def alibi_bias(inputs: BenchInputs) -> torch.Tensor:
     i = torch.arange(case.q_len, device=device).view(-1, 1)
     j = torch.arange(case.kv_len, device=device).view(1, -1)
     bias = torch.empty((1, case.heads, case.q_len, case.kv_len), dtype=case.torch_dtype, device=device)
+    assert inputs.slopes is not None  # made for ALiBi cases
     # Written through out= so that no float32 (H, Lq, Lk) temporary is made on the way.
     torch.mul(inputs.slopes.view(1, -1, 1, 1), (j - i).to(torch.float32), out=bias)
     return bias.masked_fill_(j > i, float("-inf"))

@@ -428,7 +428,7 @@ def _main_model(parser: argparse.ArgumentParser, args: argparse.Namespace) -> in
     if args.batch < 1 or args.rounds < 0:
         parser.error("--batch must be at least 1 and --rounds at least 0")
     device = args.device or default_device()
-    problem = _check_device(device) or (args.budget is not None and _check_budget(args.budget))
+    problem = _check_device(device) or (_check_budget(args.budget) if args.budget is not None else None)
     if problem:
         parser.error(problem)
     cap = None

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import os
 import platform
-from typing import Optional
+from typing import Any, Dict, Optional
 
 import torch
 
 import subquad
 
-_ENV_CACHE: dict = {}
+_ENV_CACHE: Dict[str, Dict[str, Any]] = {}
 
 
 def environment(device: str) -> dict:

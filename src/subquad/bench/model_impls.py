@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import fnmatch
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -80,7 +80,7 @@ def _xformers(module):
     return XFormersAttnProcessor()
 
 
-def _sliced(model: torch.nn.Module, budget: Optional[str]) -> None:
+def _sliced(model: Any, budget: Optional[str]) -> None:
     if hasattr(model, "set_attention_slice"):
         model.set_attention_slice("auto")  # what pipe.enable_attention_slicing() does
         return
@@ -121,7 +121,7 @@ def _xformers_reasons(spec: ModelSpec, device: str, mode: str) -> list[str]:
 
 
 def _attn_implementation(name: str) -> Callable[[torch.nn.Module, Optional[str]], None]:
-    def apply(model: torch.nn.Module, budget: Optional[str]) -> None:
+    def apply(model: Any, budget: Optional[str]) -> None:
         if name == "subquad":
             sq_transformers.register(**({} if budget is None else {"memory_budget": budget}))
         model.set_attn_implementation(name)

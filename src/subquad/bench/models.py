@@ -214,7 +214,8 @@ def build(
 
         model = LlamaForCausalLM(LlamaConfig(**spec.config, attn_implementation="sdpa"))
     model = model.to(device=device) if dtype == torch.float32 else model.to(device=device, dtype=dtype)
-    return model.eval()
+    built: torch.nn.Module = model.eval()
+    return built
 
 
 def make_inputs(
@@ -262,7 +263,7 @@ def _set_trainable(model: torch.nn.Module, mode: str) -> None:
 Step = Callable[[], torch.Tensor]
 
 
-def make_step(spec: ModelSpec, model: torch.nn.Module, inputs: dict, mode: str) -> tuple[Optional[Step], Step]:
+def make_step(spec: ModelSpec, model: Any, inputs: dict, mode: str) -> tuple[Optional[Step], Step]:
     """``(setup, step)`` of one mode: ``setup`` runs untimed before each step (the prefill
     whose cache a decode loop extends), ``step`` returns the model's output (detached) that is
     compared across implementations. Gradients are set to None before each training step, as

@@ -136,7 +136,7 @@ def spread(values: Sequence[float]) -> Spread:
 
 def _binom_cdf_half(k: int, n: int) -> float:
     """P(Binomial(n, 1/2) <= k)."""
-    return sum(math.comb(n, i) for i in range(0, k + 1)) / 2**n
+    return float(sum(math.comb(n, i) for i in range(0, k + 1)) / 2**n)
 
 
 def median_interval(values: Sequence[float], confidence: float = CONFIDENCE) -> tuple[float, float, float]:
@@ -299,12 +299,12 @@ def verdict_lines(
     if not samples:
         return []
     medians = {k: statistics.median(v) for k, v in samples.items()}
-    best = min(medians, key=medians.get)
+    best = min(medians, key=medians.__getitem__)
     if len(samples) == 1:
         return [f"only {best} was timed: {_ms(medians[best])} ms"]
     comparisons = [
         compare_paired(name, samples[name], best, samples[best], threshold=threshold, confidence=confidence)
-        for name in sorted(samples, key=medians.get)
+        for name in sorted(samples, key=medians.__getitem__)
         if name != best
     ]
     same = [c for c in comparisons if c.verdict == SAME]
