@@ -209,7 +209,8 @@ def _flex_call(
         )
     from torch.nn.attention.flex_attention import flex_attention
 
-    return flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)
+    # Older torch types the result as any of its return_lse/return_aux forms (a tensor here).
+    return flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)  # type: ignore[return-value, unused-ignore]
 
 
 def _flex_call_static(

@@ -42,7 +42,8 @@ OPTIONS = ("memory_budget", "chunk_size", "backend")
 
 def _ops() -> Any:
     try:
-        from torch.nn.attention import varlen  # the module that defines the operators
+        # The module that defines the operators (older torch has none: its stubs neither).
+        from torch.nn.attention import varlen  # type: ignore[attr-defined, unused-ignore]
     except ImportError:
         return None
     names = ("_varlen_attn", "_varlen_attn_out", "_varlen_attn_backward")
