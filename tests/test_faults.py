@@ -110,7 +110,8 @@ def test_explain_predicts_the_time_of_a_huge_call(fixed_rates):
     # the verdict is the same on a fast, a slow or a busy machine.
     q = torch.empty(1, 8, 1 << 20, 16)  # explain reads no data; the pages are never touched
     plan = subquad.explain(q, q, q, memory_budget="1MiB")
-    assert plan.tiles > 10**4
+    # How many tiles depends on the thread count (the fused kernels' scratch is per thread).
+    assert plan.tiles >= _planner.ESTIMATE_TIME_FROM_TILES
     flops, per_score = fixed_rates["cpu"]
     scores = 8 * (1 << 20) ** 2
     work = 2 * scores * (16 + 16) / flops + scores * per_score  # 4.0 hours at the fixed rates
