@@ -5,7 +5,7 @@ Used by the rest of ``subquad.distributed``: ``run_ulysses``, ``SeqToHeads``.
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Set, Tuple
 
 import torch
 from torch import Tensor
@@ -16,9 +16,36 @@ from ._agreement import Call
 from ._group import STATS, Group, torch_distributed
 from ._layouts import pieces
 
+_NO_ALL_TO_ALL: Set[str] = set()
+"""Backends that refused ``all_to_all`` in this process (gloo before torch 2.10): they exchange in pairs."""
+
+_PAIRS_TAG = 3
+
 
 def _all_to_all(g: Group, send: List[Tensor], recv: List[Tensor]) -> None:
-    torch_distributed().all_to_all(recv, [t.contiguous() for t in send], group=g.handle)
+    dist = torch_distributed()
+    send = [t.contiguous() for t in send]
+    backend = str(dist.get_backend(g.handle))
+    if backend not in _NO_ALL_TO_ALL:
+        try:
+            dist.all_to_all(recv, send, group=g.handle)
+        except RuntimeError as e:
+            # Raised on every rank before anything is sent ("Backend gloo does not support
+            # alltoall"), so all ranks fall back together.
+            if "does not support alltoall" not in str(e):
+                raise
+            _NO_ALL_TO_ALL.add(backend)
+    if backend in _NO_ALL_TO_ALL:
+        ops = [
+            dist.P2POp(dist.isend, t, g.global_rank(r), g.handle, _PAIRS_TAG) for r, t in enumerate(send) if r != g.rank
+        ]
+        ops += [
+            dist.P2POp(dist.irecv, t, g.global_rank(r), g.handle, _PAIRS_TAG) for r, t in enumerate(recv) if r != g.rank
+        ]
+        works = dist.batch_isend_irecv(ops) if ops else []
+        recv[g.rank].copy_(send[g.rank])
+        for w in works:
+            w.wait()
     STATS.bytes_sent += sum(t.numel() * t.element_size() for r, t in enumerate(send) if r != g.rank)
 
 
