@@ -29,8 +29,7 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def results():
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(WORKER.parent.parent / "src"), env.get("PYTHONPATH", "")])
+    env = dict(os.environ)  # the worker imports the installed subquad (CI: the wheel), as the tests do
     env.pop("XLA_FLAGS", None)
     done = subprocess.run([sys.executable, str(WORKER)], capture_output=True, text=True, env=env, timeout=900)
     found = {}
