@@ -425,7 +425,9 @@ def test_dropout_with_callbacks_is_unbiased():
 
 # ----------------------------------------------------------------------------- gradients
 def _grads(out, inputs):
-    return torch.autograd.grad(out, inputs, torch.randn_like(out, generator=torch.Generator().manual_seed(7)))
+    # torch.randn, not randn_like: torch 2.9's randn_like takes no generator
+    cot = torch.randn(out.shape, generator=torch.Generator().manual_seed(7), dtype=out.dtype).to(out.device)
+    return torch.autograd.grad(out, inputs, cot)
 
 
 @pytest.mark.parametrize("chunk", [(7, 5), (16, 16), None], ids=["7x5", "16", "whole"])
