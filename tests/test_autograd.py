@@ -81,6 +81,10 @@ def test_gradcheck(case, backend, chunk):
 def test_float64_gradients_match_golden(shape, backend, chunk, causal):
     B, H, Lq, Lk, E, Ev = shape
     tensors = [_leaf(B, H, Lq, E), _leaf(B, H, Lk, E), _leaf(B, H, Lk, Ev)]
+    if backend == "fused" and Ev != E:  # the CPU flash kernel has one head dim: it must say so, not run
+        with pytest.raises(NotImplementedError, match=rf"needs value's head dim Ev == E, got Ev={Ev}, E={E}"):
+            subquad.attention(*tensors, backend=backend, chunk_size=chunk, is_causal=causal)
+        return
     out, grads = _grads(_call(backend, chunk, is_causal=causal), tensors)
     ref_out, ref_grads = _grads(lambda q, k, v: naive_attention(q, k, v, is_causal=causal), tensors)
     assert_close_to_golden(out, ref_out)
