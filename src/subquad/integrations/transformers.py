@@ -72,6 +72,10 @@ class LazyMask:
     def dim(self) -> int:
         return 4
 
+    def contiguous(self) -> LazyMask:
+        # generate() calls it on the mask it builds ahead for compileable caches (transformers 5.20)
+        return self
+
     def __repr__(self) -> str:
         return f"LazyMask(shape={tuple(self.shape)})"
 
@@ -96,6 +100,21 @@ def _pad_keys(padding_mask: Optional[Tensor], total: int) -> Optional[Tensor]:
     return padding_mask
 
 
+_masking_utils: Any = None
+"""``transformers.masking_utils``, kept by :func:`register`: a compiled model reads it as a global,
+where torch 2.9's dynamo cannot trace ``from transformers import masking_utils`` (transformers is a
+``_LazyModule``: "Bad import result")."""
+
+
+def _mu() -> Any:
+    global _masking_utils
+    if _masking_utils is None:
+        from transformers import masking_utils
+
+        _masking_utils = masking_utils
+    return _masking_utils
+
+
 def subquad_mask(
     batch_size: int,
     q_length: int,
@@ -117,8 +136,7 @@ def subquad_mask(
     pattern that ``is_causal`` (or no mask) expresses; the attention function then reads the
     module's ``is_causal``, as the ``"sdpa"`` one does.
     """
-    from transformers import masking_utils as mu
-
+    mu = _mu()
     if isinstance(attention_mask, LazyMask):
         # Built ahead by generate() for this very step (compileable caches) and handed back
         # to the model, which asks again: it is already the final mask.
@@ -406,6 +424,7 @@ def register(**attention_options: Any) -> None:
         raise ImportError(
             "subquad.integrations.transformers needs transformers: pip install 'subquad[transformers]'"
         ) from e
+    _mu()
     _options.clear()
     _options.update(options)
     AttentionInterface.register(NAME, subquad_attention_forward)
