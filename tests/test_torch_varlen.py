@@ -100,3 +100,9 @@ def test_disable_hands_back_torchs_kernels_and_options_are_checked():
         tv.enable(budget="1GiB")
     with pytest.raises(ValueError, match="Expect query and key/value to have the same number of heads"):
         varlen.varlen_attn(q, k[:, :1], v[:, :1], cu_q, cu_k, 3, 3)  # torch's own check, before the kernel
+
+
+def test_a_torch_without_the_operators_is_told_which_it_needs(monkeypatch):
+    monkeypatch.setattr(tv, "_ops", lambda: None)  # what torch 2.9 and older give
+    with pytest.raises(RuntimeError, match=r"has no torch.nn.attention.varlen operators .* torch 2.10 or newer"):
+        tv.enable()

@@ -64,7 +64,10 @@ def enable(devices: Tuple[str, ...] = ("cpu", "mps"), **attention_options: Any) 
         raise TypeError(f"enable() got unexpected option(s) {unknown}; it accepts {', '.join(OPTIONS)}.")
     ops = _ops()
     if ops is None:
-        raise RuntimeError("this torch has no torch.nn.attention.varlen operators (torch_attn::_varlen_attn) to run.")
+        raise RuntimeError(
+            f"torch {torch.__version__} has no torch.nn.attention.varlen operators (torch_attn::_varlen_attn) "
+            "to run: they come with torch 2.10 or newer."
+        )
     kernels = {"_varlen_attn": _forward, "_varlen_attn_out": _forward_out, "_varlen_attn_backward": _backward}
     with _LOCK:
         for device in devices:
