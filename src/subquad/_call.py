@@ -422,7 +422,7 @@ def _run(call: Prepared, requested: str) -> Tuple[Tensor, Optional[Tensor]]:
 
 def _tiles_backend(inp: Inputs, plan: Plan) -> str:
     """The tiled backend for a call a whole-input backend cannot take."""
-    return "fused" if inp.device.type == "cpu" and "fused" not in plan.rejected else "matmul"
+    return "fused" if inp.device_type == "cpu" and "fused" not in plan.rejected else "matmul"
 
 
 def _run_tiles_per_group(

@@ -198,6 +198,12 @@ class Inputs:
         return self.query.device
 
     @property
+    def device_type(self) -> str:
+        """``"cpu"``, ``"cuda"``, ``"mps"``…: every device-specific choice reads this one property (the
+        suite overrides it to run the CUDA and MPS branches on CPU tensors, tests/_devices.py)."""
+        return self.query.device.type
+
+    @property
     def itemsize(self) -> int:
         return self.query.element_size()
 

@@ -92,7 +92,7 @@ def make_plan(
     """
     shape = describe(inp) if shape is None else shape
     need_grad = inp.requires_grad or opts.captured_requires_grad
-    names = priority(inp.device) if backend == "auto" else [backend]
+    names = priority(inp.device_type) if backend == "auto" else [backend]
     rejected: Dict[str, List[str]] = {}
     smallest_overall: Optional[int] = None
     for name in names:
@@ -255,7 +255,7 @@ def predict_seconds(inp: Inputs, tiles: int, need_grad: bool) -> float:
     t = 2.0 * scores * (inp.E + inp.Ev) / rate + scores * per_score
     if need_grad:
         t *= 3.5
-    return t + tiles * inp.n_groups * _TILE_OVERHEAD_S.get(inp.device.type, 50e-6)
+    return t + tiles * inp.n_groups * _TILE_OVERHEAD_S.get(inp.device_type, 50e-6)
 
 
 def describe(inp: Inputs) -> str:
@@ -282,6 +282,6 @@ def describe(inp: Inputs) -> str:
     if p is not None:
         return (
             f"{p.n} packed sequences (longest Lq={p.max_q}, Lk={p.max_k}; {inp.Lq} x {inp.Lk} rows in all) "
-            f"H={heads} E={inp.E}{ev} {dt} on {inp.device.type}{tail}"
+            f"H={heads} E={inp.E}{ev} {dt} on {inp.device_type}{tail}"
         )
-    return f"B={inp.B} H={heads} Lq={inp.Lq} Lk={inp.Lk} E={inp.E}{ev} {dt} on {inp.device.type}{tail}"
+    return f"B={inp.B} H={heads} Lq={inp.Lq} Lk={inp.Lk} E={inp.E}{ev} {dt} on {inp.device_type}{tail}"

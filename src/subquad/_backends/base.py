@@ -88,8 +88,8 @@ class Backend:
 
     def not_supported_reasons(self, inp: Inputs, opts: Options) -> List[str]:
         reasons = []
-        if self.devices and inp.device.type not in self.devices:
-            reasons.append(f"runs on {'/'.join(self.devices)} only, the tensors are on {inp.device.type}")
+        if self.devices and inp.device_type not in self.devices:
+            reasons.append(f"runs on {'/'.join(self.devices)} only, the tensors are on {inp.device_type}")
         return reasons
 
     def notes(self, inp: Inputs) -> List[str]:
@@ -124,7 +124,7 @@ class Backend:
         """Tile sizes to try, best first: large tiles, whole key rows preferred."""
         lq, lk = max(inp.Lq, 1), max(inp.Lk, 1)
         pairs = sorted(set(self.tile_pairs(inp)), key=lambda p: (-min(p[0], lq) * min(p[1], lk), -p[1], -p[0]))
-        if inp.device.type == "mps":
+        if inp.device_type == "mps":
             pairs = [p for p in pairs if inp.B * inp.Hq * p[0] * p[1] < MPS_MAX_MATMUL_ELEMENTS]
         # Bigger tiles stop paying off once what a tile materializes leaves the caches: on a 2-core
         # CPU, 1x4x4096x64 matmul tiles of 256x4096 (16 MiB of scores) ran in 141 ms, the whole
@@ -152,7 +152,7 @@ class Backend:
         if opts.chunk_size is not None:
             f = opts.chunk_size
             elements = inp.B * inp.Hq * min(f[0], inp.Lq) * min(f[1], inp.Lk)
-            if inp.device.type == "mps" and elements >= MPS_MAX_MATMUL_ELEMENTS:
+            if inp.device_type == "mps" and elements >= MPS_MAX_MATMUL_ELEMENTS:
                 raise ArgumentError(
                     f"chunk_size={f} makes score tiles of {elements} elements; on MPS every matmul must stay "
                     f"below {MPS_MAX_MATMUL_ELEMENTS} (larger ones error or corrupt results)."

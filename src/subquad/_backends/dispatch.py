@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Dict, List, Tuple
+from typing import Dict, List, Tuple, Union
 
 import torch
 
@@ -21,9 +21,9 @@ what :func:`subquad.explain` prints.
 """
 
 
-def priority(device: torch.device) -> List[str]:
+def priority(device: Union[torch.device, str]) -> List[str]:
     """Backend names, fastest first; the planner takes the first that supports the call and fits."""
-    if device.type == "cpu":
+    if (device if isinstance(device, str) else device.type) == "cpu":
         # flex: compiled callbacks (it refuses calls without them); fused: the kernel SDPA runs, but
         # it also returns the lse and runs in tiles.
         return ["flex", "fused", "sdpa", "matmul"]

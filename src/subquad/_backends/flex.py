@@ -103,7 +103,7 @@ class Flex(Backend):
             reasons.append("attn_mask: FlexAttention takes masks as mask_mod only")
         if inp.dropout_p > 0:
             reasons.append("FlexAttention does not support dropout")
-        if inp.device.type == "cpu" and inp.dtype == torch.float64:
+        if inp.device_type == "cpu" and inp.dtype == torch.float64:
             reasons.append("FlexAttention on CPU takes float32, float16 and bfloat16 only")
         if inp.n_groups > 1 or inp.kv_broadcast or inp.query.shape[0] != inp.B:
             reasons.append("batch dims broadcast between query, key and value")
@@ -266,7 +266,7 @@ def _signature(inp: Inputs) -> Any:
         callback_key(inp.mask_mod, refs, 0),
         inp.is_causal,
         inp.dtype,
-        inp.device.type,
+        inp.device_type,
         inp.E,
         inp.Ev,
         inp.G > 1,

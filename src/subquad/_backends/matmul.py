@@ -78,7 +78,7 @@ class Matmul(Backend):
     @staticmethod
     def compute_dtype(inp: Inputs) -> torch.dtype:
         # Half-precision matmuls on CPU are slow and overflow-prone; upcast tiles there.
-        if inp.device.type == "cpu" and inp.dtype in (torch.float16, torch.bfloat16):
+        if inp.device_type == "cpu" and inp.dtype in (torch.float16, torch.bfloat16):
             return torch.float32
         return inp.dtype
 

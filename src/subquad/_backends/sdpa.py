@@ -54,14 +54,14 @@ class Sdpa(Backend):
             reasons.append(f"is_causal with scale={inp.scale:g} <= 0: torch's fused kernels return NaN")
         if inp.n_groups > 1 or inp.kv_broadcast or inp.query.shape[0] != inp.B:
             reasons.append("batch dims broadcast between query, key and value: SDPA may expand them in memory")
-        if inp.device.type == "cpu":
+        if inp.device_type == "cpu":
             if inp.Ev != inp.E:
                 reasons.append(f"on CPU SDPA's fused kernel needs Ev == E, got Ev={inp.Ev}, E={inp.E}")
             if inp.dropout_p > 0:
                 reasons.append("on CPU SDPA's fused kernel does not support dropout")
             if inp.G > 1:
                 reasons.append("on CPU SDPA takes its math path for grouped-query attention")
-        if inp.device.type == "cuda" and inp.dtype == torch.float64:
+        if inp.device_type == "cuda" and inp.dtype == torch.float64:
             reasons.append("no fused CUDA kernel takes float64")
         return reasons
 
@@ -71,9 +71,9 @@ class Sdpa(Backend):
         if inp.attn_mask is not None:
             # Bool masks become float masks; the efficient kernel pads Lk to a multiple of 16.
             n += inp.mask_tile_elements(inp.Lq, inp.Lk + 16) * inp.itemsize * 2
-        if inp.device.type == "mps":
+        if inp.device_type == "mps":
             n += bh * inp.Lq * inp.Lk * 4 * 2  # MPS materializes the scores
-        if inp.device.type == "cpu":
+        if inp.device_type == "cpu":
             n += FusedCPU()._kernel_bytes(inp, inp.Lq, inp.Lk)
         return n + 1 * MiB
 
@@ -81,7 +81,7 @@ class Sdpa(Backend):
         bh = _bh(inp)
         n = self.forward_bytes(inp, qc, kc, True)
         n += (bh * inp.Lq * inp.E + inp.B * inp.Hk * inp.Lk * (inp.E + inp.Ev)) * 4  # float32 accumulators
-        if inp.device.type == "mps":
+        if inp.device_type == "mps":
             n += bh * inp.Lq * inp.Lk * 4 * 2
         return n
 
@@ -94,7 +94,7 @@ class Sdpa(Backend):
         )
         if inp.G > 1:
             kwargs["enable_gqa"] = True
-        if inp.device.type == "mps":
+        if inp.device_type == "mps":
             return TORCH_SDPA(inp.query, inp.key, inp.value, **kwargs), None
         fused = [
             getattr(SDPBackend, n)
