@@ -135,8 +135,8 @@ def test_mps_guard_keeps_every_matmul_below_2_31():
 
     class OnMPS(Inputs):
         @property
-        def device(self):
-            return torch.device("mps")
+        def device_type(self):
+            return "mps"
 
     mps_inp = OnMPS(**{f.name: getattr(inp, f.name) for f in dataclasses.fields(inp)})
     options = Matmul().tile_options(mps_inp)

@@ -101,9 +101,15 @@ def free_memory_bytes(device: torch.device) -> int:
     import torch  # optional (subquad[torch]): only torch devices come here, and subquad.jax comes without torch
 
     if device.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(device)
-        reusable = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-        return int(free + reusable)
+        free, total = torch.cuda.mem_get_info(device)
+        allocated = torch.cuda.memory_allocated(device)
+        available = free + torch.cuda.memory_reserved(device) - allocated
+        fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+        if fraction is not None:
+            # set_per_process_memory_fraction caps what the caching allocator may hold in all
+            # (``bench --model --max-memory`` relies on it): the card's free memory is not ours.
+            available = min(available, int(fraction(device) * total) - allocated)
+        return max(0, int(available))
     if device.type == "mps":
         mps = torch.mps
         if hasattr(mps, "recommended_max_memory") and hasattr(mps, "current_allocated_memory"):

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from . import _engine
-from ._backends import BACKENDS, TARGET_TILE_BYTES, TORCH_SDPA, cpu_flash_forward
+from ._backends import BACKENDS, MPS_MAX_MATMUL_ELEMENTS, TARGET_TILE_BYTES, TORCH_SDPA, cpu_flash_forward
 from ._budget import resolve_budget
 from ._inputs import Inputs
 from ._planner import Plan
@@ -83,12 +83,18 @@ def _fits(entry: Entry, inp: Inputs, Lq: int, Lk: int, need_lse: bool) -> bool:
             value=torch.empty((*v.shape[:2], longer, v.shape[3]), dtype=v.dtype, device="meta"),
         )
     need = backend.forward_bytes(inp, Lq, longer, need_lse)
-    if need <= budget and backend.tile_bytes(inp, Lq, longer) <= TARGET_TILE_BYTES:
+    if need <= budget and backend.tile_bytes(inp, Lq, longer) <= TARGET_TILE_BYTES and _device_allows(inp, Lq, longer):
         entry.fits = (Lq, longer, need)
         return True
     if longer == Lk:
         return False
     return _fits_exactly(entry, backend, inp, Lq, Lk, need_lse, budget)
+
+
+def _device_allows(inp: Inputs, Lq: int, Lk: int) -> bool:
+    """Whether the device can take the whole call in one kernel: MPS aborts the process on a
+    matmul of 2**32 elements (its SDPA materializes the scores), so it must stay below the cap."""
+    return inp.device_type != "mps" or inp.B * inp.Hq * Lq * Lk < MPS_MAX_MATMUL_ELEMENTS
 
 
 def _fits_exactly(entry: Entry, backend: Any, inp: Inputs, Lq: int, Lk: int, need_lse: bool, budget: int) -> bool:
@@ -99,7 +105,7 @@ def _fits_exactly(entry: Entry, backend: Any, inp: Inputs, Lq: int, Lk: int, nee
         value=torch.empty((*v.shape[:2], Lk, v.shape[3]), dtype=v.dtype, device="meta"),
     )
     need = backend.forward_bytes(inp, Lq, Lk, need_lse)
-    if need > budget or backend.tile_bytes(inp, Lq, Lk) > TARGET_TILE_BYTES:
+    if need > budget or backend.tile_bytes(inp, Lq, Lk) > TARGET_TILE_BYTES or not _device_allows(inp, Lq, Lk):
         return False
     entry.fits = (Lq, Lk, need)
     return True

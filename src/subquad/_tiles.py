@@ -48,9 +48,40 @@ def is_oom(e: BaseException) -> bool:
     if oom_type is not None and isinstance(e, oom_type):
         return True
     msg = str(e).lower()
-    return isinstance(e, RuntimeError) and (
-        "out of memory" in msg or "can't allocate memory" in msg or "not enough memory" in msg
-    )
+    return isinstance(e, RuntimeError) and any(text in msg for text in _OOM_TEXTS)
+
+
+_OOM_TEXTS = (
+    "out of memory",  # CUDA's and MPS's allocators ("MPS backend out of memory")
+    "can't allocate memory",  # CPU
+    "not enough memory",
+    "invalid buffer size",  # MPS: one buffer larger than Metal allows
+    "failed to allocate",
+)
+
+
+def is_device_fatal(e: BaseException) -> bool:
+    """An error of the device itself (a faulting kernel, a lost context), not of one kernel's
+    choice: CUDA's errors stick to the context, so every later call fails too. Retrying on
+    other kernels would hide the first fault behind later, less clear ones: re-raise it."""
+    if from_callback(e) or is_oom(e):
+        return False
+    accelerator_error = getattr(torch, "AcceleratorError", None)  # CUDA errors, from torch 2.8
+    if accelerator_error is not None and isinstance(e, accelerator_error):
+        return True
+    msg = str(e).lower()
+    return isinstance(e, RuntimeError) and any(text in msg for text in _DEVICE_FATAL_TEXTS)
+
+
+_DEVICE_FATAL_TEXTS = (
+    "cuda error",  # every failed CUDA runtime call: "CUDA error: an illegal memory access ..."
+    "cuda kernel errors might be asynchronously reported",
+    "device-side assert",
+    "illegal memory access",
+    "unspecified launch failure",
+    "cublas_status_execution_failed",
+    "command buffer exited with error status",  # MPS: a Metal command buffer that faulted
+)
 
 
 def call_kernel(fn: Callable[..., _R], *args: Any, **kwargs: Any) -> _R:

@@ -90,6 +90,11 @@ class Backend:
         reasons = []
         if self.devices and inp.device_type not in self.devices:
             reasons.append(f"runs on {'/'.join(self.devices)} only, the tensors are on {inp.device_type}")
+        elif self.tiled and inp.device_type == "mps" and not self.tile_options(inp):
+            reasons.append(
+                f"on MPS every matmul must stay below {MPS_MAX_MATMUL_ELEMENTS:,} elements, and even its smallest "
+                f"tiles for B*H={_bh(inp):,} exceed that"
+            )
         return reasons
 
     def notes(self, inp: Inputs) -> List[str]:

@@ -77,8 +77,14 @@ class Matmul(Backend):
 
     @staticmethod
     def compute_dtype(inp: Inputs) -> torch.dtype:
-        # Half-precision matmuls on CPU are slow and overflow-prone; upcast tiles there.
-        if inp.device_type == "cpu" and inp.dtype in (torch.float16, torch.bfloat16):
+        """The dtype of a tile's products: float32 for half-precision inputs, on every device.
+
+        ``bmm`` writes its result in its inputs' dtype: half-precision scores would be rounded to
+        8 (bf16) or 11 (fp16) bits, or overflow fp16, before the softmax, about 10x the error of
+        torch's SDPA (which keeps float32 scores; its math path upcasts too). The row statistics
+        and the accumulator are float32 whatever this returns (``Inputs.stats_dtype``).
+        """
+        if inp.dtype in (torch.float16, torch.bfloat16):
             return torch.float32
         return inp.dtype
 

@@ -6,15 +6,17 @@ the math path, which materializes ``B·H·Lq·Lk`` scores.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.torch_version import TorchVersion
 
 from .._inputs import Inputs
-from .base import Backend, Options, _bh
+from .base import MPS_MAX_MATMUL_ELEMENTS, Backend, Options, _bh
 from .fused import FusedCPU
 
 # Torch's own SDPA: its builtin, never what ``F.scaled_dot_product_attention`` happens to be when
@@ -24,6 +26,22 @@ TORCH_SDPA = (
 )
 
 MiB = 1 << 20
+
+
+_ZERO_ROWS_FROM = {"mps": (2, 9), "cuda": (2, 5)}
+"""The torch release from which SDPA returns 0, not NaN, for a row that sees no key, per device
+(MPS: pytorch#157727; CUDA's fused kernels: pytorch#133882). The CPU kernel always did."""
+
+
+@functools.lru_cache(maxsize=None)
+def _nan_rows(version: str, device_type: str) -> bool:
+    fixed = _ZERO_ROWS_FROM.get(device_type)
+    return fixed is not None and TorchVersion(version) < TorchVersion(".".join(map(str, fixed)))
+
+
+def sdpa_nan_for_unseen_rows(device_type: str) -> bool:
+    """Whether this torch's SDPA on ``device_type`` returns NaN for a fully masked row."""
+    return _nan_rows(str(torch.__version__), device_type)
 
 
 class Sdpa(Backend):
@@ -63,6 +81,19 @@ class Sdpa(Backend):
                 reasons.append("on CPU SDPA takes its math path for grouped-query attention")
         if inp.device_type == "cuda" and inp.dtype == torch.float64:
             reasons.append("no fused CUDA kernel takes float64")
+        if inp.attn_mask is not None and sdpa_nan_for_unseen_rows(inp.device_type):
+            reasons.append(
+                f"torch {torch.__version__}'s SDPA on {inp.device_type} returns NaN for rows the mask hides entirely "
+                f"(fixed in torch {'.'.join(map(str, _ZERO_ROWS_FROM[inp.device_type]))}); the tiles return 0 there"
+            )
+        if inp.device_type == "mps":
+            scores = _bh(inp) * inp.Lq * inp.Lk
+            if scores >= MPS_MAX_MATMUL_ELEMENTS:
+                # Past 2**32 elements Metal aborts the process (pytorch#149261): no except can catch it.
+                reasons.append(
+                    f"on MPS SDPA materializes the {scores:,} scores, and every MPS matmul must stay below "
+                    f"{MPS_MAX_MATMUL_ELEMENTS:,} elements"
+                )
         return reasons
 
     def forward_bytes(self, inp: Inputs, qc: int, kc: int, need_lse: bool) -> int:

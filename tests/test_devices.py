@@ -1,0 +1,191 @@
+"""The CUDA and MPS paths, simulated on a machine without them (issue 27; tests/_devices.py).
+
+Each test here states a defect found by reading those paths, and fails on the code that had it:
+half-precision scores, the MPS matmul cap that aborts the process, MPS out-of-memory texts, SDPA's
+NaN rows on older torch, and the per-process memory cap on CUDA.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.torch_version import TorchVersion
+
+import subquad
+from _devices import OpRecorder, as_device, device_memory, fake_tensors
+from conftest import assert_close_to_golden, naive_attention, to64
+from subquad import _fast
+from subquad._backends import BACKENDS, MPS_MAX_MATMUL_ELEMENTS
+from subquad._backends import base as backends_base
+from subquad._backends import sdpa as sdpa_module
+from subquad._budget import free_memory_bytes, resolve_budget
+from subquad._tiles import is_oom
+
+GiB = 1 << 30
+HALF = [torch.float16, torch.bfloat16]
+
+
+def _float32_scores_reference(q, k, v, **kw):
+    """What torch's SDPA gives half inputs: float32 scores and softmax, the output rounded once."""
+    return naive_attention(q.float(), k.float(), v.float(), **kw).to(q.dtype)
+
+
+# ----------------------------------------------------------------- half precision off the CPU
+@pytest.mark.parametrize("device", ["cuda", "mps"])
+@pytest.mark.parametrize("dtype", HALF, ids=str)
+def test_half_precision_tiles_are_as_exact_as_sdpa_on_every_device(monkeypatch, device, dtype):
+    # Before: off the CPU the tiles' bmm wrote fp16/bf16 scores; on test_gpu.py's inputs the error
+    # against float64 was 0.046 (fp16) and 0.338 (bf16), against SDPA's 0.004 and 0.031.
+    as_device(monkeypatch, device)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = ((torch.randn(2, 4, 300, 64, generator=g) * 3).to(dtype) for _ in range(3))
+    with OpRecorder() as rec:
+        out = subquad.attention(q, k, v, backend="matmul", chunk_size=(64, 96))
+    golden = naive_attention(*to64(q, k, v))
+    assert_close_to_golden(out, golden, _float32_scores_reference(q, k, v))
+    products = rec.named("aten.bmm", "aten.baddbmm")
+    assert products, "the call ran no matmul"
+    assert {op.out_dtypes for op in products} == {(torch.float32,)}, {op.out_dtypes for op in products}
+
+
+@pytest.mark.parametrize("device", ["cuda", "mps"])
+@pytest.mark.parametrize("dtype", HALF, ids=str)
+def test_half_precision_tile_gradients_use_float32_products(monkeypatch, device, dtype):
+    as_device(monkeypatch, device)
+    g = torch.Generator().manual_seed(1)
+    q, k, v = ((torch.randn(1, 2, 70, 32, generator=g) * 3).to(dtype).requires_grad_() for _ in range(3))
+    out = subquad.attention(q, k, v, backend="matmul", chunk_size=(32, 48))
+    d_out = torch.randn(out.shape, generator=g).to(dtype)
+    with OpRecorder() as rec:
+        grads = torch.autograd.grad(out, (q, k, v), d_out)
+    assert {op.out_dtypes for op in rec.named("aten.bmm", "aten.baddbmm")} == {(torch.float32,)}
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    golden = torch.autograd.grad(naive_attention(q64, k64, v64), (q64, k64, v64), d_out.double())
+    q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
+    reference = torch.autograd.grad(naive_attention(q32, k32, v32), (q32, k32, v32), d_out.float())
+    for name, got, gold, ref in zip("qkv", grads, golden, reference):
+        assert_close_to_golden(got, gold, ref.to(dtype), name=f"d{name}")
+
+
+# ----------------------------------------------------------------- MPS: the per-matmul element cap
+@pytest.mark.parametrize(
+    "shape,recommended",
+    [((1, 8, 16384, 128), 48 * GiB), ((1, 5, 16384, 128), 21 * GiB), ((2, 16, 8192, 64), 64 * GiB)],
+    ids=["48GiB", "21GiB", "batch2-64GiB"],
+)
+def test_mps_never_plans_a_matmul_over_the_element_cap(monkeypatch, shape, recommended):
+    # Before: SDPA (which on MPS materializes the scores) was planned for 2**31 scores; Metal
+    # aborts such a call (SIGABRT, pytorch#149261) and no except can catch it.
+    device_memory(monkeypatch, mps_recommended=recommended)
+    with fake_tensors():
+        q, k, v = (torch.empty(shape, device="mps") for _ in range(3))
+        plan = subquad.explain(q, k, v)
+    assert plan.backend != "sdpa", str(plan)
+    assert any("2^30" in r or f"{MPS_MAX_MATMUL_ELEMENTS:,}" in r for r in plan.rejected["sdpa"]), str(plan)
+    B, H = shape[:2]
+    assert plan.chunk_size is not None and B * H * plan.chunk_size[0] * plan.chunk_size[1] < MPS_MAX_MATMUL_ELEMENTS
+
+
+def test_mps_still_plans_sdpa_below_the_cap(monkeypatch):
+    device_memory(monkeypatch, mps_recommended=48 * GiB)
+    with fake_tensors():
+        q, k, v = (torch.empty(1, 8, 4096, 64, device="mps") for _ in range(3))
+        assert subquad.explain(q, k, v).backend == "sdpa"
+
+
+def test_mps_tiles_are_refused_when_even_the_smallest_exceed_the_cap(monkeypatch):
+    # Before: the tile search found no candidate and failed with an IndexError.
+    device_memory(monkeypatch, mps_recommended=48 * GiB)
+    monkeypatch.setattr(backends_base, "MPS_MAX_MATMUL_ELEMENTS", 1 << 10)
+    monkeypatch.setattr(sdpa_module, "MPS_MAX_MATMUL_ELEMENTS", 1 << 10)
+    with fake_tensors():
+        q, k, v = (torch.empty(2, 64, 128, 16, device="mps") for _ in range(3))
+        with pytest.raises(NotImplementedError, match="even its smallest tiles"):
+            subquad.explain(q, k, v, backend="matmul")
+
+
+def test_mps_fast_path_rechecks_the_cap_when_the_lengths_grow(monkeypatch):
+    # A plan remembered for a short call must not carry a longer one past the cap into SDPA.
+    as_device(monkeypatch, "mps")
+    device_memory(monkeypatch, mps_recommended=48 * GiB)
+    cap = 64 * 64 * 2
+    for module in (backends_base, sdpa_module, _fast):
+        monkeypatch.setattr(module, "MPS_MAX_MATMUL_ELEMENTS", cap)
+    _fast._CACHE.clear()
+    ran = []
+    real = BACKENDS["sdpa"].run_whole
+    monkeypatch.setattr(BACKENDS["sdpa"], "run_whole", lambda inp, need_lse=False: ran.append(inp.Lk) or real(inp))
+    short = [torch.randn(1, 2, 32, 16) for _ in range(3)]
+    subquad.sdpa(*short, memory_budget="1GiB")
+    subquad.sdpa(*short, memory_budget="1GiB")
+    assert ran == [32, 32]  # planned, then through the fast path
+    long_ = [torch.randn(1, 2, 96, 16) for _ in range(3)]
+    out = subquad.sdpa(*long_, memory_budget="1GiB")
+    assert ran == [32, 32], "2*96*96 scores are over the cap: the tiles must run them"
+    assert_close_to_golden(out, naive_attention(*to64(*long_)), naive_attention(*long_))
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        "Invalid buffer size: 34.00 GB",
+        "MPS backend out of memory (MPS allocated: 17.77 GB, other allocations: 40.00 KB, max allowed: 18.13 GB).",
+        "CUDA out of memory. Tried to allocate 2.00 GiB",
+    ],
+)
+def test_device_out_of_memory_texts_are_recognised(message):
+    assert is_oom(RuntimeError(message))
+
+
+def test_a_kernel_refusal_is_not_out_of_memory():
+    assert not is_oom(RuntimeError("No available kernel. Aborting execution."))
+
+
+# ----------------------------------------------------------------- NaN rows on older torch
+@pytest.mark.parametrize(
+    "device,broken,fixed", [("mps", "2.8.0", "2.9.0"), ("cuda", "2.4.1+cu121", "2.5.0")], ids=["mps", "cuda"]
+)
+def test_sdpa_is_not_planned_for_masks_where_torch_returns_nan_rows(monkeypatch, device, broken, fixed):
+    as_device(monkeypatch, device)
+    q, k, v = (torch.randn(1, 2, 16, 8) for _ in range(3))
+    mask = torch.ones(16, 16, dtype=torch.bool)
+    mask[3] = False  # row 3 sees no key: SDPA must give 0, as the CPU kernel does
+    monkeypatch.setattr(torch, "__version__", TorchVersion(broken))
+    plan = subquad.explain(q, k, v, attn_mask=mask)
+    assert plan.backend != "sdpa" and any("NaN" in r for r in plan.rejected["sdpa"]), str(plan)
+    out = subquad.attention(q, k, v, attn_mask=mask)
+    assert torch.equal(out[:, :, 3], torch.zeros_like(out[:, :, 3]))
+    assert_close_to_golden(out, naive_attention(*to64(q, k, v), attn_mask=mask), naive_attention(q, k, v, attn_mask=mask))
+    monkeypatch.setattr(torch, "__version__", TorchVersion(fixed))
+    assert subquad.explain(q, k, v, attn_mask=mask).backend == "sdpa"
+    monkeypatch.setattr(torch, "__version__", TorchVersion(broken))
+    assert subquad.explain(q, k, v).backend == "sdpa", "without a mask no row can be empty"
+
+
+# ----------------------------------------------------------------- budgets from the device's memory
+def test_cuda_budget_stays_within_the_per_process_memory_fraction(monkeypatch):
+    # Before: the budget read the card's free memory and ignored set_per_process_memory_fraction,
+    # which ``subquad bench --model --max-memory`` uses, so every capped row ran out of memory.
+    device_memory(
+        monkeypatch, cuda_free=70 * GiB, cuda_total=80 * GiB, cuda_fraction=0.25, cuda_allocated=5 * GiB,
+        cuda_reserved=6 * GiB,
+    )
+    cuda = torch.device("cuda")
+    assert free_memory_bytes(cuda) == 20 * GiB - 5 * GiB
+    assert resolve_budget(None, cuda) == (15 * GiB) // 2
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device=None: 1.0)
+    assert free_memory_bytes(cuda) == 70 * GiB + 1 * GiB, "uncapped: free memory plus the allocator's cached blocks"
+
+
+def test_cuda_plans_against_the_capped_budget(monkeypatch):
+    device_memory(monkeypatch, cuda_free=70 * GiB, cuda_total=80 * GiB, cuda_fraction=0.01)
+    with fake_tensors():
+        q, k, v = (torch.empty(1, 8, 16384, 64, device="cuda") for _ in range(3))
+        plan = subquad.explain(q, k, v, backend="matmul")
+    assert plan.budget_bytes == int(0.01 * 80 * GiB) // 2
+    assert plan.predicted_peak_bytes <= plan.budget_bytes
+
+
+def test_mps_budget_is_half_of_what_metal_recommends_minus_what_is_allocated(monkeypatch):
+    device_memory(monkeypatch, mps_recommended=21 * GiB, mps_allocated=1 * GiB)
+    assert resolve_budget(None, torch.device("mps")) == 10 * GiB
