@@ -40,8 +40,11 @@ FIXED_RATES: Dict[str, Tuple[float, float]] = {
     "mps": (1e13, 1e-11),
 }
 """A rate table for tests that need one: (matmul FLOP/s, seconds of softmax work per score), by
-device type, as ``subquad._planner`` keeps its measurements. The CPU row is within a few times of
-a 2-core VM; a test must hold for any such table, not for these numbers."""
+device type (``subquad._planner`` keeps its measurements per device type and dtype: the row
+stands for every dtype). The CPU row is within a few times of a 2-core VM; a test must hold for
+any such table, not for these numbers."""
+
+RATE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 KINDS = ("rates", "threads", "free-memory", "clock")
 
@@ -79,8 +82,8 @@ def install() -> None:
     if factor != 1.0:
         measure = _planner._measure_rates
 
-        def scaled(device: torch.device) -> Tuple[float, float]:
-            flops, per_score = measure(device)
+        def scaled(device: torch.device, dtype: torch.dtype) -> Tuple[float, float]:
+            flops, per_score = measure(device, dtype)
             return flops * factor, per_score / factor
 
         _planner._measure_rates = scaled
@@ -91,9 +94,11 @@ def install() -> None:
 def inject_rates(
     monkeypatch: Any, table: Dict[str, Tuple[float, float]] = FIXED_RATES
 ) -> Dict[str, Tuple[float, float]]:
-    """Fill subquad's rate cache with ``table`` for one test (what it would otherwise measure)."""
+    """Fill subquad's rate cache with ``table`` for one test (what it would otherwise measure),
+    each device type's row for every dtype."""
     for device, rates in table.items():
-        monkeypatch.setitem(_planner._RATES, device, rates)
+        for dtype in RATE_DTYPES:
+            monkeypatch.setitem(_planner._RATES, (device, dtype), rates)
     return table
 
 

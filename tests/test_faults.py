@@ -126,7 +126,7 @@ def test_the_predicted_time_follows_the_measured_rates(monkeypatch):
     q = torch.empty(1, 8, 1 << 16, 16)
     times = []
     for flops, per_score in [(1e11, 1e-9), (1e12, 1e-10)]:
-        monkeypatch.setitem(_planner._RATES, "cpu", (flops, per_score))
+        monkeypatch.setitem(_planner._RATES, ("cpu", torch.float32), (flops, per_score))
         times.append(subquad.explain(q, q, q, memory_budget="1MiB").predicted_seconds)
     tiles = subquad.explain(q, q, q, memory_budget="1MiB").tiles
     # Ten times the rates: a tenth of the work, the same per-tile overhead.

@@ -35,7 +35,7 @@ from ._callbacks import captured_tensors, from_callback
 from ._errors import ArgumentError, ArgumentTypeError
 from ._inputs import BlockPositions, Inputs, MaskMod, ScoreMod
 from ._planner import ESTIMATE_TIME_FROM_TILES, Plan, count_tiles, describe, make_plan, predict_seconds
-from ._tiles import KernelRefused, halve, is_oom
+from ._tiles import KernelRefused, halve, is_device_fatal, is_oom
 from ._traced import normalize
 from ._validate import check_bool, make_inputs, make_packed_inputs, parse_chunk_size
 
@@ -412,8 +412,10 @@ def _run(call: Prepared, requested: str) -> Tuple[Tensor, Optional[Tensor]]:
             return BACKENDS["sdpa"].run_whole(inp, False)
         except RuntimeError as e:
             # No fused kernel took the input after all (their checks are private), or it ran out
-            # of memory: the tiles take everything, within the budget.
-            no_kernel = "kernel" in str(e).lower() and not is_oom(e)
+            # of memory: the tiles take everything, within the budget. A fault of the device
+            # ("CUDA error: ... CUDA kernel errors might be ...") is no refusal: the context is
+            # broken and the tiles would fail on it too.
+            no_kernel = "kernel" in str(e).lower() and not is_oom(e) and not is_device_fatal(e)
             if not (no_kernel or is_oom(e)):
                 raise
             plan = make_plan(inp, opts, budget, _tiles_backend(inp, plan))

@@ -46,12 +46,16 @@ def _info(args: argparse.Namespace) -> int:
     if args.run:
         import time
 
+        from subquad._planner import synchronize  # optional: needs torch
+
         g = torch.Generator(device="cpu").manual_seed(0)
         q, k, v = (torch.randn(B, H, L, E, generator=g, dtype=dtype).to(device) for _ in range(3))
+        # GPU work is queued: wait for the copies before the clock starts and for the call
+        # before it stops (CUDA and MPS alike), or the time is the launch's.
+        synchronize(device)
         t0 = time.perf_counter()
         out = cast(torch.Tensor, subquad.attention(q, k, v, is_causal=args.causal, memory_budget=args.budget))  # no lse
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        synchronize(device)
         dt = time.perf_counter() - t0
         print(
             f"\nran {plan.backend}: {dt * 1e3:.1f} ms, output {tuple(out.shape)} {str(out.dtype).replace('torch.', '')}"

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
+from torch.utils import _python_dispatch
 
 from ._backends import BACKENDS, Options, priority
 from ._budget import format_bytes, format_seconds
@@ -161,7 +162,8 @@ ESTIMATE_TIME_FROM_TILES = 4096
 
 # Python and launch overhead of one tile, a rough constant per device type.
 _TILE_OVERHEAD_S = {"cpu": 30e-6, "cuda": 40e-6, "mps": 80e-6}
-_RATES: Dict[str, Tuple[float, float]] = {}  # device type -> (matmul FLOP/s, seconds per score element)
+_RATES: Dict[Tuple[str, torch.dtype], Tuple[float, float]] = {}
+"""(device type, dtype) -> (matmul FLOP/s, seconds of softmax work per score), measured once per process."""
 
 
 def _parts(inp: Inputs) -> List[Tuple[int, int, int]]:
@@ -205,50 +207,109 @@ def count_tiles(inp: Inputs, fwd: Optional[Tuple[int, int]], bwd: Optional[Tuple
     return max(n, 1)
 
 
-def _device_rates(device: torch.device) -> Tuple[float, float]:
-    """Matmul FLOP/s and the time of the softmax work per score element, measured once per process.
+def synchronize(device: torch.device) -> None:
+    """Wait for the work queued on ``device`` (CUDA and MPS queue it; the CPU runs it at once)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
+
+
+def _device_rates(device: torch.device, dtype: torch.dtype) -> Tuple[float, float]:
+    """Matmul FLOP/s and the time of the softmax work per score element, measured once per
+    process for each device type and dtype (half precision runs at several times float32's
+    rate on GPUs, float64 at a fraction of it).
 
     The second term dominates at small head dims (E = 8: 0.67 ns per score on the 2-core CPU,
     against 0.2 ns of matmul), the first at large ones.
     """
-    key = device.type
+    if device.type == "cpu" and dtype in (torch.float16, torch.bfloat16):
+        # The CPU computes half-precision products in float32 (the tiles upcast, torch's CPU
+        # flash kernel accumulates in float32), and a float16 bmm there is emulated (20x slower
+        # than float32 on the 2-core CPU): timing one would mispredict the call and cost 80 ms.
+        dtype = torch.float32
+    key = (device.type, dtype)
     if key not in _RATES:
         try:
-            _RATES[key] = _measure_rates(device)
-        except Exception:  # a device that cannot run the probe: conservative guesses
+            _RATES[key] = _measure_rates(device, dtype)
+        except Exception:  # a device that cannot run the probe (float64 on MPS): conservative guesses
             _RATES[key] = (5e10, 2e-9)
     return _RATES[key]
 
 
-def _measure_rates(device: torch.device) -> Tuple[float, float]:
-    a = torch.randn(8, 256, 64, device=device)
-    b = torch.randn(8, 64, 256, device=device)
-    s = torch.empty(8, 256, 256, device=device)
-    sync = {"cuda": torch.cuda.synchronize, "mps": getattr(getattr(torch, "mps", None), "synchronize", None)}.get(
-        device.type
-    )
+# The probe is a product (batch, rows, E) x (batch, E, rows). On the CPU a small one is already
+# compute-bound (and the probe stays under ~10 ms). A GPU finishes that in microseconds, less
+# than a launch: there the probe is large enough to time the arithmetic (4.3 GFLOP; 64 MiB of
+# float32 scores), repeated between two syncs until a run takes _GPU_PROBE_S.
+_CPU_PROBE_SHAPE = (8, 256, 64)
+_GPU_PROBE_SHAPE = (4, 2048, 128)
+_GPU_PROBE_S = 2e-3
+_MAX_REPS = 1024
 
-    def best_of(fn: Callable[[], object]) -> float:
-        best = float("inf")
-        for _ in range(3):
-            if sync:
-                sync()
-            t0 = time.perf_counter()
+
+def _measure_rates(device: torch.device, dtype: torch.dtype) -> Tuple[float, float]:
+    # Outside any dispatch mode the caller may be in (a FakeTensorMode would time ops that do
+    # nothing, and the rates are kept for the process; an op recorder would record the probe).
+    with _python_dispatch._disable_current_modes():
+        return _probe(device, dtype)
+
+
+def _probe(device: torch.device, dtype: torch.dtype) -> Tuple[float, float]:
+    bh, n, e = _CPU_PROBE_SHAPE if device.type == "cpu" else _GPU_PROBE_SHAPE
+    a = torch.randn(bh, n, e, device=device, dtype=dtype)
+    b = torch.randn(bh, e, n, device=device, dtype=dtype)
+    s = torch.empty(bh, n, n, device=device, dtype=dtype)
+    # Every path keeps half-precision scores in float32 for the softmax (the tiles upcast, the
+    # fused kernels accumulate in float32): time the softmax work there.
+    p = s.float() if dtype in (torch.float16, torch.bfloat16) else s
+    min_s = 0.0 if device.type == "cpu" else _GPU_PROBE_S
+
+    def sync() -> None:
+        synchronize(device)
+
+    matmul = seconds_per_call(lambda: torch.bmm(a, b, out=s), sync, min_seconds=min_s)
+    softmax = seconds_per_call(lambda: p.sub_(p.amax(dim=-1, keepdim=True)).exp_().sum(dim=-1), sync, min_seconds=min_s)
+    return 2 * bh * n * n * e / matmul, softmax / p.numel()
+
+
+def seconds_per_call(
+    fn: Callable[[], object],
+    sync: Callable[[], None],
+    *,
+    min_seconds: float,
+    clock: Optional[Callable[[], float]] = None,
+) -> float:
+    """The time of one call of ``fn``: the best of three runs of ``reps`` calls between two syncs,
+    ``reps`` doubled until a run takes ``min_seconds``.
+
+    One call between two syncs measures the launch and the sync as much as the work: on a GPU
+    calls queue up, so back-to-back calls time the work and the sync is paid once per run.
+    """
+
+    now = clock or time.perf_counter
+
+    def run(reps: int) -> float:
+        sync()
+        t0 = now()
+        for _ in range(reps):
             fn()
-            if sync:
-                sync()
-            best = min(best, time.perf_counter() - t0)
-        return max(best, 1e-9)
+        sync()
+        return now() - t0
 
-    matmul = best_of(lambda: torch.bmm(a, b, out=s))
-    softmax = best_of(lambda: s.sub_(s.amax(dim=-1, keepdim=True)).exp_().sum(dim=-1))
-    return 2 * 8 * 256 * 256 * 64 / matmul, softmax / s.numel()
+    run(1)  # the first call pays for handles, kernel choice and compiling
+    reps = 1
+    t = run(reps)
+    while t < min_seconds and reps < _MAX_REPS:
+        reps *= 2
+        t = run(reps)
+    best = min(t, run(reps), run(reps))
+    return max(best / reps, 1e-12)
 
 
 def predict_seconds(inp: Inputs, tiles: int, need_grad: bool) -> float:
     """An order-of-magnitude estimate of a call's time: FLOPs at the device's matmul rate, the
     softmax work per score, and a per-tile overhead."""
-    rate, per_score = _device_rates(inp.device)
+    rate, per_score = _device_rates(inp.device, inp.dtype)
     scores = inp.n_groups * sum(
         float(inp.B * inp.Hq * Lq * Lk) * visible_fraction(Lq, Lk, inp.is_causal, o) for Lq, Lk, o in _parts(inp)
     )

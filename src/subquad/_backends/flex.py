@@ -54,7 +54,9 @@ def _eval_keys(inp: Inputs) -> int:
 
 _COMPILED: List[Callable[..., Tensor]] = []
 _LOCK = threading.Lock()
-_FAILED: Dict[Any, str] = {}  # signature -> why compiling failed; None key: for every call
+# Why compiling failed: per signature, or per device type where no call on it can compile
+# (no Triton on CUDA, no C++ compiler on CPU).
+_FAILED: Dict[Any, str] = {}
 _STATIC_ONLY: set = set()  # signatures that compile only with static shapes
 _COMPILE_SECONDS: Dict[Any, float] = {}  # signature -> measured first-call time
 _BLOCK_MASKS: "collections.OrderedDict[Any, Tuple[Any, Tuple[int, int], List[Any]]]" = collections.OrderedDict()
@@ -65,10 +67,11 @@ class FlexUnavailable(RuntimeError):
     """FlexAttention could not run this call (compiling failed); the tiles run it instead."""
 
 
-def _flex_unavailable_reason() -> Optional[str]:
-    """Why no call can take this path in this process (imports torch._dynamo: ask last)."""
-    if None in _FAILED:
-        return _FAILED[None]
+def _flex_unavailable_reason(device_type: Optional[str] = None) -> Optional[str]:
+    """Why no call (on ``device_type``) can take this path in this process (imports
+    torch._dynamo: ask last)."""
+    if device_type in _FAILED:
+        return _FAILED[device_type]
     if importlib.util.find_spec("torch.nn.attention.flex_attention") is None:
         return "this PyTorch has no torch.nn.attention.flex_attention"
     import torch._dynamo
@@ -116,9 +119,11 @@ class Flex(Backend):
             reasons.append(f"score_mod cannot be compiled: {traced.reason}")
         if reasons:
             return reasons
+        if inp.device_type in _FAILED:  # before the signature: the device's reason is the one to act on
+            return [_FAILED[inp.device_type]]
         if _signature(inp) in _FAILED:
             return [f"compiling this signature failed before ({_FAILED[_signature(inp)]})"]
-        why = _flex_unavailable_reason()
+        why = _flex_unavailable_reason(inp.device_type)
         return [why] if why else []
 
     def forward_bytes(self, inp: Inputs, qc: int, kc: int, need_lse: bool) -> int:
@@ -161,9 +166,15 @@ class Flex(Backend):
                     with _LOCK:
                         _STATIC_ONLY.add(signature)
         except Exception as e:  # any failure to compile hands the call to the tiles
-            reason = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:160]}"
+            missing = _missing_toolchain(e)
+            reason = missing or f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:160]}"
             with _LOCK:
-                _FAILED[None if _environmental(e) else signature] = reason
+                if missing or isinstance(e, FlexUnavailable):
+                    _FAILED[inp.device_type] = (
+                        f"FlexAttention cannot compile on {inp.device_type} in this process: {reason}"
+                    )
+                else:
+                    _FAILED[signature] = reason
             raise FlexUnavailable(reason) from e
         with _LOCK:
             _COMPILE_SECONDS.setdefault(signature, time.perf_counter() - start)
@@ -246,16 +257,38 @@ def _call(flex: Callable[..., Tensor], inp: Inputs, block_mask: Any) -> Tensor:
         return flex(inp.q, inp.k, inp.v, _score_mod(inp), block_mask, inp.scale, inp.G > 1)
 
 
-def _environmental(e: BaseException) -> bool:
-    """A failure that no call can avoid (no working C++ compiler, torch.compile not compiling
-    subquad's entry point any more): turn the path off for the process."""
-    if isinstance(e, FlexUnavailable):
-        return True
-    # (A C++ compile *error* is not one of these: it can be one signature's, or a passing fault.)
-    text = f"{type(e).__name__} {e}".lower()
-    return any(
-        word in text for word in ("invalidcxxcompiler", "no working c++ compiler", "no such file or directory: 'g++'")
-    )
+# What a missing toolchain says (the first line that names one is the reason given). Any call on
+# the device would fail the same way, so the device is refused for the process. (A C++ compile
+# *error* is not one of these: it can be one signature's, or a passing fault.)
+_MISSING_TOOLCHAIN = (
+    "invalidcxxcompiler",
+    "no working c++ compiler",
+    "no such file or directory: 'g++'",
+    # CUDA: inductor writes Triton kernels; Triton builds a C launcher with a C compiler and Python.h.
+    "tritonmissing",
+    "cannot find a working triton installation",
+    "no module named 'triton'",
+    "too old to be supported by the triton",
+    "failed to find c compiler",
+    "python.h: no such file or directory",
+)
+
+
+def _missing_toolchain(e: BaseException) -> Optional[str]:
+    """``"Type: the line that says so"`` when compiling failed for want of a toolchain (no
+    Triton, no C or C++ compiler); torch wraps the error (``BackendCompilerFailed``), so the
+    causes are read too."""
+    seen: List[BaseException] = []
+    cause: Optional[BaseException] = e
+    while cause is not None and cause not in seen and len(seen) < 8:
+        seen.append(cause)
+        name = type(cause).__name__
+        lines = [line.strip() for line in str(cause).splitlines() if line.strip()] or [""]
+        said = [line for line in lines if any(word in line.lower() for word in _MISSING_TOOLCHAIN)]
+        if said or name.lower() in _MISSING_TOOLCHAIN:
+            return f"{name}: {(said or lines)[0][:200]}"
+        cause = cause.__cause__ or cause.__context__
+    return None
 
 
 def _signature(inp: Inputs) -> Any:

@@ -103,7 +103,9 @@ class Sdpa(Backend):
             # Bool masks become float masks; the efficient kernel pads Lk to a multiple of 16.
             n += inp.mask_tile_elements(inp.Lq, inp.Lk + 16) * inp.itemsize * 2
         if inp.device_type == "mps":
-            n += bh * inp.Lq * inp.Lk * 4 * 2  # MPS materializes the scores
+            # MPS materializes the scores and their softmax, in float32; dropout goes through the
+            # math path, which keeps its float32 mask too.
+            n += bh * inp.Lq * inp.Lk * (12 if inp.dropout_p > 0 else 8)
         if inp.device_type == "cpu":
             n += FusedCPU()._kernel_bytes(inp, inp.Lq, inp.Lk)
         return n + 1 * MiB

@@ -117,6 +117,12 @@ def _sample(n: int, k: int, gen: torch.Generator) -> list[int]:
     return sorted(picks)
 
 
+def _host64(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in float64 on the CPU, moved there first: MPS has no float64 (``.double()`` on an
+    MPS tensor raises)."""
+    return t.detach().cpu().double()
+
+
 def sampled_errors(
     inputs: BenchInputs,
     out: torch.Tensor,
@@ -140,9 +146,9 @@ def sampled_errors(
     ref_norm = [0.0, 0.0]
     for bh in flat:
         b, h = divmod(bh, case.heads)
-        q = inputs.query[b, h, row_idx.to(inputs.query.device)].detach().double().cpu()
-        k = inputs.key[b, h].detach().double().cpu()
-        v = inputs.value[b, h].detach().double().cpu()
+        q = _host64(inputs.query[b, h, row_idx.to(inputs.query.device)])
+        k = _host64(inputs.key[b, h])
+        v = _host64(inputs.value[b, h])
         q.requires_grad_(grad_query is not None)
         scores = q @ k.T * inputs.scale
         if case.mask == "softcap":
@@ -159,13 +165,13 @@ def sampled_errors(
         if case.mask == "alibi":
             scores = scores + float(inputs.slopes[h]) * (j - i).double()
         ref = scores.softmax(dim=-1) @ v
-        got = out[b, h, row_idx.to(out.device)].detach().double().cpu()
-        err[0] += float((got - ref).square().sum())
-        ref_norm[0] += float(ref.square().sum())
+        got = _host64(out[b, h, row_idx.to(out.device)])
+        err[0] += float((got - ref.detach()).square().sum())
+        ref_norm[0] += float(ref.detach().square().sum())
         if grad_query is not None:
-            d_out = inputs.grad_out[b, h, row_idx.to(out.device)].double().cpu()
+            d_out = _host64(inputs.grad_out[b, h, row_idx.to(out.device)])
             (ref_dq,) = torch.autograd.grad(ref, q, d_out)
-            got_dq = grad_query[b, h, row_idx.to(grad_query.device)].double().cpu()
+            got_dq = _host64(grad_query[b, h, row_idx.to(grad_query.device)])
             err[1] += float((got_dq - ref_dq).square().sum())
             ref_norm[1] += float(ref_dq.square().sum())
 
