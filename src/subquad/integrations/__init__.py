@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__all__ = ["diffusers", "transformers", "patch", "compile"]
+__all__ = ["diffusers", "transformers", "patch", "compile", "comfyui"]
 
 
 def __getattr__(name: str) -> Any:
