@@ -1,4 +1,4 @@
-"""The ``subquad`` command: ``subquad info``, ``subquad bench`` and ``subquad --version``.
+"""The ``subquad`` command: ``subquad info``, ``subquad bench``, ``subquad install`` and ``subquad --version``.
 
 ``--version`` and ``--help`` need no torch (JAX users have none); ``info`` and ``bench`` import it
 when they run, and without it say what to install.
@@ -81,6 +81,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--causal", action="store_true")
     p.add_argument("--run", action="store_true", help="also run the sample input and time it")
     sub.add_parser("bench", help="benchmark attention implementations on this machine (see `subquad bench --help`)")
+    for verb, what in (("install", "write"), ("uninstall", "remove")):
+        p = sub.add_parser(
+            verb,
+            help=f"{what} subquad's ComfyUI custom node or AUTOMATIC1111 extension (docs/hosts.md)",
+            description=f"{what.capitalize()} subquad's custom node (ComfyUI: DIR/custom_nodes/subquad) or "
+            "extension (AUTOMATIC1111: DIR/extensions/subquad). The host's own Python must have subquad "
+            "installed: the node and the extension import it when the host starts.",
+        )
+        p.add_argument("host", choices=HOSTS, help="the application")
+        p.add_argument("dir", help="the folder the application is installed in")
     # `subquad bench` parses its own arguments; --version and --help end in parse_args, without torch.
     args = None if argv[:1] == ["bench"] else parser.parse_args(argv or ["info"])
     try:
@@ -95,7 +105,51 @@ def main(argv: Optional[List[str]] = None) -> int:
         if len(args.shape) != 4:
             parser.error("--shape takes four integers B,H,L,E")
         return _info(args)
+    if args.command in ("install", "uninstall"):
+        return _install(args.command, args.host, args.dir)
     return 0
+
+
+HOSTS = ("comfyui", "a1111")
+
+
+def _install(verb: str, host: str, folder: str) -> int:
+    """``subquad install|uninstall HOST DIR``: 0 when done, 2 (one line, no traceback) when DIR is not HOST."""
+    import importlib
+
+    from subquad.integrations._hosts import HostNotFound
+
+    module = importlib.import_module(f"subquad.integrations.{host}")  # optional: needs torch, present
+    name = {"comfyui": "ComfyUI", "a1111": "AUTOMATIC1111"}[host]
+    try:
+        done = module.install(folder) if verb == "install" else module.uninstall(folder)
+    except HostNotFound as e:
+        print(f"subquad {verb}: {e}", file=sys.stderr)
+        return 2
+    if verb == "uninstall":
+        print(f"removed {done}" if done is not None else f"nothing to remove: subquad is not installed in {folder}")
+        return 0
+    print(f"installed subquad {__version__} for {name} in {done}")
+    python = _host_python(folder) or "<the Python that runs it>"
+    print(f"{name} imports subquad when it starts; if its Python does not have it: {python} -m pip install subquad")
+    print(f"undo: subquad uninstall {host} {folder}")
+    return 0
+
+
+def _host_python(folder: str) -> Optional[str]:
+    """The Python a host folder runs with, where it keeps its own (A1111's venv, ComfyUI portable's)."""
+    from pathlib import Path
+
+    root = Path(folder).resolve()
+    for candidate in (
+        root / "venv" / "bin" / "python",
+        root / ".venv" / "bin" / "python",
+        root / "venv" / "Scripts" / "python.exe",
+        root.parent / "python_embeded" / "python.exe",
+    ):
+        if candidate.exists():
+            return str(candidate)
+    return None
 
 
 if __name__ == "__main__":  # pragma: no cover

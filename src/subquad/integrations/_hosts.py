@@ -33,7 +33,7 @@ def find_host(root: "str | Path", host: str, markers: Sequence[str]) -> Path:
     missing = [m for m in markers if not (path / m).exists()]
     if missing:
         raise HostNotFound(
-            f"{path} does not look like {host}: looked for {', '.join(markers)} and found no {', '.join(missing)}."
+            f"{path} does not look like {host}: it has no {', '.join(missing)} (looked for {', '.join(markers)})."
         )
     return path.resolve()
 
