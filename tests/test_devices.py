@@ -189,3 +189,38 @@ def test_cuda_plans_against_the_capped_budget(monkeypatch):
 def test_mps_budget_is_half_of_what_metal_recommends_minus_what_is_allocated(monkeypatch):
     device_memory(monkeypatch, mps_recommended=21 * GiB, mps_allocated=1 * GiB)
     assert resolve_budget(None, torch.device("mps")) == 10 * GiB
+
+
+# ----------------------------------------------------------------- device -> host syncs
+SYNC_CASES = {
+    "plain": {},
+    "causal": {"is_causal": True},
+    "bool-mask": {"attn_mask": "bool"},
+    "float-mask": {"attn_mask": "float"},
+    "dropout": {"dropout_p": 0.1},
+    "score_mod": {"score_mod": lambda s, b, h, qi, ki: s * 0.5},
+    "mask_mod": {"mask_mod": lambda b, h, qi, ki: ki <= qi},
+}
+
+
+@pytest.mark.parametrize("case", list(SYNC_CASES))
+def test_tile_loop_syncs_do_not_grow_with_the_tiles(monkeypatch, case):
+    # A GPU waits for the host at every .item()/bool(tensor): one per tile would serialize the
+    # tile loop. Dropout draws its seed once per call; nothing else may wait.
+    as_device(monkeypatch, "cuda")
+    g = torch.Generator().manual_seed(3)
+    kw = dict(SYNC_CASES[case])
+    if kw.get("attn_mask") == "bool":
+        kw["attn_mask"] = torch.rand(128, 128, generator=g) > 0.3
+    elif kw.get("attn_mask") == "float":
+        kw["attn_mask"] = torch.randn(128, 128, generator=g)
+    syncs = {}
+    for chunk in (64, 32):
+        q, k, v = (torch.randn(1, 2, 128, 16, generator=g).requires_grad_() for _ in range(3))
+        with OpRecorder() as forward:
+            out = subquad.attention(q, k, v, backend="matmul", chunk_size=chunk, **kw)
+        with OpRecorder() as backward:
+            out.sum().backward()
+        syncs[chunk] = (forward.syncs, backward.syncs)
+    allowed = 1 if case == "dropout" else 0
+    assert syncs[32] == syncs[64] and max(syncs[32]) <= allowed, syncs
