@@ -4,7 +4,9 @@ and the tensors they capture.
 A callback is called on FlexAttention-style broadcastable index grids. Whatever it raises is
 marked as the user's (:func:`call_user`), so that no retry or fallback of the engine hides it.
 A tile's state under a ``mask_mod`` (:data:`EMPTY`, :data:`FULL`, :data:`PARTIAL`) comes from
-the callback's ``block_state`` or from evaluating it (:func:`mask_mod_state`). Tensors a
+the callback's ``block_state``/``block_states`` for a grid of tiles at once (:func:`grid_states`,
+read back in one device -> host transfer instead of a wait per tile) or from evaluating it
+(:func:`evaluated_state`, :class:`TileStates` for the tile loop). Tensors a
 ``score_mod`` reads that require grad are found by running it once (:func:`captured_tensors`)
 and stand in as detached leaves during the backward (:class:`CapturedAsLeaves`).
 
@@ -106,23 +108,124 @@ PARTIAL = 2
 """Block state: the ``mask_mod`` may mix kept and hidden elements; it is evaluated on the tile (always safe)."""
 
 
-def mask_mod_state(inp: Inputs, qs: int, qe: int, ks: int, ke: int) -> Tuple[int, Optional[Tensor]]:
-    """The tile's state under ``mask_mod``, and the evaluated mask when it had to be evaluated."""
-    mm = inp.mask_mod
-    if mm is None:
-        return FULL, None
-    declared: Optional[Callable[[int, int, int, int], int]] = getattr(mm, "block_state", None)
-    if declared is not None:
-        qo, ko = inp.q_offset, inp.kv_offset
-        state = call_user(declared, qs + qo, qe + qo, ks + ko, ke + ko)
-        if state in (EMPTY, FULL, PARTIAL):
-            return int(state), None
-    # Exact for any callback: evaluate it on the tile's indices (elementwise, no matmul); the
-    # result is handed on with the segment so that it is not evaluated twice.
+UNKNOWN = -1
+"""In a grid of block states: the declared states do not decide this tile; the mask is evaluated on it."""
+
+
+def evaluated_state(inp: Inputs, qs: int, qe: int, ks: int, ke: int) -> Tuple[int, Optional[Tensor]]:
+    """The tile's state from evaluating ``mask_mod`` on it, and the evaluated mask of a PARTIAL tile.
+
+    Exact for any callback (elementwise, no matmul); the mask is handed on with the segment so
+    that it is not evaluated twice. It waits for the device twice, so only the CPU's tile loop
+    asks this per tile (:class:`TileStates`).
+    """
     keep = eval_mask_mod(inp, qs, qe, ks, ke)
     if not bool(keep.any()):
         return EMPTY, None
     return (FULL, None) if bool(keep.all()) else (PARTIAL, keep)
+
+
+def grid_bounds(start: int, end: int, block: int) -> Tuple[Tensor, Tensor]:
+    """Starts and ends (int64, CPU) of the blocks of ``block`` positions over ``[start, end)``; the last may be short."""
+    starts = torch.arange(start, end, block, dtype=torch.int64)
+    return starts, torch.clamp(starts + block, max=end)
+
+
+def declared_states(mask_mod: Any, qs: int, qe: int, q_block: int, ks: int, ke: int, kv_block: int) -> Optional[Tensor]:
+    """What ``mask_mod`` declares of the tiles of a grid: blocks of ``q_block`` rows over ``[qs, qe)``
+    times blocks of ``kv_block`` keys over ``[ks, ke)``, in the positions the callback sees.
+
+    ``(nq, nk)`` int8 of EMPTY, FULL, PARTIAL or :data:`UNKNOWN`, on any device (a document mask's
+    where its ids are); ``None`` when the mask declares nothing. From the mask's vectorized
+    ``block_states`` when it has one, else one ``block_state`` call per tile.
+    """
+    vector = getattr(mask_mod, "block_states", None)
+    if vector is not None:
+        states: Optional[Tensor] = call_user(vector, qs, qe, q_block, ks, ke, kv_block)
+        return states
+    scalar = getattr(mask_mod, "block_state", None)
+    if scalar is None:
+        return None
+    found = []
+    for q0 in range(qs, qe, q_block):
+        q1 = min(q0 + q_block, qe)
+        for k0 in range(ks, ke, kv_block):
+            state = call_user(scalar, q0, q1, k0, min(k0 + kv_block, ke))
+            found.append(int(state) if state in (EMPTY, FULL, PARTIAL) else UNKNOWN)
+    return torch.tensor(found, dtype=torch.int8).view(-(-(qe - qs) // q_block), -(-(ke - ks) // kv_block))
+
+
+def grid_states(inp: Inputs, qs: int, qe: int, q_block: int, ks: int, ke: int, kv_block: int) -> Optional[Tensor]:
+    """:func:`declared_states` of the call's ``mask_mod`` on a grid of its tiles (in the call's own
+    positions: offsets are added here), on the host: one device -> host transfer for the grid."""
+    if inp.mask_mod is None:
+        return None
+    qo, ko = inp.q_offset, inp.kv_offset
+    states = declared_states(inp.mask_mod, qs + qo, qe + qo, q_block, ks + ko, ke + ko, kv_block)
+    if states is None:
+        return None
+    shape = (-(-(qe - qs) // q_block), -(-(ke - ks) // kv_block))
+    if not isinstance(states, Tensor) or tuple(states.shape) != shape:
+        got = tuple(states.shape) if isinstance(states, Tensor) else type(states).__name__
+        raise ValueError(
+            f"mask_mod.block_states returned {got}, expected a tensor of shape {shape} (query blocks, key blocks)."
+        )
+    return states.to(device="cpu", dtype=torch.int8)
+
+
+class TileStates:
+    """The states of a call's tiles under its ``mask_mod`` (rows in blocks of ``q_chunk`` from 0,
+    keys in tiles of ``kv_chunk``), for the tile loop, without a device -> host wait per tile.
+
+    Declared states come for a band of block rows at once (:func:`grid_states`: one transfer per
+    band, one per call unless the grid has more than :attr:`BAND` tiles). Tiles they leave
+    :data:`UNKNOWN` are evaluated: on a CPU as the loop reaches them (:func:`evaluated_state`,
+    whose mask the tile reuses), elsewhere for a whole block row on the device with one transfer
+    per row (a GPU that waits for the host per tile idles between small kernels).
+    """
+
+    BAND = 1 << 16
+    """Tiles whose declared states are computed together (bounds the grid's temporaries)."""
+
+    def __init__(self, inp: Inputs, q_chunk: int, kv_chunk: int) -> None:
+        self.inp, self.q_chunk, self.kv_chunk = inp, max(1, q_chunk), max(1, kv_chunk)
+        self.band_rows = max(1, self.BAND // max(1, -(-inp.Lk // self.kv_chunk)))
+        self._band: Tuple[int, Optional[List[List[int]]]] = (-1, None)
+
+    def row(self, qs: int, qe: int, key_end: int) -> Optional[List[int]]:
+        """States of the key tiles of rows ``[qs, qe)`` (a block of the grid) that start before
+        ``key_end``; ``None`` without a ``mask_mod``. :data:`UNKNOWN` entries only on a CPU."""
+        inp = self.inp
+        if inp.mask_mod is None:
+            return None
+        i = qs // self.q_chunk
+        first = i - i % self.band_rows
+        if self._band[0] != first:
+            q0 = first * self.q_chunk
+            q1 = min(inp.Lq, q0 + self.band_rows * self.q_chunk)
+            states = grid_states(inp, q0, q1, self.q_chunk, 0, inp.Lk, self.kv_chunk)
+            self._band = (first, None if states is None else states.tolist())
+        n = max(0, -(-min(key_end, inp.Lk) // self.kv_chunk))
+        band = self._band[1]
+        row = [UNKNOWN] * n if band is None else band[i - first][:n]
+        if inp.device_type != "cpu" and UNKNOWN in row:
+            row = self._evaluated(qs, qe, row)
+        return row
+
+    def _evaluated(self, qs: int, qe: int, row: List[int]) -> List[int]:
+        """``row`` with its UNKNOWN tiles evaluated on the device, read back in one transfer.
+
+        The PARTIAL ones evaluate their mask again when they run: keeping a row's masks would
+        hold ``q_chunk x Lk`` of them, where evaluating costs a fraction of the tile's matmul.
+        """
+        found = []
+        for j, state in enumerate(row):
+            if state == UNKNOWN:
+                ks = j * self.kv_chunk
+                keep = eval_mask_mod(self.inp, qs, qe, ks, min(ks + self.kv_chunk, self.inp.Lk))
+                found.append(torch.where(keep.any(), torch.where(keep.all(), FULL, PARTIAL), EMPTY))
+        states = iter(torch.stack(found).tolist())
+        return [next(states) if state == UNKNOWN else state for state in row]
 
 
 # ------------------------------------------------------------------ tensors captured by score_mod

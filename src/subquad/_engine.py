@@ -20,22 +20,24 @@ from torch import Tensor
 
 from . import mods
 from ._backends import BACKENDS, FusedCPU
-from ._callbacks import EMPTY, PARTIAL, mask_mod_state
+from ._callbacks import EMPTY, FULL, PARTIAL, UNKNOWN, TileStates, evaluated_state
 from ._inputs import Inputs, MaskMod
 from ._tiles import TILES, Grads, Segment
 
 log = logging.getLogger("subquad")
 
 
-def kv_segments(inp: Inputs, qs: int, qe: int, kv_chunk: int, coalesce: bool) -> Iterator[Segment]:
+def kv_segments(inp: Inputs, qs: int, qe: int, kv_chunk: int, coalesce: bool, tiles: TileStates) -> Iterator[Segment]:
     """Key segments that query rows ``[qs, qe)`` must visit, in order, produced lazily.
 
-    With ``coalesce``, neighbouring segments that need no generated mask are joined (the fused
-    kernel's memory does not grow with the segment length).
+    ``tiles``: the ``mask_mod`` states of the call's tiles (rows ``[qs, qe)`` are one of its
+    blocks). With ``coalesce``, neighbouring segments that need no generated mask are joined (the
+    fused kernel's memory does not grow with the segment length).
     """
     pending: Optional[Segment] = None
     off = inp.causal_offset
-    for ks in range(0, inp.Lk, kv_chunk):
+    states = tiles.row(qs, qe, qe + off if inp.is_causal else inp.Lk)
+    for j, ks in enumerate(range(0, inp.Lk, kv_chunk)):
         ke = min(ks + kv_chunk, inp.Lk)
         causal = "none"
         if inp.is_causal:
@@ -46,7 +48,9 @@ def kv_segments(inp: Inputs, qs: int, qe: int, kv_chunk: int, coalesce: bool) ->
             if ke - 1 > qs + off:
                 # "diag": the tile's causal mask is top-left within the tile (ks == qs + off).
                 causal = "diag" if ks == qs + off else "partial"
-        state, keep = mask_mod_state(inp, qs, qe, ks, ke)
+        state, keep = (FULL if states is None else states[j]), None
+        if state == UNKNOWN:
+            state, keep = evaluated_state(inp, qs, qe, ks, ke)
         if state == EMPTY:
             TILES.skipped += 1
             continue
@@ -149,9 +153,10 @@ def forward(
             return out.zero_(), lse
         return torch.zeros((B, Hq, Lq, inp.Ev), dtype=inp.dtype, device=inp.device), lse
     coalesce = backend == "fused"
+    tiles = TileStates(inp, q_chunk, kv_chunk)
     if b.returns_rows and q_chunk >= Lq:
         # One block of rows: the kernel's own output is the result, no copy.
-        segs = _nonempty(kv_segments(inp, 0, Lq, kv_chunk, coalesce))
+        segs = _nonempty(kv_segments(inp, 0, Lq, kv_chunk, coalesce, tiles))
         if segs is not None:
             rows, rows_lse = b.forward_rows(inp, 0, Lq, segs, None, seed)
             if lse is not None:
@@ -164,7 +169,7 @@ def forward(
     progress = Progress("forward", -(-Lq // q_chunk), predicted_s)
     for i, (qs, qe) in enumerate(_row_blocks(Lq, q_chunk)):
         progress.tick(i)
-        segs = _nonempty(kv_segments(inp, qs, qe, kv_chunk, coalesce))
+        segs = _nonempty(kv_segments(inp, qs, qe, kv_chunk, coalesce, tiles))
         if segs is None:
             out[:, :, qs:qe].zero_()
             if lse is not None:
@@ -298,9 +303,10 @@ def backward(
     b = BACKENDS[backend]
     q_chunk, kv_chunk = chunk
     progress = Progress("backward", -(-inp.Lq // q_chunk), predicted_s)
+    tiles = TileStates(inp, q_chunk, kv_chunk)
     for i, (qs, qe) in enumerate(_row_blocks(inp.Lq, q_chunk)):
         progress.tick(i)
-        segs = _nonempty(kv_segments(inp, qs, qe, kv_chunk, coalesce=False))
+        segs = _nonempty(kv_segments(inp, qs, qe, kv_chunk, False, tiles))
         if segs is not None:
             b.backward_rows(inp, qs, qe, segs, grad_out, out, lse, seed, grads, grad_lse)
 
@@ -314,7 +320,7 @@ def whole_fused_backward(
     """
     if inp.packed is not None or chunk[0] < inp.Lq or chunk[1] < inp.Lk or inp.empty or inp.Lk == 0:
         return None
-    segs = list(kv_segments(inp, 0, inp.Lq, chunk[1], coalesce=False))
+    segs = list(kv_segments(inp, 0, inp.Lq, chunk[1], False, TileStates(inp, chunk[0], chunk[1])))
     if len(segs) != 1 or (segs[0].ks, segs[0].ke) != (0, inp.Lk):
         return None
     fused = cast(FusedCPU, BACKENDS["fused"])  # segment_backward is the fused kernel's own

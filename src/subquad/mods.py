@@ -11,7 +11,7 @@ Signatures (the engine calls them once per tile, never on the whole ``Lq x Lk`` 
 
 with broadcastable int64 indices ``b (B,1,1,1)``, ``h (1,Hq,1,1)`` (the query head), ``q_idx (1,1,qc,1)``
 and ``kv_idx (1,1,1,kc)``; ``B`` is the product of the caller's batch dims. Any callable with these
-signatures works; the built-ins are small classes that add two optional hooks the engine looks for:
+signatures works; the built-ins are small classes that add optional hooks the engine looks for:
 
 * ``mask_mod.causal_offset(Lq, Lk) -> int or None``: declares that on a call of these lengths the
   mask *is* the causal mask ``kv_idx <= q_idx + offset``; the engine then runs it as ``is_causal``
@@ -20,6 +20,11 @@ signatures works; the built-ins are small classes that add two optional hooks th
   ``[ks, ke)`` -- :data:`EMPTY` (the tile is skipped, never computed), :data:`FULL` (computed without
   evaluating the mask) or :data:`PARTIAL` (the mask is evaluated on the tile); ``None`` means "unknown,
   evaluate the mask on the tile to find out". EMPTY and FULL must be exact; PARTIAL is always safe.
+* ``mask_mod.block_states(qs, qe, q_block, ks, ke, kv_block) -> Tensor or None``: ``block_state`` of
+  every tile of a grid at once (blocks of ``q_block`` rows over ``[qs, qe)`` times blocks of
+  ``kv_block`` keys over ``[ks, ke)``, the last ones short), an int8 tensor ``(query blocks, key
+  blocks)`` on any device with ``-1`` for "unknown". The engine asks it first: one device -> host
+  transfer per call instead of a wait per tile when the mask reads tensors on a GPU (``document``).
 * ``score_mod.additive_bias(b, h, q_idx, kv_idx) -> Tensor``: declares ``score_mod(s, ...) == s +
   additive_bias(...)``, which lets the planner run the mod on PyTorch's fused CPU kernel (a float
   mask per tile) when none of its tensors needs a gradient. ``mods.alibi``'s also accepts ``out=``
@@ -37,7 +42,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
-from ._callbacks import EMPTY, FULL, PARTIAL
+from ._callbacks import EMPTY, FULL, PARTIAL, UNKNOWN, declared_states, grid_bounds
 
 __all__ = [
     "EMPTY",
@@ -95,6 +100,19 @@ def _diagonal_state(qs: int, qe: int, ks: int, ke: int, lo: float, hi: float) ->
     return PARTIAL
 
 
+def _states(empty: Tensor, full: Tensor) -> Tensor:
+    return torch.where(empty, EMPTY, torch.where(full, FULL, PARTIAL)).to(torch.int8)
+
+
+def _diagonal_states(qs: int, qe: int, q_block: int, ks: int, ke: int, kv_block: int, lo: float, hi: float) -> Tensor:
+    """:func:`_diagonal_state` of every tile of a grid at once, ``(query blocks, key blocks)`` on the CPU."""
+    q0, q1 = grid_bounds(qs, qe, q_block)
+    k0, k1 = grid_bounds(ks, ke, kv_block)
+    d_min = q0.view(-1, 1) - (k1 - 1).view(1, -1)
+    d_max = (q1 - 1).view(-1, 1) - k0.view(1, -1)
+    return _states((d_max < lo) | (d_min > hi), (d_min >= lo) & (d_max <= hi))
+
+
 # ----------------------------------------------------------------------------- causal
 class _Causal(_Mask):
     def causal_offset(self, q_len: int, kv_len: int) -> Optional[int]:
@@ -107,6 +125,9 @@ class _Causal(_Mask):
 
     def block_state(self, qs: int, qe: int, ks: int, ke: int) -> int:
         return _diagonal_state(qs, qe, ks, ke, 0, math.inf)
+
+    def block_states(self, qs: int, qe: int, q_block: int, ks: int, ke: int, kv_block: int) -> Tensor:
+        return _diagonal_states(qs, qe, q_block, ks, ke, kv_block, 0, math.inf)
 
     def __repr__(self) -> str:
         return "causal()"
@@ -143,6 +164,9 @@ class _CausalLowerRight(_Mask):
 
     def block_state(self, qs: int, qe: int, ks: int, ke: int) -> int:
         return _diagonal_state(qs, qe, ks, ke, -self.offset, math.inf)
+
+    def block_states(self, qs: int, qe: int, q_block: int, ks: int, ke: int, kv_block: int) -> Tensor:
+        return _diagonal_states(qs, qe, q_block, ks, ke, kv_block, -self.offset, math.inf)
 
     def __repr__(self) -> str:
         return f"causal_lower_right({self.q_len}, {self.kv_len})"
@@ -185,6 +209,9 @@ class _SlidingWindow(_Mask):
 
     def block_state(self, qs: int, qe: int, ks: int, ke: int) -> int:
         return _diagonal_state(qs, qe, ks, ke, self.lo, self.window)
+
+    def block_states(self, qs: int, qe: int, q_block: int, ks: int, ke: int, kv_block: int) -> Tensor:
+        return _diagonal_states(qs, qe, q_block, ks, ke, kv_block, self.lo, self.window)
 
     def __repr__(self) -> str:
         return f"sliding_window({self.window}, causal={self.causal})"
@@ -232,6 +259,9 @@ class _LocalWindow(_Mask):
 
     def block_state(self, qs: int, qe: int, ks: int, ke: int) -> int:
         return _diagonal_state(qs, qe, ks, ke, self.lo, self.hi)
+
+    def block_states(self, qs: int, qe: int, q_block: int, ks: int, ke: int, kv_block: int) -> Tensor:
+        return _diagonal_states(qs, qe, q_block, ks, ke, kv_block, self.lo, self.hi)
 
     def __repr__(self) -> str:
         return f"local_window(left={self.left}, right={self.right}, offset={self.offset})"
@@ -298,8 +328,36 @@ class _Document(_Mask):
             return FULL
         return PARTIAL
 
+    def block_states(self, qs: int, qe: int, q_block: int, ks: int, ke: int, kv_block: int) -> Tensor:
+        # block_state's test for every tile at once, on the ids' device: the caller reads the
+        # grid back once, where block_state per tile waits for the device twice.
+        q_lo, q_hi = _block_min_max(self.q_ids, qs, qe, q_block)
+        k_lo, k_hi = _block_min_max(self.kv_ids, ks, ke, kv_block)
+        q_lo, q_hi = q_lo.unsqueeze(-1), q_hi.unsqueeze(-1)
+        k_lo, k_hi = k_lo.unsqueeze(-2), k_hi.unsqueeze(-2)
+        empty = (q_hi < k_lo) | (k_hi < q_lo)
+        full = (q_lo == q_hi) & (k_lo == k_hi) & (q_lo == k_lo)
+        if empty.dim() == 3:  # per batch row: a tile is EMPTY (FULL) when it is for every row
+            empty, full = empty.all(dim=0), full.all(dim=0)
+        return _states(empty, full)
+
     def __repr__(self) -> str:
         return f"document(q_ids {tuple(self.q_ids.shape)}, kv_ids {tuple(self.kv_ids.shape)})"
+
+
+def _block_min_max(ids: Tensor, start: int, end: int, block: int) -> Tuple[Tensor, Tensor]:
+    """Least and greatest id of each block of ``block`` positions over ``[start, end)``, ``(..., blocks)``.
+
+    Positions past the ids count as absent, as in ``block_state``'s slices: a block with none has
+    an empty range (least > greatest), so it meets no other.
+    """
+    n, length = -(-(end - start) // block), ids.shape[-1]
+    part = ids.narrow(-1, min(start, length), max(0, min(end, length) - start))
+    shape = (*part.shape[:-1], n * block - part.shape[-1])
+    info = torch.iinfo(part.dtype)
+    lo = torch.cat([part, part.new_full(shape, info.max)], dim=-1).unflatten(-1, (n, block)).amin(dim=-1)
+    hi = torch.cat([part, part.new_full(shape, info.min)], dim=-1).unflatten(-1, (n, block)).amax(dim=-1)
+    return lo, hi
 
 
 def document(ids: object, kv_ids: object = None) -> _Mask:
@@ -377,6 +435,11 @@ class _KeyPadding(_Mask):
             return FULL
         return PARTIAL
 
+    def block_states(self, qs: int, qe: int, q_block: int, ks: int, ke: int, kv_block: int) -> Tensor:
+        k0, k1 = grid_bounds(ks, ke, kv_block)
+        rows = len(range(qs, qe, q_block))
+        return _states(k0 >= self.hi, k1 <= self.lo).expand(rows, -1)
+
     def __repr__(self) -> str:
         shown = self.lengths if isinstance(self.lengths, int) else self.lengths.tolist()
         return f"key_padding({shown})"
@@ -419,6 +482,12 @@ class _PrefixLM(_Mask):
         if causal == EMPTY and ks >= self.hi:
             return EMPTY
         return PARTIAL
+
+    def block_states(self, qs: int, qe: int, q_block: int, ks: int, ke: int, kv_block: int) -> Tensor:
+        causal = _diagonal_states(qs, qe, q_block, ks, ke, kv_block, 0, math.inf)
+        k0, k1 = grid_bounds(ks, ke, kv_block)
+        full = (causal == FULL) | (k1 <= self.lo)
+        return _states((causal == EMPTY) & (k0 >= self.hi) & ~full, full)
 
     def __repr__(self) -> str:
         shown = self.prefix_len if isinstance(self.prefix_len, int) else self.prefix_len.tolist()
@@ -465,6 +534,19 @@ def _check_masks(fn: str, mask_mods: Sequence[MaskModFn]) -> List[MaskModFn]:
     return list(mask_mods)
 
 
+def _grids(
+    mask_mods: Sequence[MaskModFn], qs: int, qe: int, q_block: int, ks: int, ke: int, kv_block: int
+) -> Tuple[Optional[Tensor], bool]:
+    """The declared grids of the parts, stacked on one device (a GPU part's, so that the grids
+    are read back once, combined), and whether some part declares nothing; ``None`` if none does."""
+    found = [declared_states(m, qs, qe, q_block, ks, ke, kv_block) for m in mask_mods]
+    grids = [g for g in found if g is not None]
+    if not grids:
+        return None, True
+    device = next((g.device for g in grids if g.device.type != "cpu"), grids[0].device)
+    return torch.stack([g.to(device) for g in grids]), len(grids) < len(found)
+
+
 class _AndMasks(_Mask):
     def __init__(self, mask_mods: List[MaskModFn]) -> None:
         self.mask_mods = mask_mods
@@ -482,6 +564,14 @@ class _AndMasks(_Mask):
         if None in states:
             return None  # a hand-written part: let the engine evaluate the whole mask on the tile
         return FULL if all(s == FULL for s in states) else PARTIAL
+
+    def block_states(self, qs: int, qe: int, q_block: int, ks: int, ke: int, kv_block: int) -> Optional[Tensor]:
+        parts, undeclared = _grids(self.mask_mods, qs, qe, q_block, ks, ke, kv_block)
+        if parts is None:
+            return None
+        unknown = (parts == UNKNOWN).any(dim=0) | undeclared
+        found = _states((parts == EMPTY).any(dim=0), (parts == FULL).all(dim=0))
+        return torch.where(unknown & (found != EMPTY), UNKNOWN, found).to(torch.int8)
 
     def __repr__(self) -> str:
         return f"and_masks({', '.join(map(repr, self.mask_mods))})"
@@ -504,6 +594,14 @@ class _OrMasks(_Mask):
         if None in states:
             return None
         return EMPTY if all(s == EMPTY for s in states) else PARTIAL
+
+    def block_states(self, qs: int, qe: int, q_block: int, ks: int, ke: int, kv_block: int) -> Optional[Tensor]:
+        parts, undeclared = _grids(self.mask_mods, qs, qe, q_block, ks, ke, kv_block)
+        if parts is None:
+            return None
+        unknown = (parts == UNKNOWN).any(dim=0) | undeclared
+        found = _states((parts == EMPTY).all(dim=0), (parts == FULL).any(dim=0))
+        return torch.where(unknown & (found != FULL), UNKNOWN, found).to(torch.int8)
 
     def __repr__(self) -> str:
         return f"or_masks({', '.join(map(repr, self.mask_mods))})"

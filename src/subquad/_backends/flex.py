@@ -4,15 +4,17 @@
 inductor C++ template, on CUDA a Triton kernel): scores, the callback, the mask and the online
 softmax in one loop, with no tile ever materialized. subquad hands it:
 
-* a ``BlockMask`` built from subquad's own tile states (causal analytically, built-in masks by
-  their ``block_state``, other ``mask_mod``\\ s evaluated one block row at a time), never from an
+* a ``BlockMask`` built on the call's device from subquad's own tile states (causal analytically,
+  built-in masks by their ``block_states`` for the whole grid at once, read back in one transfer,
+  other ``mask_mod``\\ s evaluated on the device one block row at a time), never from an
   ``Lq x Lk`` evaluation, and cached per (mask, shapes);
 * the call's ``score_mod`` and a ``mask_mod`` that combines the causal flag and the caller's mask.
 
 Compiling costs seconds on the first call of a signature (``explain()`` says so); torch
 recompiles for new shapes at most once more (then with dynamic shapes). A call that cannot be
-compiled (no C++ compiler, an untraceable callback, torch's recompile limit) runs the tiles
-instead, with a warning naming the reason. ``allow_compile=False`` or ``SUBQUAD_COMPILE=0``
+compiled (no C++ compiler, an untraceable callback, torch's recompile limit), or whose BlockMask
+cannot be built, runs the tiles instead, with a warning naming the reason (``explain()`` names it
+for the later calls of its signature). ``allow_compile=False`` or ``SUBQUAD_COMPILE=0``
 turn this backend off. Inference only: FlexAttention has no CPU backward, and on CUDA its backward
 is not wired into subquad's budget yet, so calls that need gradients run the tiles.
 """
@@ -29,7 +31,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from .._callbacks import EMPTY, FULL, PARTIAL, eval_mask_mod, mask_mod_state
+from .._callbacks import EMPTY, FULL, PARTIAL, UNKNOWN, eval_mask_mod, grid_states
 from .._inputs import Inputs
 from .._tiles import TILES
 from .._traced import callback_key, value_key
@@ -58,6 +60,7 @@ _LOCK = threading.Lock()
 # (no Triton on CUDA, no C++ compiler on CPU).
 _FAILED: Dict[Any, str] = {}
 _STATIC_ONLY: set = set()  # signatures that compile only with static shapes
+_NO_BLOCK_MASK: Dict[Any, str] = {}  # signature -> why building its BlockMask failed
 _COMPILE_SECONDS: Dict[Any, float] = {}  # signature -> measured first-call time
 _BLOCK_MASKS: "collections.OrderedDict[Any, Tuple[Any, Tuple[int, int], List[Any]]]" = collections.OrderedDict()
 _BLOCK_MASK_CACHE_SIZE = 16
@@ -123,6 +126,8 @@ class Flex(Backend):
             return [_FAILED[inp.device_type]]
         if _signature(inp) in _FAILED:
             return [f"compiling this signature failed before ({_FAILED[_signature(inp)]})"]
+        if _signature(inp) in _NO_BLOCK_MASK:
+            return [f"building the BlockMask of this signature failed before ({_NO_BLOCK_MASK[_signature(inp)]})"]
         why = _flex_unavailable_reason(inp.device_type)
         return [why] if why else []
 
@@ -134,8 +139,9 @@ class Flex(Backend):
         n = _threads() * (BLOCK * 512 * (4 + inp.itemsize) + BLOCK * (inp.Ev + 2) * 4)
         # The BlockMask: block states (int8), partial and full indices (int32), their transposes.
         n += heads * nq * nk * (1 + 4 * 4 + 8)
-        if inp.mask_mod is not None and getattr(inp.mask_mod, "block_state", None) is None:
-            # One block row of the mask evaluated at a time, with the callback's intermediates.
+        if inp.mask_mod is not None:
+            # One block row of the mask evaluated at a time, with the callback's intermediates
+            # (the blocks its declared states leave undecided; all if it declares none).
             n += BLOCK * min(inp.Lk, _eval_keys(inp)) * (inp.B * inp.Hq * 2 + 2 * 8)
         return n + (1 << 20)
 
@@ -146,10 +152,17 @@ class Flex(Backend):
     def run_whole(self, inp: Inputs, need_lse: bool = False) -> Tuple[Tensor, Optional[Tensor]]:
         """``(out (B, Hq, Lq, Ev), None)`` of the call through compiled FlexAttention (no lse).
 
-        Raises :class:`FlexUnavailable` when compiling fails (the caller then runs the tiles).
+        Raises :class:`FlexUnavailable` when compiling fails or the BlockMask cannot be built (the
+        caller then runs the tiles).
         """
         signature = _signature(inp)
-        block_mask, (computed, skipped) = self.block_mask(inp)
+        try:
+            block_mask, (computed, skipped) = self.block_mask(inp)
+        except Exception as e:  # the tiles need no BlockMask: they run the call (or raise its error)
+            reason = _first_line(e)
+            with _LOCK:
+                _NO_BLOCK_MASK[signature] = reason
+            raise FlexUnavailable(f"its BlockMask could not be built: {reason}") from e
         TILES.computed += computed
         TILES.skipped += skipped
         start = time.perf_counter()
@@ -291,6 +304,10 @@ def _missing_toolchain(e: BaseException) -> Optional[str]:
     return None
 
 
+def _first_line(e: BaseException) -> str:
+    return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:160]}"
+
+
 def _signature(inp: Inputs) -> Any:
     """What a compiled FlexAttention kernel depends on, approximately (torch keeps the real guards)."""
     refs: List[Any] = []
@@ -325,7 +342,7 @@ def _flex_mask_mod(inp: Inputs) -> Optional[Callable[..., Tensor]]:
 
 
 def _causal_states(inp: Inputs, nq: int, nk: int) -> Tensor:
-    """Block states of the causal mask, ``(nq, nk)``: 0 empty, 1 full, 2 partial."""
+    """Block states of the causal mask, ``(nq, nk)`` on the CPU: 0 empty, 1 full, 2 partial."""
     qs = torch.arange(nq) * BLOCK
     qe = torch.clamp(qs + BLOCK, max=inp.Lq)
     ks = torch.arange(nk) * BLOCK
@@ -337,42 +354,46 @@ def _causal_states(inp: Inputs, nq: int, nk: int) -> Tensor:
 
 
 def _build_block_mask(inp: Inputs) -> Tuple[Any, Tuple[int, int]]:
+    """The call's BlockMask, on its device, and its (computed, skipped) block counts.
+
+    What the host can know comes first: causal, and the declared states of the whole grid (one
+    device -> host transfer, never one per block). Blocks they leave undecided are evaluated on
+    the device, a block row at a time; only then is the device waited for once more, to count.
+    """
     from torch.nn.attention.flex_attention import BlockMask
 
     nq, nk = -(-inp.Lq // BLOCK), -(-inp.Lk // BLOCK)
-    states = torch.full((1, 1, nq, nk), FULL, dtype=torch.int8)
-    if inp.is_causal:
-        states[0, 0] = _causal_states(inp, nq, nk)
+    host = _causal_states(inp, nq, nk) if inp.is_causal else torch.full((nq, nk), FULL, dtype=torch.int8)
+    rows: List[Tuple[int, int, int]] = []  # (block row, first and end key block to evaluate)
     if inp.mask_mod is not None:
-        declared = getattr(inp.mask_mod, "block_state", None)
-        for i in range(nq):
-            qs, qe = i * BLOCK, min((i + 1) * BLOCK, inp.Lq)
-            live = (states[:, :, i] != EMPTY).flatten(0, 1).any(dim=0).nonzero().flatten().tolist()
-            if not live:
-                continue
-            if declared is None:
-                states = _evaluated_row(inp, states, i, qs, qe, live[0], live[-1] + 1)
-                continue
-            for j in live:
-                state, _ = mask_mod_state(inp, qs, qe, j * BLOCK, min((j + 1) * BLOCK, inp.Lk))
-                states[:, :, i, j] = _combine(states[:, :, i, j], torch.tensor(state, dtype=torch.int8))
+        declared = grid_states(inp, 0, inp.Lq, BLOCK, 0, inp.Lk, BLOCK)
+        if declared is None:
+            undecided = host != EMPTY
+        else:
+            undecided = (declared == UNKNOWN) & (host != EMPTY)
+            host = _combine(host, torch.where(declared == UNKNOWN, FULL, declared))
+        for i, row in enumerate(undecided.tolist()):
+            if True in row:
+                rows.append((i, row.index(True), len(row) - row[::-1].index(True)))
+    states = host.view(1, 1, nq, nk).to(inp.device)
+    for i, j0, j1 in rows:
+        states = _evaluated_row(inp, states, i, i * BLOCK, min((i + 1) * BLOCK, inp.Lq), j0, j1)
     partial = states == PARTIAL
     full = states == FULL
     kv_num = partial.sum(dim=-1, dtype=torch.int32)
     kv_idx = torch.sort((~partial).to(torch.int8), dim=-1, stable=True).indices.to(torch.int32)
     full_num = full.sum(dim=-1, dtype=torch.int32)
     full_idx = torch.sort((~full).to(torch.int8), dim=-1, stable=True).indices.to(torch.int32)
-    dev = inp.device
     mask = BlockMask.from_kv_blocks(
-        kv_num.to(dev),
-        kv_idx.to(dev),
-        full_num.to(dev),
-        full_idx.to(dev),
+        kv_num,
+        kv_idx,
+        full_num,
+        full_idx,
         BLOCK_SIZE=BLOCK,
         mask_mod=_flex_mask_mod(inp),
         seq_lengths=(inp.Lq, inp.Lk),
     )
-    used = (states != EMPTY).flatten(0, 1).any(dim=0)
+    used = ((states if rows else host).view(-1, nq, nk) != EMPTY).any(dim=0)
     computed = int(used.sum())
     return mask, (computed, nq * nk - computed)
 
@@ -383,8 +404,9 @@ def _combine(a: Tensor, b: Tensor) -> Tensor:
 
 
 def _evaluated_row(inp: Inputs, states: Tensor, i: int, qs: int, qe: int, j0: int, j1: int) -> Tensor:
-    """Block row ``i`` of a ``mask_mod`` without declared block states, evaluated over key blocks
-    ``[j0, j1)`` a few thousand keys at a time; ``states`` grows batch/head dims if the mask has them."""
+    """Block row ``i`` of a ``mask_mod`` evaluated on the call's device over key blocks ``[j0, j1)``,
+    a few thousand keys at a time, combined into ``states`` (on that device too, or combining
+    fails); ``states`` grows batch/head dims if the mask has them."""
     step = max(1, _eval_keys(inp) // BLOCK)
     for c0 in range(j0, j1, step):
         c1 = min(c0 + step, j1)
