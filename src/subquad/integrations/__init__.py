@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__all__ = ["diffusers", "transformers", "patch", "compile", "comfyui"]
+__all__ = ["diffusers", "transformers", "patch", "compile", "comfyui", "a1111"]
 
 
 def __getattr__(name: str) -> Any:
