@@ -58,6 +58,8 @@ try:
 
     comfy.cli_args.args.cpu = True  # a CPU-only torch: model_management raises without it
     comfy.cli_args.args.disable_xformers = True
+    import comfy.clip_model  # text encoders: binds optimized_attention_for_device by name
+    import comfy.ldm.flux.math as flux_math  # binds optimized_attention by name
     import comfy.ldm.modules.attention as attn
     import comfy.ldm.modules.diffusionmodules.model as vae_model
     import comfy.ldm.modules.diffusionmodules.openaimodel
@@ -515,10 +517,9 @@ def default_mode():
     try:
         check(attn.optimized_attention is not original, "optimized_attention was not replaced")
         check(attn.optimized_attention.__wrapped__ is sqc.attention, "optimized_attention is not subquad's")
-        import comfy.ldm.flux.math as flux_math  # binds optimized_attention by name at import
-
         check(flux_math.optimized_attention is attn.optimized_attention, "flux's bound name was missed")
-        check(attn.optimized_attention_for_device(CPU) is attn.optimized_attention, "text encoders were missed")
+        for_device = comfy.clip_model.optimized_attention_for_device
+        check(for_device(CPU, small_input=True) is attn.optimized_attention, "text encoders were missed")
         out, n_sq, n_cq = sample(model)
         check(n_sq == n_default and n_cq == 0, f"default mode: subquad {n_sq} (expected {n_default}), sub-quad {n_cq}")
         check(rel(out, base) < 1e-4, f"default mode vs ComfyUI: relative difference {rel(out, base):.3g}")
@@ -529,6 +530,10 @@ def default_mode():
     finally:
         restored = sqc.disable_default()
     check(attn.optimized_attention is original and flux_math.optimized_attention is original, "not restored")
+    check(
+        comfy.clip_model.optimized_attention_for_device is attn.optimized_attention_for_device,
+        "text encoders not restored",
+    )
     check(any(r.endswith(".vae_attention") for r in restored), f"vae_attention not restored: {restored}")
     _, n_sq, n_cq = sample(model)
     check(n_sq == 0 and n_cq == n_default, f"after disable_default: subquad {n_sq}, sub-quad {n_cq}")

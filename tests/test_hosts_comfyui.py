@@ -114,9 +114,7 @@ def test_install_is_idempotent_and_uninstall_removes_it(comfyui_root):
 
 def test_install_refuses_a_folder_that_is_not_comfyui(tmp_path):
     (tmp_path / "main.py").write_text("")
-    with pytest.raises(
-        HostNotFound, match=r"does not look like ComfyUI: looked for main\.py, nodes\.py.*found no nodes\.py"
-    ):
+    with pytest.raises(HostNotFound, match=r"does not look like ComfyUI.*nodes\.py.*main\.py"):
         comfyui.install(tmp_path)
     with pytest.raises(HostNotFound, match="does not look like ComfyUI"):
         comfyui.uninstall(tmp_path)
