@@ -227,9 +227,9 @@ def child(spec: Dict[str, Any]) -> Dict[str, Any]:
         vae_model = sys.modules["comfy.ldm.modules.diffusionmodules.model"]
         for name in ("normal_attention", "pytorch_attention"):
             setattr(vae_model, name, marks.measured(getattr(vae_model, name)))
-        import subquad.integrations.comfyui as sqc
+        from subquad.integrations.comfyui import _attention  # the VAE node's calls look it up there
 
-        sqc.vae_attention = marks.measured(sqc.vae_attention)  # type: ignore[assignment]
+        _attention.vae_attention = marks.measured(_attention.vae_attention)
         config = TINY_VAE if quick else SD_VAE
         vae = comfy.sd.VAE(sd={}, config={"params": {"ddconfig": config, "embed_dim": 4}})
         for p in vae.first_stage_model.parameters():

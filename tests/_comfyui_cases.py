@@ -269,15 +269,15 @@ def attention_budget():
             check(sqc.ENV_BUDGET in str(e), f"the message does not name the variable: {e}")
     finally:
         del os.environ[sqc.ENV_BUDGET]
-    sqc.MEMORY_BUDGET = "1KiB"
+    sqc.set_memory_budget("1KiB")
     try:
         try:
             sqc.attention(q, k, v, 2)
-            raise AssertionError("MEMORY_BUDGET='1KiB' did not reach subquad")
+            raise AssertionError("set_memory_budget('1KiB') did not reach subquad")
         except MemoryBudgetError:
             pass
     finally:
-        sqc.MEMORY_BUDGET = None
+        sqc.set_memory_budget(None)
 
 
 @case
