@@ -21,7 +21,7 @@ from ..._budget import Budget, parse_budget
 from ..._errors import ArgumentError
 
 ENV_BUDGET = "SUBQUAD_MEMORY_BUDGET"
-_ATTENTION = "comfy.ldm.modules.attention"
+_ATTENTION = "comfy.ldm.modules.attention"  # = _hooks.ATTENTION (_hooks imports this module)
 _SETTING: List[Budget] = []  # [budget] once set_memory_budget() was given one
 
 
