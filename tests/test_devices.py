@@ -224,3 +224,30 @@ def test_tile_loop_syncs_do_not_grow_with_the_tiles(monkeypatch, case):
         syncs[chunk] = (forward.syncs, backward.syncs)
     allowed = 1 if case == "dropout" else 0
     assert syncs[32] == syncs[64] and max(syncs[32]) <= allowed, syncs
+
+
+def test_ring_parts_read_a_document_mask_once_per_block():
+    # subquad.distributed splits each ring block into parts and leaves out those the mask_mod
+    # hides; a document mask's ids on a GPU made the host wait once per part.
+    from types import SimpleNamespace
+
+    from subquad._inputs import BlockPositions
+    from subquad.distributed._ring import Block, block_states_of, split_block
+
+    ids = torch.arange(1024) // 100  # documents of 100 tokens
+    mask = subquad.mods.document(ids)
+    call = SimpleNamespace(block_states=block_states_of(mask, ids.device))
+    block = Block((0, 512), (0, 512), BlockPositions(256, 512, (1024, 1024)), False, None)
+    with OpRecorder() as rec:
+        parts = list(split_block(call, block, 32, 32))
+    assert rec.syncs == 0, rec.summary()
+    # Exactly the parts in which some query and key share a document (brute force).
+    q_doc, k_doc = ids[256:768], ids[512:1024]
+    expected = [
+        (r0, c0)
+        for r0 in range(0, 512, 32)
+        for c0 in range(0, 512, 32)
+        if (q_doc[r0 : r0 + 32, None] == k_doc[None, c0 : c0 + 32]).any()
+    ]
+    assert [(p.q[0], p.kv[0]) for p in parts] == expected
+    assert [p.positions.q_offset - 256 for p in parts] == [r0 for r0, _ in expected]

@@ -7,12 +7,14 @@ when they run, and without it say what to install.
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from typing import List, Optional, cast
 
 from subquad._budget import format_bytes, free_memory_bytes
 from subquad._requires import require_torch
 from subquad._version import __version__
+from subquad.integrations._hosts import HostNotFound
 
 
 def _info(args: argparse.Namespace) -> int:
@@ -115,10 +117,6 @@ HOSTS = ("comfyui", "a1111")
 
 def _install(verb: str, host: str, folder: str) -> int:
     """``subquad install|uninstall HOST DIR``: 0 when done, 2 (one line, no traceback) when DIR is not HOST."""
-    import importlib
-
-    from subquad.integrations._hosts import HostNotFound
-
     module = importlib.import_module(f"subquad.integrations.{host}")  # optional: needs torch, present
     name = {"comfyui": "ComfyUI", "a1111": "AUTOMATIC1111"}[host]
     try:

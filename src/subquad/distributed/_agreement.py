@@ -46,7 +46,7 @@ class Call:
     budget: int
     sub_rows: int = 1 << 30
     sub_cols: int = 1 << 30
-    block_state: Optional[Callable[[int, int, int, int], int]] = None
+    block_states: Optional[Callable[..., Optional[List[List[int]]]]] = None
 
     @property
     def Lq(self) -> int:

@@ -18,7 +18,7 @@ from ._all_to_all import run_ulysses
 from ._group import resolve_group
 from ._layouts import check_layout
 from ._plan import DistributedPlan, plan_call, ulysses_reasons
-from ._ring import Ring, block_state_of, sub_block_caps
+from ._ring import Ring, block_states_of, sub_block_caps
 
 
 def _setup(
@@ -90,7 +90,7 @@ def _setup(
         budget,
         row_cap,
         col_cap,
-        block_state_of(mask_mod, q4.device),
+        block_states_of(mask_mod, q4.device),
     )
     return call, q4, k4, v4, m4
 

@@ -1,7 +1,7 @@
 """Ring attention: K/V shards travel around the ring; each step is bounded-memory subquad calls.
 
 Used by the rest of ``subquad.distributed``: ``Ring`` (the autograd Function), ``Block``,
-``ring_blocks``, ``split_block``, ``mask_block``, ``block_state_of``, ``sub_block_caps``,
+``ring_blocks``, ``split_block``, ``mask_block``, ``block_states_of``, ``sub_block_caps``,
 ``SUB_BLOCK_BYTES``.
 """
 
@@ -15,7 +15,7 @@ from torch import Tensor
 
 from .. import _call
 from .._autograd import backward_grads
-from .._callbacks import call_user
+from .._callbacks import EMPTY, declared_states
 from .._inputs import BlockPositions
 from .._traced import TracedMask, mask_mod_structure
 from ._agreement import Call
@@ -107,10 +107,19 @@ def split_block(call: Call, b: Block, rows_cap: int, cols_cap: int) -> Iterator[
     left out; parts entirely below the diagonal run without the causal mask.
     """
     p = b.positions
-    for r0 in range(b.q[0], b.q[1], rows_cap):
+    # What the mask_mod declares of every part, read to the host once per block (per part, a
+    # document mask's ids on a GPU would make the host wait for the device each time).
+    qn, kn = b.q[1] - b.q[0], b.kv[1] - b.kv[0]
+    rows_cap, cols_cap = max(1, min(rows_cap, qn)), max(1, min(cols_cap, kn))  # the same parts; no huge blocks
+    grid = (
+        call.block_states(p.q_offset, p.q_offset + qn, rows_cap, p.kv_offset, p.kv_offset + kn, cols_cap)
+        if call.block_states is not None
+        else None
+    )
+    for i, r0 in enumerate(range(b.q[0], b.q[1], rows_cap)):
         r1 = min(r0 + rows_cap, b.q[1])
         qg = p.q_offset + (r0 - b.q[0])
-        for c0 in range(b.kv[0], b.kv[1], cols_cap):
+        for j, c0 in enumerate(range(b.kv[0], b.kv[1], cols_cap)):
             c1 = min(c0 + cols_cap, b.kv[1])
             kg = p.kv_offset + (c0 - b.kv[0])
             causal = b.is_causal
@@ -119,29 +128,31 @@ def split_block(call: Call, b: Block, rows_cap: int, cols_cap: int) -> Iterator[
                     continue
                 if kg + (c1 - c0) - 1 <= qg:
                     causal = False
-            if call.block_state is not None and call.block_state(qg, qg + r1 - r0, kg, kg + c1 - c0) == 0:
+            if grid is not None and grid[i][j] == EMPTY:
                 continue
             cols = None if b.mask_cols is None else (b.mask_cols[0] + c0 - b.kv[0], b.mask_cols[0] + c1 - b.kv[0])
             pos = BlockPositions(qg, kg, p.total_lengths, causal_offset=qg - kg, h_offset=p.h_offset)
             yield Block((r0, r1), (c0, c1), pos, causal, cols)
 
 
-def block_state_of(mask_mod: Any, device: torch.device) -> Optional[Callable[[int, int, int, int], int]]:
-    """The mask_mod's state on a block of global positions (0 empty, 1 full, 2 partial), when it is known."""
+def block_states_of(mask_mod: Any, device: torch.device) -> Optional[Callable[..., Optional[List[List[int]]]]]:
+    """What the mask_mod declares of a grid of blocks of global positions, when it declares anything:
+    ``states(qs, qe, q_block, ks, ke, kv_block)`` gives the grid as lists (EMPTY, FULL, PARTIAL, or
+    UNKNOWN), with one device -> host transfer for the whole grid."""
     if mask_mod is None:
         return None
-    declared = getattr(mask_mod, "block_state", None)
-    if declared is None:
+    source = mask_mod
+    if getattr(mask_mod, "block_states", None) is None and getattr(mask_mod, "block_state", None) is None:
         found = mask_mod_structure(mask_mod, device)
         if found.kind == "general":
             return None
-        declared = TracedMask(mask_mod, found).block_state
+        source = TracedMask(mask_mod, found)
 
-    def state(qs: int, qe: int, ks: int, ke: int) -> int:
-        got = call_user(declared, qs, qe, ks, ke)
-        return got if got in (0, 1, 2) else 2
+    def states(qs: int, qe: int, q_block: int, ks: int, ke: int, kv_block: int) -> Optional[List[List[int]]]:
+        got = declared_states(source, qs, qe, q_block, ks, ke, kv_block)
+        return None if got is None else got.tolist()
 
-    return state
+    return states
 
 
 def mask_block(mask: Optional[Tensor], b: Block) -> Optional[Tensor]:
