@@ -4,8 +4,12 @@
 - ``subquad.integrations.transformers``: ``register()`` for ``attn_implementation="subquad"``.
 - ``subquad.integrations.patch``: ``patch_sdpa()``, re-exported as ``subquad.patch_sdpa``.
 - ``subquad.integrations.compile``: the ``subquad::attention`` operator for ``torch.compile``.
+- ``subquad.integrations.comfyui``: ComfyUI's attention signature, its MODEL and VAE nodes, a default mode.
+- ``subquad.integrations.a1111``: an AUTOMATIC1111 cross-attention optimization (``ldm``/``sgm``).
 
-The host libraries are optional; nothing here imports them until a submodule is used.
+``subquad install comfyui|a1111 DIR`` writes the custom node or extension that loads them (docs/hosts.md).
+
+The host libraries and applications are optional; nothing here imports them until a submodule is used.
 """
 
 from __future__ import annotations
