@@ -73,10 +73,8 @@ def device_memory(
         monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (cuda_free, total))
         monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: cuda_allocated)
         monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: cuda_reserved)
-        if cuda_fraction is not None:
-            monkeypatch.setattr(
-                torch.cuda, "get_per_process_memory_fraction", lambda device=None: cuda_fraction, raising=False
-            )
+        fraction = 1.0 if cuda_fraction is None else cuda_fraction  # 1.0: torch's default, no cap
+        monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device=None: fraction, raising=False)
     if mps_recommended is not None:
         monkeypatch.setattr(torch.mps, "recommended_max_memory", lambda: mps_recommended, raising=False)
         monkeypatch.setattr(torch.mps, "current_allocated_memory", lambda: mps_allocated, raising=False)

@@ -251,3 +251,32 @@ def test_ring_parts_read_a_document_mask_once_per_block():
     ]
     assert [(p.q[0], p.kv[0]) for p in parts] == expected
     assert [p.positions.q_offset - 256 for p in parts] == [r0 for r0, _ in expected]
+
+
+def test_flex_on_cuda_without_triton_is_refused_before_compiling(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "triton" else real(name, *a))
+    device_memory(monkeypatch, cuda_free=70 * GiB)
+    with fake_tensors():
+        q, k, v = (torch.empty(1, 8, 4096, 64, device="cuda") for _ in range(3))
+        plan = subquad.explain(q, k, v, score_mod=lambda s, b, h, qi, ki: 30 * torch.tanh(s / 30), allow_compile=True)
+    assert plan.backend == "matmul", str(plan)
+    assert any("Triton is not installed" in r for r in plan.rejected["flex"]), str(plan)
+
+
+def test_a_fatal_device_error_in_a_fused_kernel_is_not_read_as_a_refusal():
+    from subquad._tiles import KernelRefused, call_kernel
+
+    def broken(*args):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    def refusing(*args):
+        raise RuntimeError("No available kernel. Aborting execution.")
+
+    with pytest.raises(RuntimeError, match="illegal memory access") as caught:
+        call_kernel(broken)
+    assert not isinstance(caught.value, KernelRefused)
+    with pytest.raises(KernelRefused):
+        call_kernel(refusing)

@@ -85,11 +85,11 @@ _DEVICE_FATAL_TEXTS = (
 
 
 def call_kernel(fn: Callable[..., _R], *args: Any, **kwargs: Any) -> _R:
-    """A private fused kernel; its refusals (not its out-of-memory errors) become :class:`KernelRefused`."""
+    """A private fused kernel; its refusals (not out-of-memory or device errors) become :class:`KernelRefused`."""
     try:
         return fn(*args, **kwargs)
     except RuntimeError as e:
-        if is_oom(e):
+        if is_oom(e) or is_device_fatal(e):
             raise
         raise KernelRefused(str(e)) from e
 

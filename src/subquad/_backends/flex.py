@@ -77,6 +77,10 @@ def _flex_unavailable_reason(device_type: Optional[str] = None) -> Optional[str]
         return _FAILED[device_type]
     if importlib.util.find_spec("torch.nn.attention.flex_attention") is None:
         return "this PyTorch has no torch.nn.attention.flex_attention"
+    if device_type == "cuda" and importlib.util.find_spec("triton") is None:
+        # FlexAttention compiles to a Triton kernel on CUDA: without Triton the first call would
+        # only fail after tracing (seconds), then warn.
+        return "FlexAttention on CUDA compiles to Triton, and Triton is not installed (pip install triton)"
     import torch._dynamo
 
     if torch._dynamo.config.disable:
