@@ -78,10 +78,20 @@ def test_tiles_shrink_with_the_budget_and_are_deterministic():
     assert chunks == sorted(chunks, reverse=True) and chunks[0] > chunks[-1]
 
 
-def test_whole_key_rows_preferred():
+def test_matmul_tiles_are_squarish_and_cache_sized():
+    # Measured (issue 29): 256x512 tiles of 1x8x4096x64 ran 15-20% faster than 128x4096 ones in
+    # float32 and bfloat16; the elementwise passes run from the caches below ~4 MiB of scores.
     q = torch.randn(1, 4, 4096, 64)
     plan = subquad.explain(q, q, q, memory_budget="32MiB", backend="matmul")
-    assert plan.chunk_size[1] == 4096 and plan.chunk_size[0] < 4096
+    qc, kc = plan.chunk_size
+    assert 4 * qc * kc * 4 <= Matmul.target_tile_bytes
+    assert (qc, kc) == (512, 512)
+
+
+def test_whole_key_rows_when_the_keys_are_short():
+    q, k = torch.randn(1, 4, 8192, 64), torch.randn(1, 4, 256, 64)
+    plan = subquad.explain(q, k, k, memory_budget="32MiB", backend="matmul")
+    assert plan.chunk_size[1] == 256 and plan.chunk_size[0] < 8192
     assert "whole key rows" in str(plan)
 
 

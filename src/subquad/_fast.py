@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from . import _engine
-from ._backends import BACKENDS, MPS_MAX_MATMUL_ELEMENTS, TARGET_TILE_BYTES, TORCH_SDPA, cpu_flash_forward
+from ._backends import BACKENDS, MPS_MAX_MATMUL_ELEMENTS, TORCH_SDPA, cpu_flash_forward
 from ._budget import resolve_budget
 from ._inputs import Inputs
 from ._planner import Plan
@@ -83,7 +83,11 @@ def _fits(entry: Entry, inp: Inputs, Lq: int, Lk: int, need_lse: bool) -> bool:
             value=torch.empty((*v.shape[:2], longer, v.shape[3]), dtype=v.dtype, device="meta"),
         )
     need = backend.forward_bytes(inp, Lq, longer, need_lse)
-    if need <= budget and backend.tile_bytes(inp, Lq, longer) <= TARGET_TILE_BYTES and _device_allows(inp, Lq, longer):
+    if (
+        need <= budget
+        and backend.tile_bytes(inp, Lq, longer) <= backend.target_tile_bytes
+        and _device_allows(inp, Lq, longer)
+    ):
         entry.fits = (Lq, longer, need)
         return True
     if longer == Lk:
@@ -105,7 +109,7 @@ def _fits_exactly(entry: Entry, backend: Any, inp: Inputs, Lq: int, Lk: int, nee
         value=torch.empty((*v.shape[:2], Lk, v.shape[3]), dtype=v.dtype, device="meta"),
     )
     need = backend.forward_bytes(inp, Lq, Lk, need_lse)
-    if need > budget or backend.tile_bytes(inp, Lq, Lk) > TARGET_TILE_BYTES or not _device_allows(inp, Lq, Lk):
+    if need > budget or backend.tile_bytes(inp, Lq, Lk) > backend.target_tile_bytes or not _device_allows(inp, Lq, Lk):
         return False
     entry.fits = (Lq, Lk, need)
     return True

@@ -20,6 +20,7 @@ import torch
 from torch.utils import _python_dispatch
 
 from ._backends import BACKENDS, Options, priority
+from ._backends.matmul import exp_, native_bf16_products
 from ._budget import format_bytes, format_seconds
 from ._errors import MemoryBudgetError
 from ._inputs import Inputs
@@ -224,10 +225,11 @@ def _device_rates(device: torch.device, dtype: torch.dtype) -> Tuple[float, floa
     against 0.2 ns of matmul), the first at large ones.
     """
     if device.type == "cpu" and dtype in (torch.float16, torch.bfloat16):
-        # The CPU computes half-precision products in float32 (the tiles upcast, torch's CPU
-        # flash kernel accumulates in float32), and a float16 bmm there is emulated (20x slower
-        # than float32 on the 2-core CPU): timing one would mispredict the call and cost 80 ms.
-        dtype = torch.float32
+        # The CPU multiplies bfloat16 natively where it has AVX512-BF16 or AMX (the tiles and
+        # torch's CPU flash kernel then run bfloat16 GEMMs); otherwise, and for float16 (emulated:
+        # 100x slower than float32 on the 2-core CPU, so neither path runs it), the products are
+        # float32: timing a half-precision bmm there would mispredict the call and cost 80 ms.
+        dtype = torch.bfloat16 if dtype == torch.bfloat16 and native_bf16_products() else torch.float32
     key = (device.type, dtype)
     if key not in _RATES:
         try:
@@ -259,17 +261,28 @@ def _probe(device: torch.device, dtype: torch.dtype) -> Tuple[float, float]:
     a = torch.randn(bh, n, e, device=device, dtype=dtype)
     b = torch.randn(bh, e, n, device=device, dtype=dtype)
     s = torch.empty(bh, n, n, device=device, dtype=dtype)
-    # Every path keeps half-precision scores in float32 for the softmax (the tiles upcast, the
-    # fused kernels accumulate in float32): time the softmax work there.
-    p = s.float() if dtype in (torch.float16, torch.bfloat16) else s
+    # Every path keeps half-precision scores in float32 for the softmax (the tiles convert the
+    # products' results, the fused kernels accumulate in float32): time the softmax work there.
+    # On the CPU (the only device whose tiles run half-precision products) that includes the two
+    # conversions of such a tile: the scores in, the probabilities out.
+    half = dtype in (torch.float16, torch.bfloat16)
+    convert = half and device.type == "cpu"
+    p = s.float() if half else s
     min_s = 0.0 if device.type == "cpu" else _GPU_PROBE_S
 
     def sync() -> None:
         synchronize(device)
 
+    def softmax() -> None:
+        if convert:
+            p.copy_(s)
+        exp_(p.sub_(p.amax(dim=-1, keepdim=True))).sum(dim=-1)
+        if convert:
+            s.copy_(p)
+
     matmul = seconds_per_call(lambda: torch.bmm(a, b, out=s), sync, min_seconds=min_s)
-    softmax = seconds_per_call(lambda: p.sub_(p.amax(dim=-1, keepdim=True)).exp_().sum(dim=-1), sync, min_seconds=min_s)
-    return 2 * bh * n * n * e / matmul, softmax / p.numel()
+    per_score = seconds_per_call(softmax, sync, min_seconds=min_s) / p.numel()
+    return 2 * bh * n * n * e / matmul, per_score
 
 
 def seconds_per_call(

@@ -85,6 +85,10 @@ class Backend:
     devices: Tuple[str, ...] = ()
     returns_rows = False
     """Whether :meth:`forward_rows` returns the rows' output (one block: used as the result, no copy)."""
+    target_tile_bytes = TARGET_TILE_BYTES
+    """Preferred ceiling on what one tile materializes (:meth:`tile_bytes`)."""
+    square_tiles = False
+    """Among tiles of one size, prefer the squarest (GEMMs of few rows or few keys run slower)."""
 
     def not_supported_reasons(self, inp: Inputs, opts: Options) -> List[str]:
         reasons = []
@@ -128,13 +132,18 @@ class Backend:
     def tile_options(self, inp: Inputs) -> List[Tuple[int, int]]:
         """Tile sizes to try, best first: large tiles, whole key rows preferred."""
         lq, lk = max(inp.Lq, 1), max(inp.Lk, 1)
-        pairs = sorted(set(self.tile_pairs(inp)), key=lambda p: (-min(p[0], lq) * min(p[1], lk), -p[1], -p[0]))
+
+        def rank(p: Tuple[int, int]) -> Tuple[int, int, int, int]:
+            qc, kc = min(p[0], lq), min(p[1], lk)
+            return (-qc * kc, -min(qc, kc) if self.square_tiles else 0, -p[1], -p[0])
+
+        pairs = sorted(set(self.tile_pairs(inp)), key=rank)
         if inp.device_type == "mps":
             pairs = [p for p in pairs if inp.B * inp.Hq * p[0] * p[1] < MPS_MAX_MATMUL_ELEMENTS]
         # Bigger tiles stop paying off once what a tile materializes leaves the caches: on a 2-core
         # CPU, 1x4x4096x64 matmul tiles of 256x4096 (16 MiB of scores) ran in 141 ms, the whole
         # 4096x4096 tile in 224 ms; causal ALiBi on the fused kernel 131 ms (512x512) vs 247 ms (whole).
-        fast = [p for p in pairs if self.tile_bytes(inp, *p) <= TARGET_TILE_BYTES]
+        fast = [p for p in pairs if self.tile_bytes(inp, *p) <= self.target_tile_bytes]
         return fast or pairs
 
     def fit(self, inp: Inputs, opts: Options, budget: int, backward: Optional["Backend"] = None) -> Fit:

@@ -3,11 +3,36 @@
 ``bmm`` for the scores, online softmax with float32 statistics, ``baddbmm`` into the accumulator;
 any dtype, head dim, dropout, ``score_mod`` and ``mask_mod``, and the gradients of a float mask
 and of tensors captured by ``score_mod``.
+
+What one tile costs, per score (``s`` = the float32 scores buffer, reused across a row block's
+tiles, :class:`Scratch`):
+
+- float32/float64 (and float16 on a CPU, bfloat16 on a CPU without AVX512-BF16/AMX, and half
+  precision on CUDA/MPS, all with float32 products; q, k and v are converted once per row block
+  or tile, ``qn x E`` and ``kn x E``, not per score): the product written into ``s``; ``amax``;
+  ``s - m``, ``· log2 e`` and ``exp2`` in place; ``sum``; the product with v accumulated in place
+  (``baddbmm_``). No conversion of a tile.
+- bfloat16 with bfloat16 products (a CPU with AVX512-BF16 or AMX, :func:`native_bf16_products`):
+  the product's offset broadcast into its bfloat16 output (one write), the GEMM, one conversion to
+  ``s`` and the offset added back, then the float32 passes above, and one conversion of ``p`` to
+  bfloat16 for its product with v (the fused kernels round ``p`` likewise). Three tile-sized
+  conversions or fills, two bfloat16 buffers. When a row's maximum moves more than
+  :data:`OFFSET_DRIFT` (a row block's first tile, mostly), the product is computed again.
+  Backward: S offset by the lse, ``dP`` by D (the two conversions each), ``p`` and ``dS``
+  converted once for the other three products; with a ``score_mod`` or a float mask S's product
+  stays in float32.
+
+On MPS (no Mac here, nothing of this measured): half-precision inputs take the first path,
+float32 products (``q``/``k``/``v`` converted per tile), the same float32 passes and no
+conversion of a tile; one code path with the CPU, so what is measured here for float32 products
+is what a Mac runs, at its own rates. Metal's half-precision GEMMs with a float32 epilogue would
+allow the second path; without a device to check their rounding it stays off.
 """
 
 from __future__ import annotations
 
-from typing import Iterable, Optional
+import math
+from typing import Dict, Iterable, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -22,6 +47,11 @@ class Matmul(Backend):
     """Pure-PyTorch tiles (``bmm``): every device, dtype, head dim, dropout and callback."""
 
     name = "matmul"
+    # A tile's elementwise passes (about ten) run from the caches below ~4 MiB of float32 scores,
+    # and the GEMMs run fastest on squarish tiles: forward 1x8x4096x64 on the 2-core CPU, float32
+    # (bfloat16): 128x4096 tiles (16 MiB) 365-400 ms (387-408), 256x512 (4 MiB) 322-324 (309-430).
+    target_tile_bytes = 4 << 20
+    square_tiles = True
 
     def tile_bytes(self, inp: Inputs, qc: int, kc: int) -> int:
         return _bh(inp) * min(qc, max(inp.Lq, 1)) * min(kc, max(inp.Lk, 1)) * inp.stats_itemsize
@@ -77,31 +107,51 @@ class Matmul(Backend):
 
     @staticmethod
     def compute_dtype(inp: Inputs) -> torch.dtype:
-        """The dtype of a tile's products: float32 for half-precision inputs, on every device.
+        """The dtype a tile's matmuls take their operands in.
 
-        ``bmm`` writes its result in its inputs' dtype: half-precision scores would be rounded to
-        8 (bf16) or 11 (fp16) bits, or overflow fp16, before the softmax, about 10x the error of
-        torch's SDPA (which keeps float32 scores; its math path upcasts too). The row statistics
-        and the accumulator are float32 whatever this returns (``Inputs.stats_dtype``).
+        - bfloat16 inputs on a CPU that multiplies bfloat16 natively (AVX512-BF16 or AMX,
+          :func:`native_bf16_products`): bfloat16. The GEMM accumulates in float32 and rounds its
+          result once; every product is given a per-row offset so that what it rounds is small
+          where the softmax looks (:func:`offset_product`).
+        - other half-precision inputs: float32. A float16 GEMM is emulated on CPUs without
+          AVX512-FP16 (about 100x slower than float32 on the project's CPU); on CUDA and MPS the
+          half-precision GEMMs with a float32 epilogue have not been measured (no device here), so
+          they keep the float32 products whose accuracy the device tests check.
+        - float32 and float64: the inputs' dtype.
+
+        The row statistics and the accumulator are float32 whatever this returns
+        (``Inputs.stats_dtype``).
         """
+        if inp.dtype == torch.bfloat16 and inp.device_type == "cpu" and native_bf16_products():
+            return torch.bfloat16
         if inp.dtype in (torch.float16, torch.bfloat16):
             return torch.float32
         return inp.dtype
 
-    def _scaled_q(self, inp: Inputs, qs: int, qe: int, cdt: torch.dtype) -> Tensor:
-        # Scaling q (qn x E) is cheaper than scaling the scores (qn x kn), and keeps fp16 scores in range.
-        q_t = torch.mul(inp.q[:, :, qs:qe].to(cdt), inp.scale)
-        return q_t.reshape(inp.B * inp.Hk, inp.G * (qe - qs), inp.E)
+    def _q_operand(self, inp: Inputs, qs: int, qe: int, cdt: torch.dtype) -> Tensor:
+        """Query rows as the products take them, ``(B*Hk, G*qn, E)``.
+
+        Full precision: scaled here (``qn x E`` is cheaper to scale than the ``qn x kn`` scores, and
+        keeps fp16 scores in range). Half precision: unscaled; the scale is the GEMM's ``alpha``,
+        applied before its one rounding (scaling q first would round it again).
+        """
+        q = inp.q[:, :, qs:qe].to(cdt)
+        if cdt == inp.stats_dtype:
+            q = torch.mul(q, inp.scale)
+        return q.reshape(inp.B * inp.Hk, inp.G * (qe - qs), inp.E)
 
     def _kv(self, t: Tensor, inp: Inputs, seg: Segment, dtype: torch.dtype) -> Tensor:
         # A key/value shared by the batch is copied per tile here (tile-sized, in the memory model).
         t = t[:, :, seg.ks : seg.ke].reshape(inp.B * inp.Hk, seg.ke - seg.ks, t.shape[-1])
         return t if t.dtype == dtype else t.to(dtype)
 
-    def _raw_scores(self, inp: Inputs, q_t: Tensor, seg: Segment, cdt: torch.dtype) -> Tensor:
-        """``scale · q kᵀ`` of one tile, ``(B*Hk, G*qn, kn)`` in the stats dtype."""
-        s = torch.bmm(q_t, self._kv(inp.k, inp, seg, cdt).transpose(1, 2))
-        return s if s.dtype == inp.stats_dtype else s.to(inp.stats_dtype)
+    def _finish_scores(self, inp: Inputs, s: Tensor, qs: int, qe: int, seg: Segment) -> Tensor:
+        """``score_mod`` and the tile's bias (masks, causal, ``mask_mod``) applied to raw scores."""
+        if inp.score_mod is not None:
+            qn, kn = qe - qs, seg.ke - seg.ks
+            s = apply_score_mod(inp, s.view(inp.B, inp.Hq, qn, kn), qs, qe, seg.ks, seg.ke)
+            s = s.reshape(inp.B * inp.Hk, inp.G * qn, kn)
+        return self._add_bias(inp, s, qs, qe, seg)
 
     def _add_bias(self, inp: Inputs, s: Tensor, qs: int, qe: int, seg: Segment) -> Tensor:
         bias = tile_bias(inp, qs, qe, seg, inp.stats_dtype)
@@ -109,13 +159,29 @@ class Matmul(Backend):
             s.view(inp.B, inp.Hq, qe - qs, seg.ke - seg.ks).add_(bias)
         return s
 
-    def _scores(self, inp: Inputs, q_t: Tensor, qs: int, qe: int, seg: Segment, cdt: torch.dtype) -> Tensor:
-        s = self._raw_scores(inp, q_t, seg, cdt)
-        if inp.score_mod is not None:
-            qn, kn = qe - qs, seg.ke - seg.ks
-            s = apply_score_mod(inp, s.view(inp.B, inp.Hq, qn, kn), qs, qe, seg.ks, seg.ke)
-            s = s.reshape(inp.B * inp.Hk, inp.G * qn, kn)
-        return self._add_bias(inp, s, qs, qe, seg)
+    def _offset_scores(
+        self, inp: Inputs, q_t: Tensor, qs: int, qe: int, seg: Segment, m_run: Tensor, off: Tensor, scratch: "Scratch"
+    ) -> Tuple[Tensor, Tensor, Tensor]:
+        """A tile's scores from half-precision products: ``(s, rows' max in the tile, offsets)``.
+
+        For calls whose softmax sees the raw scores (masks of ``-inf`` only), so a row's maximum
+        is the raw score of its largest entry. The product is offset by ``off``, each row's
+        maximum so far (:func:`offset_product`); where a row's maximum moves into this tile by more
+        than :data:`OFFSET_DRIFT` (in a row's first tile, unless its scores are small), the tile is
+        computed again with the new maximum as offset.
+        """
+        shape = (q_t.shape[0], q_t.shape[1], seg.ke - seg.ks)
+        k_t = self._kv(inp.k, inp, seg, q_t.dtype).transpose(1, 2)
+        r, s = scratch.get("r", shape, q_t.dtype), scratch.get("s", shape, inp.stats_dtype)
+        s = self._add_bias(inp, offset_product(q_t, k_t, off, inp.scale, r, s), qs, qe, seg)
+        m_tile = s.amax(dim=-1)
+        moved = m_tile > m_run
+        far = moved & ((m_tile - off.squeeze(-1)).abs() > OFFSET_DRIFT)
+        new_off = as_offset(torch.where(moved, m_tile, off.squeeze(-1)), q_t.dtype)
+        if bool(far.any()):
+            s = self._add_bias(inp, offset_product(q_t, k_t, new_off, inp.scale, r, s), qs, qe, seg)
+            m_tile = s.amax(dim=-1)
+        return s, m_tile, new_off
 
     def forward_rows(
         self, inp: Inputs, qs: int, qe: int, segments: Iterable[Segment], out: Optional[Tensor], seed: int
@@ -126,27 +192,39 @@ class Matmul(Backend):
         qn = qe - qs
         sdt = inp.stats_dtype
         cdt = self.compute_dtype(inp)
-        q_t = self._scaled_q(inp, qs, qe, cdt)
+        offset_s = cdt != sdt and _raw_softmax(inp)
+        q_t = self._q_operand(inp, qs, qe, cdt if offset_s or cdt == sdt else sdt)
         state = RowState(
             m=torch.full((B * Hk, G * qn), NEG_INF, dtype=sdt, device=inp.device),
             l=torch.zeros((B * Hk, G * qn), dtype=sdt, device=inp.device),
             acc=torch.zeros((B * Hk, G * qn, inp.Ev), dtype=sdt, device=inp.device),
         )
+        off = torch.zeros_like(state.m).unsqueeze(-1)  # the offsets of half-precision products
+        scratch = Scratch(inp.device)
         for seg in segments:
-            s = self._scores(inp, q_t, qs, qe, seg, cdt)
-            m_new = torch.maximum(state.m, s.amax(dim=-1))
+            shape = (B * Hk, G * qn, seg.ke - seg.ks)
+            if offset_s:
+                s, m_tile, off = self._offset_scores(inp, q_t, qs, qe, seg, state.m, off, scratch)
+            else:
+                k_t = self._kv(inp.k, inp, seg, q_t.dtype).transpose(1, 2)
+                s = self._finish_scores(inp, torch.bmm(q_t, k_t, out=scratch.get("s", shape, sdt)), qs, qe, seg)
+                m_tile = s.amax(dim=-1)
+            m_new = torch.maximum(state.m, m_tile)
             m_ref = m_new.masked_fill(m_new == NEG_INF, 0.0)  # rows with nothing visible yet stay finite
-            p = s.sub_(m_ref.unsqueeze(-1)).exp_()
+            p = exp_(s.sub_(m_ref.unsqueeze(-1)))
             correction = torch.exp(state.m - m_ref)
             state.l.mul_(correction).add_(p.sum(dim=-1))
             state.acc.mul_(correction.unsqueeze(-1))
             if inp.dropout_p > 0.0:
                 p.view(B, Hq, qn, -1).mul_(dropout_scale(inp, seed, qs, qe, seg.ks, seg.ke, sdt))
             v_t = self._kv(inp.v, inp, seg, cdt)
-            if v_t.dtype == sdt:
+            if cdt == sdt:
                 state.acc.baddbmm_(p, v_t)
             else:
-                state.acc.add_(torch.bmm(p.to(v_t.dtype), v_t))
+                # p in [0, 1] rounded to the operands' dtype, as the fused kernels do; the GEMM
+                # accumulates in float32 and its result is rounded once per tile.
+                p_h = scratch.get("p", shape, cdt).copy_(p)
+                state.acc.add_(torch.bmm(p_h, v_t))
             state.m.copy_(m_new)
             del s, p
         l_safe = state.l.masked_fill(state.l == 0, 1.0)  # fully masked rows: acc is 0, so output 0
@@ -172,35 +250,68 @@ class Matmul(Backend):
         ``D = rowsum(dO ∘ O) - dlse`` (``∂lse/∂S = P``, so a gradient on the returned lse only
         shifts D); ``dQ += scale·dS K``; ``dK += scale·dSᵀ Q``. ``dS`` is also the gradient of a
         float mask tile and, pulled back through ``score_mod``, of what it captured.
+
+        Half-precision products are offset where the rounding would hurt: ``S`` by the lse (with
+        a ``score_mod`` or a float mask S's product is float32 instead) and ``dP`` by ``D``
+        (``dP - D`` cancels: rounding ``dP`` itself would lose ``dS``).
         """
         B, Hq, Hk, G = inp.B, inp.Hq, inp.Hk, inp.G
         qn = qe - qs
         sdt = inp.stats_dtype
-        q_t = self._scaled_q(inp, qs, qe, sdt)
-        do_t = grad_out[:, :, qs:qe].to(sdt).reshape(B * Hk, G * qn, inp.Ev)
-        D = (do_t * out[:, :, qs:qe].reshape(B * Hk, G * qn, inp.Ev).to(sdt)).sum(dim=-1, keepdim=True)
+        cdt = self.compute_dtype(inp)
+        half = cdt != sdt
+        q_t = self._q_operand(inp, qs, qe, cdt)
+        do_rows = grad_out[:, :, qs:qe].reshape(B * Hk, G * qn, inp.Ev)
+        do_t = do_rows.to(cdt)
+        D = (do_rows.to(sdt) * out[:, :, qs:qe].reshape(B * Hk, G * qn, inp.Ev).to(sdt)).sum(dim=-1, keepdim=True)
         if grad_lse is not None:
             D -= grad_lse[:, :, qs:qe].reshape(B * Hk, G * qn, 1).to(sdt)
         lse_t = lse[:, :, qs:qe].reshape(B * Hk, G * qn, 1).to(sdt)
         lse_t = lse_t.masked_fill(lse_t == NEG_INF, 0.0)  # fully masked rows: S = -inf, so P = 0
-        dq_acc = torch.zeros_like(q_t) if grads.dq is not None else None
+        keep_p = 1.0 - inp.dropout_p
+        # dP's offset: D for kept entries (dP·z - D = z·(dP - D/z) with z = 1/keep_p).
+        d_off = as_offset(D.squeeze(-1) * keep_p, cdt) if half else None
+        # S's offset: the lse, when the raw scores are what the softmax saw; else S's product
+        # stays in float32 (a score_mod or a float mask moves the entries that matter).
+        s_off = as_offset(lse_t.squeeze(-1), cdt) if half and _raw_softmax(inp) else None
+        scratch = Scratch(inp.device)
+        q_s = self._q_operand(inp, qs, qe, sdt) if half and s_off is None else q_t
+        dq_acc = torch.zeros(q_t.shape, dtype=sdt, device=inp.device) if grads.dq is not None else None
         for seg in segments:
             kn = seg.ke - seg.ks
-            k_t = self._kv(inp.k, inp, seg, sdt)
-            v_t = self._kv(inp.v, inp, seg, sdt)
+            k_t = self._kv(inp.k, inp, seg, cdt)
+            v_t = self._kv(inp.v, inp, seg, cdt)
+            shape = (B * Hk, G * qn, kn)
+            if s_off is not None:
+                raw = offset_product(
+                    q_t,
+                    k_t.transpose(1, 2),
+                    s_off,
+                    inp.scale,
+                    scratch.get("r", shape, cdt),
+                    scratch.get("s", shape, sdt),
+                )
+            else:
+                k_s = k_t if k_t.dtype == sdt else self._kv(inp.k, inp, seg, sdt)
+                raw = torch.bmm(q_s, k_s.transpose(1, 2), out=scratch.get("s", shape, sdt))
             s_in: Optional[Tensor] = None
             s_mod: Optional[Tensor] = None
             if inp.score_mod is None:
-                s = self._scores(inp, q_t, qs, qe, seg, sdt)
+                s = self._add_bias(inp, raw, qs, qe, seg)
             else:
-                raw = torch.bmm(q_t, k_t.transpose(1, 2)).view(B, Hq, qn, kn)
                 with torch.enable_grad():
-                    s_in = raw.detach().requires_grad_()
+                    s_in = raw.view(B, Hq, qn, kn).detach().requires_grad_()
                     leaves = CapturedAsLeaves(grads.proxies, [s_in])
                     s_mod = apply_score_mod(inp, s_in, qs, qe, seg.ks, seg.ke, leaves)
                 s = self._add_bias(inp, s_mod.detach().reshape(B * Hk, G * qn, kn).clone(), qs, qe, seg)
-            p = s.sub_(lse_t).exp_()
-            dp = torch.bmm(do_t, v_t.transpose(1, 2))
+            del raw
+            p = exp_(s.sub_(lse_t))
+            if d_off is None:
+                dp = torch.bmm(do_t, v_t.transpose(1, 2), out=scratch.get("dp", shape, sdt))
+            else:
+                dp = offset_product(
+                    do_t, v_t.transpose(1, 2), d_off, 1.0, scratch.get("r", shape, cdt), scratch.get("dp", shape, sdt)
+                )
             pd = p
             if inp.dropout_p > 0.0:
                 z = (
@@ -212,7 +323,10 @@ class Matmul(Backend):
                 dp.mul_(z)
                 del z
             if grads.dv is not None:
-                add_into(grads.dv[:, :, seg.ks : seg.ke], torch.bmm(pd.transpose(1, 2), do_t).view(B, Hk, kn, inp.Ev))
+                pd_h = pd if cdt == sdt else scratch.get("p", shape, cdt).copy_(pd)
+                dv = torch.bmm(pd_h.transpose(1, 2), do_t)
+                add_into(grads.dv[:, :, seg.ks : seg.ke], dv.view(B, Hk, kn, inp.Ev))
+                del dv
             del pd
             ds = p.mul_(dp.sub_(D))
             del dp
@@ -231,11 +345,97 @@ class Matmul(Backend):
                         acc_g += g
                 ds = pulled[0].reshape(B * Hk, G * qn, kn) if pulled[0] is not None else torch.zeros_like(ds)
                 del s_mod, s_in, pulled
+            if half:
+                # The scale goes into dS as it is rounded (q_t is unscaled here).
+                ds = torch.mul(ds, inp.scale, out=scratch.get("p", shape, cdt))
             if dq_acc is not None:
-                dq_acc.baddbmm_(ds, k_t)
+                if half:
+                    dq_acc.add_(torch.bmm(ds, k_t))
+                else:
+                    dq_acc.baddbmm_(ds, k_t)
             if grads.dk is not None:
-                # q_t already carries the scale.
+                # q_t carries the scale (full precision) or ds does (half precision).
                 add_into(grads.dk[:, :, seg.ks : seg.ke], torch.bmm(ds.transpose(1, 2), q_t).view(B, Hk, kn, inp.E))
             del ds
         if grads.dq is not None and dq_acc is not None:
-            add_into(grads.dq[:, :, qs:qe], dq_acc.mul_(inp.scale).view(B, Hq, qn, inp.E))
+            if not half:
+                dq_acc.mul_(inp.scale)
+            add_into(grads.dq[:, :, qs:qe], dq_acc.view(B, Hq, qn, inp.E))
+
+
+OFFSET_DRIFT = 2.0
+"""How far (in score units) a row's maximum may lie from the offset of its half-precision
+product before the product is redone with a new offset: within it, the entries the softmax
+weighs most are rounded to 2^-8 or better (bfloat16's half ulp below 2). With 1.0
+nearly every tile of 1x8x4096x64 was computed twice: among thousands of rows one always moves."""
+
+
+def native_bf16_products() -> bool:
+    """Whether this CPU multiplies bfloat16 natively (AMX or AVX512-BF16): its bfloat16 GEMM then
+    runs at 2-3x (AVX512-BF16) to 10x (AMX) its float32 rate. Asked once per process."""
+    global _NATIVE_BF16
+    if _NATIVE_BF16 is None:
+        probes = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")
+        _NATIVE_BF16 = any(bool(getattr(torch.cpu, name, lambda: False)()) for name in probes)
+    return _NATIVE_BF16
+
+
+_NATIVE_BF16: Optional[bool] = None
+
+
+def as_offset(m: Tensor, dtype: torch.dtype) -> Tensor:
+    """Rows' offsets ``(batch, rows, 1)`` from values near each row's largest: rounded to the
+    operands' ``dtype`` (the GEMM's input), held in ``m``'s dtype; 0 where ``m`` is not finite."""
+    finite = torch.nan_to_num(m, nan=0.0, posinf=0.0, neginf=0.0)
+    return finite.to(dtype).to(m.dtype).unsqueeze(-1)
+
+
+def offset_product(a: Tensor, b: Tensor, offset: Tensor, alpha: float, r: Tensor, out: Tensor) -> Tensor:
+    """``alpha · a @ b`` in ``offset``'s dtype (float32), from a GEMM in ``a``'s half precision.
+
+    The GEMM accumulates in float32 and rounds its result once, to the operands' dtype (8
+    significant bits for bfloat16). Given ``-offset`` as ``baddbmm``'s input, what it rounds is
+    ``alpha · a @ b - offset``: the entries near the offset keep an absolute error of 2^-9 of their
+    distance to it, not of their magnitude (scores of 40 would otherwise be off by 0.06, 6% once
+    exponentiated). ``r``/``out``: buffers for the GEMM's half-precision result and the float32
+    one; two passes over the tile (the conversion and the offset added back).
+    """
+    torch.baddbmm(offset.neg().to(a.dtype), a, b, alpha=alpha, out=r)
+    return out.copy_(r).add_(offset)
+
+
+def _raw_softmax(inp: Inputs) -> bool:
+    """Whether the softmax sees the raw scores where it sees anything (no ``score_mod``, no float
+    mask): a row's maximum is then the raw score of its largest entry, the offset its
+    half-precision product needs. Otherwise that product runs in float32."""
+    return inp.score_mod is None and inp.mask_kind != "float"
+
+
+LOG2E = 1.4426950408889634
+
+
+def exp_(t: Tensor) -> Tensor:
+    """``t.exp_()``, computed as ``2^(t·log2 e)`` below float64: PyTorch's CPU ``exp2`` runs 3-4x
+    faster than its ``exp`` (0.18 vs 0.64 ns per element on the 2-core CPU), and the exponent's
+    extra rounding (2^-24 relative) is far below what float32 statistics resolve."""
+    if t.dtype == torch.float64:
+        return t.exp_()
+    return t.mul_(LOG2E).exp2_()
+
+
+class Scratch:
+    """Tile-sized buffers reused by the tiles of one row block: a fresh tensor of several MiB
+    costs page faults on every allocation (about as much as one pass over it)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._buffers: Dict[str, Tensor] = {}
+
+    def get(self, name: str, shape: Tuple[int, ...], dtype: torch.dtype) -> Tensor:
+        """A contiguous tensor of ``shape`` (its contents are whatever the last use left)."""
+        n = math.prod(shape)
+        buf = self._buffers.get(name)
+        if buf is None or buf.numel() < n or buf.dtype != dtype:
+            buf = torch.empty(n, dtype=dtype, device=self.device)
+            self._buffers[name] = buf
+        return buf[:n].view(shape)

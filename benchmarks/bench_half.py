@@ -1,0 +1,195 @@
+"""Half precision through the tiles against the fused kernel and SDPA (issue 29).
+
+    python benchmarks/bench_half.py [--rounds 5] [--processes 5] [--out docs/benchmarks/half-cpu.json]
+
+- forward 1x8x4096x64 in float32, bfloat16 and float16: subquad's tiles (``backend="matmul"``),
+  the fused CPU kernel (``backend="fused"``) and ``F.scaled_dot_product_attention``, in
+  interleaved rounds (each round runs every implementation once, in a shuffled order), with
+  ``explain()``'s predicted time beside each;
+- the bfloat16 tiles in ``--processes`` fresh processes (median of 3 calls each): run-to-run spread;
+- forward + backward with a soft-capping ``score_mod`` (tiles only), bfloat16, 1x4x2048x64, against
+  the fused forward + backward without the callback.
+
+Run it with nothing else on the machine. To measure an older checkout, run this file with
+``PYTHONPATH=<that checkout>/src``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any, Callable, Dict, List
+
+import torch
+import torch.nn.functional as F
+
+import subquad
+
+SHAPE = (1, 8, 4096, 64)
+BWD_SHAPE = (1, 4, 2048, 64)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _cpu_flags() -> List[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    have = set(line.split(":", 1)[1].split())
+                    return sorted(f for f in have if "amx" in f or "bf16" in f or "fp16" in f or f == "avx512f")
+    except OSError:
+        pass
+    return []
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _forward_calls() -> Dict[str, Callable[[], Any]]:
+    calls: Dict[str, Callable[[], Any]] = {}
+    for name, dt in DTYPES.items():
+        g = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn(SHAPE, generator=g).to(dt) for _ in range(3))
+        calls[f"{name} tiles"] = lambda q=q, k=k, v=v: subquad.attention(q, k, v, backend="matmul")
+        calls[f"{name} fused"] = lambda q=q, k=k, v=v: subquad.attention(q, k, v, backend="fused")
+        calls[f"{name} F.sdpa"] = lambda q=q, k=k, v=v: F.scaled_dot_product_attention(q, k, v)
+    return calls
+
+
+def _softcap(s: torch.Tensor, b: Any, h: Any, qi: Any, ki: Any) -> torch.Tensor:
+    return 30 * torch.tanh(s / 30)
+
+
+def _backward_calls() -> Dict[str, Callable[[], Any]]:
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(BWD_SHAPE, generator=g).to(torch.bfloat16).requires_grad_() for _ in range(3))
+    d_out = torch.randn(BWD_SHAPE, generator=g).to(torch.bfloat16)
+
+    def tiles() -> None:
+        out = subquad.attention(q, k, v, score_mod=_softcap, backend="matmul")
+        torch.autograd.grad(out, (q, k, v), d_out)
+
+    def fused() -> None:
+        out = subquad.attention(q, k, v, backend="fused")
+        torch.autograd.grad(out, (q, k, v), d_out)
+
+    return {"bf16 softcap fwd+bwd tiles": tiles, "bf16 fwd+bwd fused (no callback)": fused}
+
+
+def interleaved(calls: Dict[str, Callable[[], Any]], rounds: int, seed: int = 0) -> Dict[str, List[float]]:
+    """Seconds per call: every call once per round, in a shuffled order (no fixed neighbour)."""
+    rng = random.Random(seed)
+    names = list(calls)
+    for name in names:  # warm-up: plans, thread pools, allocator
+        calls[name]()
+    times: Dict[str, List[float]] = {n: [] for n in names}
+    for _ in range(rounds):
+        rng.shuffle(names)
+        for name in names:
+            t0 = time.perf_counter()
+            calls[name]()
+            times[name].append(time.perf_counter() - t0)
+    return times
+
+
+def _summary(ts: List[float]) -> Dict[str, float]:
+    return {"median_ms": statistics.median(ts) * 1e3, "min_ms": min(ts) * 1e3, "max_ms": max(ts) * 1e3}
+
+
+def _one_process() -> None:
+    q, k, v = (torch.randn(SHAPE).to(torch.bfloat16) for _ in range(3))
+    subquad.attention(q, k, v, backend="matmul")
+    ts = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        subquad.attention(q, k, v, backend="matmul")
+        ts.append(time.perf_counter() - t0)
+    print(json.dumps(statistics.median(ts) * 1e3))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--processes", type=int, default=5)
+    ap.add_argument("--out", default=None, help="write the results as JSON here")
+    ap.add_argument("--one-process", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.one_process:
+        _one_process()
+        return
+    results: Dict[str, Any] = {
+        "machine": {
+            "cpu": _cpu_name(),
+            "flags": _cpu_flags(),
+            "threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+            "subquad": getattr(subquad, "__version__", "?"),
+            "date": time.strftime("%Y-%m-%d"),
+        }
+    }
+    print(f"# {results['machine']}")
+    fwd = interleaved(_forward_calls(), args.rounds)
+    results["forward"] = {n: _summary(ts) for n, ts in fwd.items()}
+    preds = {}
+    for name, dt in DTYPES.items():
+        q = torch.empty(SHAPE, dtype=dt)
+        for backend, label in (("matmul", "tiles"), ("fused", "fused")):
+            p = subquad.explain(q, q, q, backend=backend).predicted_seconds
+            preds[f"{name} {label}"] = None if p is None else p * 1e3
+    results["predicted_ms"] = preds
+    print(f"forward {SHAPE}, {args.rounds} interleaved rounds: median [min-max] ms, explain()'s prediction")
+    for n, s in results["forward"].items():
+        pred = preds.get(n)
+        extra = f"  predicted {pred:.0f}" if pred is not None else ""
+        print(f"  {n:<18} {s['median_ms']:8.1f} [{s['min_ms']:.1f}-{s['max_ms']:.1f}]{extra}")
+    med = {n: s["median_ms"] for n, s in results["forward"].items()}
+    ratios = {
+        "bf16 tiles / fp32 tiles": med["bfloat16 tiles"] / med["float32 tiles"],
+        "bf16 tiles / bf16 fused": med["bfloat16 tiles"] / med["bfloat16 fused"],
+        "fp16 tiles / fp16 fused": med["float16 tiles"] / med["float16 fused"],
+        "fp32 tiles / fp32 fused": med["float32 tiles"] / med["float32 fused"],
+    }
+    per_process = []
+    for _ in range(args.processes):
+        r = subprocess.run(
+            [sys.executable, os.path.abspath(__file__), "--one-process"], capture_output=True, text=True, check=True
+        )
+        per_process.append(json.loads(r.stdout.strip().splitlines()[-1]))
+    results["bf16_tiles_per_process_ms"] = per_process
+    ratios["bf16 tiles slowest / fastest process"] = max(per_process) / min(per_process)
+    bwd = interleaved(_backward_calls(), args.rounds)
+    results["backward"] = {n: _summary(ts) for n, ts in bwd.items()}
+    bmed = {n: s["median_ms"] for n, s in results["backward"].items()}
+    ratios["bf16 softcap fwd+bwd tiles / fused fwd+bwd"] = (
+        bmed["bf16 softcap fwd+bwd tiles"] / bmed["bf16 fwd+bwd fused (no callback)"]
+    )
+    print(f"fwd+bwd {BWD_SHAPE}:")
+    for n, s in results["backward"].items():
+        print(f"  {n:<34} {s['median_ms']:8.1f} [{s['min_ms']:.1f}-{s['max_ms']:.1f}]")
+    print(f"bf16 tiles in {args.processes} fresh processes (ms): {', '.join(f'{t:.0f}' for t in per_process)}")
+    results["ratios"] = ratios
+    print("ratios:")
+    for n, r in ratios.items():
+        print(f"  {n:<44} {r:.2f}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,196 @@
+"""Half precision through the tiles at the speed of the hardware (issue 29).
+
+On a CPU with AVX512-BF16 or AMX the ``matmul`` tiles run their products as bfloat16 GEMMs, each
+offset by its rows' maximum (or the lse, or D) so that what the GEMM rounds is small where the
+softmax looks; elsewhere they run float32 products. Both paths are forced here whatever this
+machine has (a bfloat16 GEMM runs everywhere, emulated where the CPU lacks the instructions),
+and each is held to the float64 golden with the suite's tolerance policy, against the float32-score
+reference that torch's SDPA follows.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import subquad
+from _devices import OpRecorder
+from conftest import assert_close_to_golden, naive_attention, to64
+from subquad import _planner
+from subquad._backends import matmul
+
+BF16 = torch.bfloat16
+
+
+@pytest.fixture(params=[True, False], ids=["bf16-products", "float32-products"])
+def products(request, monkeypatch):
+    """Run the tiles with bfloat16 products (as on a CPU with AVX512-BF16/AMX) or float32 ones."""
+    monkeypatch.setattr(matmul, "_NATIVE_BF16", request.param)
+    return request.param
+
+
+def _float32_scores(q, k, v, **kw):
+    """What torch's SDPA gives half inputs: float32 scores and softmax, the output rounded once."""
+    return naive_attention(*(t.float() for t in (q, k, v)), **kw).to(q.dtype)
+
+
+def _inputs(shape_q, shape_kv, magnitude, seed, *, transpose=False):
+    g = torch.Generator().manual_seed(seed)
+    q = (torch.randn(*shape_q, generator=g) * magnitude).to(BF16)
+    k, v = ((torch.randn(*shape_kv, generator=g) * magnitude).to(BF16) for _ in range(2))
+    if transpose:  # non-contiguous (B, L, H, E) storage seen as (B, H, L, E)
+        q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
+    return q, k, v
+
+
+CASES = {
+    "plain": dict(kw={}, chunk=(64, 96)),
+    "causal": dict(kw={"is_causal": True}, chunk=(64, 64)),
+    "lq-ne-lk": dict(kw={}, chunk=(32, 64), lq=37),
+    "bool-mask": dict(kw={"mask": True}, chunk=(64, 96)),
+    "alibi-float-mask": dict(kw={"alibi": True}, chunk=(64, 96)),
+    "softcap": dict(kw={"score_mod": lambda s, b, h, qi, ki: 20 * torch.tanh(s / 20)}, chunk=(64, 96)),
+    "gqa": dict(kw={"enable_gqa": True}, chunk=(48, 80), hk=2),
+    "one-tile": dict(kw={}, chunk=None),
+}
+
+
+def _case(name, magnitude, seed=0):
+    c = CASES[name]
+    lq, lk, e = c.get("lq", 150), 150, 59
+    hk = c.get("hk", 4)
+    q, k, v = _inputs((1, 4, lq, e), (1, hk, lk, e), magnitude, seed, transpose=name == "plain")
+    kw = dict(c["kw"])
+    if kw.pop("mask", False):
+        g = torch.Generator().manual_seed(seed + 1)
+        kw["attn_mask"] = torch.rand(lq, lk, generator=g) > 0.3
+    if kw.pop("alibi", False):
+        slopes = torch.tensor([2.0 ** -(i + 1) for i in range(4)]).view(4, 1, 1)
+        dist = (torch.arange(lk).view(1, -1) - torch.arange(lq).view(-1, 1)).abs().float()
+        kw["attn_mask"] = (-slopes * dist).to(BF16)
+    return q, k, v, kw, c["chunk"]
+
+
+@pytest.mark.parametrize("magnitude", [1.0, 4.0], ids=["scores~1", "scores~16"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_bf16_tiles_forward_and_gradients_match_float64(products, name, magnitude):
+    q, k, v, kw, chunk = _case(name, magnitude)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out = subquad.attention(q, k, v, backend="matmul", chunk_size=chunk, **kw)
+    g = torch.Generator().manual_seed(7)
+    d_out = torch.randn(out.shape, generator=g).to(BF16)
+    grads = torch.autograd.grad(out, (q, k, v), d_out)
+
+    def reference(dtype):
+        ts = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+        extra = {n: (m.to(dtype) if torch.is_tensor(m) and m.is_floating_point() else m) for n, m in kw.items()}
+        o = naive_attention(*ts, **extra)
+        return o, torch.autograd.grad(o, ts, d_out.to(dtype))
+
+    golden, golden_grads = reference(torch.float64)
+    ref32, ref32_grads = reference(torch.float32)
+    assert_close_to_golden(out, golden, ref32.to(BF16))
+    for n, got, gold, ref in zip("qkv", grads, golden_grads, ref32_grads):
+        assert_close_to_golden(got, gold, ref.to(BF16), name=f"d{n}")
+
+
+def test_bf16_products_are_bf16_gemms_and_float32_products_are_not(monkeypatch):
+    q, k, v, kw, chunk = _case("causal", 1.0)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    for native, want in [(True, BF16), (False, torch.float32)]:
+        monkeypatch.setattr(matmul, "_NATIVE_BF16", native)
+        with OpRecorder() as rec:
+            out = subquad.attention(q, k, v, backend="matmul", chunk_size=chunk, **kw)
+            out.backward(torch.ones_like(out))
+        products = rec.named("aten.bmm", "aten.baddbmm")
+        assert len(products) >= 5, "the forward and the backward ran no matmul"
+        assert {op.out_dtypes for op in products} == {(want,)}, (native, {op.out_dtypes for op in products})
+
+
+def test_offsets_keep_large_scores_exact(monkeypatch):
+    # q·kᵀ around 60 with a spread of a few units: rounding the raw scores to bfloat16 would move
+    # each by up to 0.25 (25% once exponentiated); offset by the rows' maxima, the tiles stay at
+    # the float32-score reference's error.
+    g = torch.Generator().manual_seed(3)
+    base = torch.randn(1, 2, 1, 64, generator=g)
+    q = (base * 4 + torch.randn(1, 2, 200, 64, generator=g) * 0.3).to(BF16)
+    k = (base * 4 + torch.randn(1, 2, 300, 64, generator=g) * 0.3).to(BF16)
+    v = torch.randn(1, 2, 300, 64, generator=g).to(BF16)
+    scores = (q.double() @ k.double().transpose(-1, -2)) / 8
+    assert scores.min() > 40, "the case needs large raw scores"
+    monkeypatch.setattr(matmul, "_NATIVE_BF16", True)
+    out = subquad.attention(q, k, v, backend="matmul", chunk_size=(64, 64))
+    golden = naive_attention(*to64(q, k, v))
+    assert_close_to_golden(out, golden, _float32_scores(q, k, v), fudge=2.0)
+    rounded = torch.softmax((scores.to(BF16).double()), dim=-1) @ v.double()
+    assert (rounded - golden).abs().max() > 4 * (out.double() - golden).abs().max(), "the case does not need offsets"
+
+
+def test_a_row_whose_maximum_jumps_late_is_recomputed(monkeypatch):
+    # Small scores in the first tiles, one large score in the last: the row's offset must follow.
+    monkeypatch.setattr(matmul, "_NATIVE_BF16", True)
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(1, 1, 8, 64, generator=g).to(BF16)
+    k = torch.randn(1, 1, 256, 64, generator=g).mul(0.1).to(BF16)
+    k[0, 0, 250] = (q[0, 0, 3].float() * 3).to(BF16)  # q·k ≈ 3·|q|² ≈ 190, scaled ≈ 24
+    v = torch.randn(1, 1, 256, 64, generator=g).to(BF16)
+    calls = []
+    original = matmul.offset_product
+    monkeypatch.setattr(matmul, "offset_product", lambda *a: calls.append(a[2].clone()) or original(*a))
+    out = subquad.attention(q, k, v, backend="matmul", chunk_size=(8, 64))
+    assert len(calls) > 4, "the jump of row 3's maximum in the last tile was not computed again"
+    assert calls[-1][0, 3, 0] > 20
+    golden = naive_attention(*to64(q, k, v))
+    assert_close_to_golden(out, golden, _float32_scores(q, k, v))
+
+
+def test_exp_helper_is_exp():
+    x = torch.linspace(-80, 0, 10001)
+    got = matmul.exp_(x.clone())
+    want = x.double().exp()
+    # exp2(x·log2 e): the product's rounding (2^-24 of |x|·log2 e) dominates far from 0, where
+    # the weights are negligible; near 0 it is float32's own exp accuracy.
+    rel = (got.double() - want).abs() / want
+    assert (rel <= 2.5e-7 + 1e-7 * x.double().abs()).all(), rel.max()
+    x64 = torch.linspace(-80, 0, 101, dtype=torch.float64)
+    assert torch.equal(matmul.exp_(x64.clone()), x64.exp())
+
+
+def test_scratch_reuses_its_buffers():
+    s = matmul.Scratch(torch.device("cpu"))
+    a = s.get("s", (2, 3, 4), torch.float32)
+    b = s.get("s", (2, 3, 2), torch.float32)
+    assert b.is_contiguous() and b.data_ptr() == a.data_ptr()
+    c = s.get("s", (2, 3, 8), torch.float32)
+    assert c.shape == (2, 3, 8)
+    assert s.get("s", (1,), BF16).dtype == BF16
+
+
+# ----------------------------------------------------------------- the time model per dtype
+@pytest.mark.parametrize("native,dtype,want", [
+    (True, BF16, BF16),
+    (False, BF16, torch.float32),
+    (True, torch.float16, torch.float32),
+    (True, torch.float32, torch.float32),
+])
+def test_time_model_times_the_products_the_tiles_run(monkeypatch, native, dtype, want):
+    monkeypatch.setattr(matmul, "_NATIVE_BF16", native)
+    monkeypatch.setattr(_planner, "_RATES", {})
+    timed = []
+    monkeypatch.setattr(_planner, "_measure_rates", lambda device, dt: timed.append(dt) or (1e11, 1e-9))
+    _planner._device_rates(torch.device("cpu"), dtype)
+    assert timed == [want]
+
+
+def test_explain_predicts_bf16_from_its_own_rate(monkeypatch):
+    # Rates injected: bfloat16 GEMMs 3x float32's; the prediction follows the call's dtype.
+    monkeypatch.setattr(matmul, "_NATIVE_BF16", True)
+    monkeypatch.setattr(_planner, "_RATES", {("cpu", torch.float32): (1e11, 1e-9), ("cpu", BF16): (3e11, 1e-9)})
+    q32 = torch.empty(1, 8, 4096, 64)
+    t32 = subquad.explain(q32, q32, q32, backend="matmul").predicted_seconds
+    qb = q32.to(BF16)
+    tb = subquad.explain(qb, qb, qb, backend="matmul").predicted_seconds
+    scores = 8 * 4096 * 4096
+    assert math.isclose(t32 - tb, 2 * scores * 128 * (1 / 1e11 - 1 / 3e11), rel_tol=0.01)
