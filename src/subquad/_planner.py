@@ -239,12 +239,14 @@ def _device_rates(device: torch.device, dtype: torch.dtype) -> Tuple[float, floa
     return _RATES[key]
 
 
-# The probe is a product (batch, rows, E) x (batch, E, rows). On the CPU a small one is already
-# compute-bound (and the probe stays under ~10 ms). A GPU finishes that in microseconds, less
-# than a launch: there the probe is large enough to time the arithmetic (4.3 GFLOP; 64 MiB of
-# float32 scores), repeated between two syncs until a run takes _GPU_PROBE_S.
-_CPU_PROBE_SHAPE = (8, 256, 64)
-_GPU_PROBE_SHAPE = (4, 2048, 128)
+# The probe is a tile's two products, (batch, rows, E) x (batch, E, keys) and the result times
+# (batch, keys, E). On the CPU one of the matmul tiles' size (1M scores: its results leave the
+# caches, as in the tile loop) takes a few milliseconds (the probe stays under ~30 ms). A GPU
+# finishes that in microseconds, less than a launch: there the probe is large enough to time the
+# arithmetic (8.6 GFLOP; 64 MiB of float32 scores), repeated between two syncs until a run takes
+# _GPU_PROBE_S.
+_CPU_PROBE_SHAPE = (8, 256, 512, 64)
+_GPU_PROBE_SHAPE = (4, 2048, 2048, 128)
 _GPU_PROBE_S = 2e-3
 _MAX_REPS = 1024
 
@@ -257,10 +259,12 @@ def _measure_rates(device: torch.device, dtype: torch.dtype) -> Tuple[float, flo
 
 
 def _probe(device: torch.device, dtype: torch.dtype) -> Tuple[float, float]:
-    bh, n, e = _CPU_PROBE_SHAPE if device.type == "cpu" else _GPU_PROBE_SHAPE
-    a = torch.randn(bh, n, e, device=device, dtype=dtype)
-    b = torch.randn(bh, e, n, device=device, dtype=dtype)
-    s = torch.empty(bh, n, n, device=device, dtype=dtype)
+    bh, nq, nk, e = _CPU_PROBE_SHAPE if device.type == "cpu" else _GPU_PROBE_SHAPE
+    a = torch.randn(bh, nq, e, device=device, dtype=dtype)
+    b = torch.randn(bh, e, nk, device=device, dtype=dtype)
+    v = torch.randn(bh, nk, e, device=device, dtype=dtype)
+    s = torch.empty(bh, nq, nk, device=device, dtype=dtype)
+    o = torch.empty(bh, nq, e, device=device, dtype=dtype)
     # Every path keeps half-precision scores in float32 for the softmax (the tiles convert the
     # products' results, the fused kernels accumulate in float32): time the softmax work there.
     # On the CPU (the only device whose tiles run half-precision products) that includes the two
@@ -280,9 +284,13 @@ def _probe(device: torch.device, dtype: torch.dtype) -> Tuple[float, float]:
         if convert:
             s.copy_(p)
 
-    matmul = seconds_per_call(lambda: torch.bmm(a, b, out=s), sync, min_seconds=min_s)
+    def products() -> None:  # a tile's two: the scores, and the probabilities times v
+        torch.bmm(a, b, out=s)
+        torch.bmm(s, v, out=o)
+
+    matmul = seconds_per_call(products, sync, min_seconds=min_s)
     per_score = seconds_per_call(softmax, sync, min_seconds=min_s) / p.numel()
-    return 2 * bh * n * n * e / matmul, per_score
+    return 4 * bh * nq * nk * e / matmul, per_score
 
 
 def seconds_per_call(

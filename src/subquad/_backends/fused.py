@@ -17,6 +17,7 @@ from .._inputs import Inputs
 from .._tiles import EMPTY_CHECK_ELEMENTS, NEG_INF, Grads, Segment, add_into, call_kernel, empty_rows, tile_bias
 from .._traced import TracedScoreMod
 from .base import Backend, Options, _bh, _generated_causal, _strided, _threads, candidates
+from .matmul import native_bf16_products
 
 _OPS: List[Tuple[Any, Any]] = []
 
@@ -200,6 +201,10 @@ class FusedCPU(Backend):
         n += bh * qc * 4  # lse rows
         # The kernel returns dQ, dK, dV for its tile (float32 accumulators inside for half inputs).
         n += (bh * qc * inp.E + inp.B * inp.Hk * kc * (inp.E + inp.Ev)) * (inp.itemsize + 4)
+        if _tiles_in_float32(inp):
+            # float32 copies of the rows, the keys and values, dO and O; float32 results.
+            n += (bh * qc * (inp.E + 2 * inp.Ev) + inp.B * inp.Hk * kc * (inp.E + inp.Ev)) * 4
+            n += (bh * qc * inp.E + inp.B * inp.Hk * kc * (inp.E + inp.Ev)) * (4 - inp.itemsize)
         return n + 256 * 1024
 
     @staticmethod
@@ -305,7 +310,7 @@ class FusedCPU(Backend):
         if grad_lse is not None:
             raise NotImplementedError("the fused CPU backward cannot take a gradient of the lse; use the matmul kernel")
         for seg in segments:
-            gq, gk, gv = self.segment_backward(inp, qs, qe, seg, grad_out, out, lse)
+            gq, gk, gv = self.segment_backward(inp, qs, qe, seg, grad_out, out, lse, _tiles_in_float32(inp))
             if grads.dq is not None:
                 add_into(grads.dq[:, :, qs:qe], gq)
             if grads.dk is not None:
@@ -315,9 +320,22 @@ class FusedCPU(Backend):
             del gq, gk, gv  # not alive while the next segment's kernel allocates its own
 
     def segment_backward(
-        self, inp: Inputs, qs: int, qe: int, seg: Segment, grad_out: Tensor, out: Tensor, lse: Tensor
+        self,
+        inp: Inputs,
+        qs: int,
+        qe: int,
+        seg: Segment,
+        grad_out: Tensor,
+        out: Tensor,
+        lse: Tensor,
+        in_float32: bool = False,
     ) -> Tuple[Tensor, Tensor, Tensor]:
-        """dQ of rows ``[qs, qe)`` and dK, dV of keys ``[ks, ke)`` from this segment alone (batch ``B``)."""
+        """dQ of rows ``[qs, qe)`` and dK, dV of keys ``[ks, ke)`` from this segment alone (batch ``B``).
+
+        ``in_float32``: run the kernel on float32 copies of half-precision tiles, so that its
+        partial gradients, summed over the call's tiles, are rounded once at the end (the
+        kernel rounds what it returns to its inputs' dtype).
+        """
         _, bwd = _cpu_flash_ops()
         assert bwd is not None
         # The kernel's own convention for fully masked rows is lse = 0 (their P is 0 either way).
@@ -325,16 +343,34 @@ class FusedCPU(Backend):
         lse_t = lse_t.masked_fill(lse_t == NEG_INF, 0.0).to(
             torch.float64 if inp.dtype == torch.float64 else torch.float32
         )
+
+        def tile(t: Tensor) -> Tensor:
+            return _unit_stride(t.float() if in_float32 else t)
+
+        mask = _as_kernel_mask(self.bias(inp, qs, qe, seg))
+        if in_float32 and mask is not None and mask.is_floating_point():
+            mask = mask.float()
         return call_kernel(
             bwd,
-            _unit_stride(grad_out[:, :, qs:qe]),
-            _unit_stride(inp.q[:, :, qs:qe]),
-            _unit_stride(inp.k[:, :, seg.ks : seg.ke]),
-            _unit_stride(inp.v[:, :, seg.ks : seg.ke]),
-            _unit_stride(out[:, :, qs:qe]),
+            tile(grad_out[:, :, qs:qe]),
+            tile(inp.q[:, :, qs:qe]),
+            tile(inp.k[:, :, seg.ks : seg.ke]),
+            tile(inp.v[:, :, seg.ks : seg.ke]),
+            tile(out[:, :, qs:qe]),
             lse_t,
             0.0,
             self.causal_in_kernel(inp, seg),
-            attn_mask=_as_kernel_mask(self.bias(inp, qs, qe, seg)),
+            attn_mask=mask,
             scale=inp.scale,
         )
+
+
+def _tiles_in_float32(inp: Inputs) -> bool:
+    """Whether a tiled fused backward runs its kernel on float32 copies: float16 inputs, and
+    bfloat16 on CPUs without native bfloat16 products. Each tile's gradients would otherwise be
+    rounded to half precision before they are summed (flash-attn's fp16 criterion, gradients
+    within 3x PyTorch's error, failed by one ulp of dV); on those CPUs the kernel converts to
+    float32 inside anyway (its float16 forward ran 1.7x its float32 one on the 2-core CPU)."""
+    if inp.dtype == torch.float16:
+        return True
+    return inp.dtype == torch.bfloat16 and not native_bf16_products()

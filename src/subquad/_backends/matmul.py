@@ -112,7 +112,7 @@ class Matmul(Backend):
         - bfloat16 inputs on a CPU that multiplies bfloat16 natively (AVX512-BF16 or AMX,
           :func:`native_bf16_products`): bfloat16. The GEMM accumulates in float32 and rounds its
           result once; every product is given a per-row offset so that what it rounds is small
-          where the softmax looks (:func:`offset_product`).
+          where the softmax looks (:class:`OffsetOperand`).
         - other half-precision inputs: float32. A float16 GEMM is emulated on CPUs without
           AVX512-FP16 (about 100x slower than float32 on the project's CPU); on CUDA and MPS the
           half-precision GEMMs with a float32 epilogue have not been measured (no device here), so
@@ -160,28 +160,42 @@ class Matmul(Backend):
         return s
 
     def _offset_scores(
-        self, inp: Inputs, q_t: Tensor, qs: int, qe: int, seg: Segment, m_run: Tensor, off: Tensor, scratch: "Scratch"
-    ) -> Tuple[Tensor, Tensor, Tensor]:
-        """A tile's scores from half-precision products: ``(s, rows' max in the tile, offsets)``.
+        self,
+        inp: Inputs,
+        q_op: "OffsetOperand",
+        qs: int,
+        qe: int,
+        seg: Segment,
+        m_run: Tensor,
+        off: Tensor,
+        scratch: "Scratch",
+    ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+        """A tile's scores from half-precision products: ``(s - used, rows' max, used, next)``.
 
-        For calls whose softmax sees the raw scores (masks of ``-inf`` only), so a row's maximum
-        is the raw score of its largest entry. The product is offset by ``off``, each row's
-        maximum so far (:func:`offset_product`); where a row's maximum moves into this tile by more
-        than :data:`OFFSET_DRIFT` (in a row's first tile, unless its scores are small), the tile is
-        computed again with the new maximum as offset.
+        For calls whose softmax sees the raw scores (masks of ``-inf`` only), so that a row's
+        maximum is the raw score of its largest entry. The product is offset by ``off`` (each
+        row's maximum so far; in a row block's first tile, over a sample of the tile's keys) and
+        the float32 scores are returned relative to the offsets ``used``, which the caller
+        subtracts with the row maximum. Where a row's maximum moves into this tile by more than
+        :data:`OFFSET_DRIFT`, the tile is computed again with the new maximum as offset;
+        ``next``: the offsets of the following tile.
         """
-        shape = (q_t.shape[0], q_t.shape[1], seg.ke - seg.ks)
-        k_t = self._kv(inp.k, inp, seg, q_t.dtype).transpose(1, 2)
-        r, s = scratch.get("r", shape, q_t.dtype), scratch.get("s", shape, inp.stats_dtype)
-        s = self._add_bias(inp, offset_product(q_t, k_t, off, inp.scale, r, s), qs, qe, seg)
-        m_tile = s.amax(dim=-1)
+        shape = (q_op.rows.shape[0], q_op.rows.shape[1], seg.ke - seg.ks)
+        k_t = self._kv(inp.k, inp, seg, q_op.rows.dtype)
+        r, s = scratch.get("r", shape, q_op.rows.dtype), scratch.get("s", shape, inp.stats_dtype)
+        if seg.ks == 0 or bool(torch.isneginf(m_run).all()):
+            off = q_op.set_offset(_sampled_max(q_op, k_t))
+        s = self._add_bias(inp, s.copy_(q_op.product(k_t, r, scratch)), qs, qe, seg)
+        m_tile = s.amax(dim=-1).add_(off.squeeze(-1))
         moved = m_tile > m_run
         far = moved & ((m_tile - off.squeeze(-1)).abs() > OFFSET_DRIFT)
-        new_off = as_offset(torch.where(moved, m_tile, off.squeeze(-1)), q_t.dtype)
+        target = torch.where(moved, m_tile, off.squeeze(-1))
         if bool(far.any()):
-            s = self._add_bias(inp, offset_product(q_t, k_t, new_off, inp.scale, r, s), qs, qe, seg)
-            m_tile = s.amax(dim=-1)
-        return s, m_tile, new_off
+            off = q_op.set_offset(target)
+            s = self._add_bias(inp, s.copy_(q_op.product(k_t, r, scratch)), qs, qe, seg)
+            m_tile = s.amax(dim=-1).add_(off.squeeze(-1))
+            return s, m_tile, off, off
+        return s, m_tile, off, q_op.set_offset(target)
 
     def forward_rows(
         self, inp: Inputs, qs: int, qe: int, segments: Iterable[Segment], out: Optional[Tensor], seed: int
@@ -193,25 +207,29 @@ class Matmul(Backend):
         sdt = inp.stats_dtype
         cdt = self.compute_dtype(inp)
         offset_s = cdt != sdt and _raw_softmax(inp)
-        q_t = self._q_operand(inp, qs, qe, cdt if offset_s or cdt == sdt else sdt)
         state = RowState(
             m=torch.full((B * Hk, G * qn), NEG_INF, dtype=sdt, device=inp.device),
             l=torch.zeros((B * Hk, G * qn), dtype=sdt, device=inp.device),
             acc=torch.zeros((B * Hk, G * qn, inp.Ev), dtype=sdt, device=inp.device),
         )
-        off = torch.zeros_like(state.m).unsqueeze(-1)  # the offsets of half-precision products
+        # Scores are kept relative to per-row offsets (zero but for half-precision products).
+        used = nxt = torch.zeros_like(state.m).unsqueeze(-1)
         scratch = Scratch(inp.device)
+        if offset_s:
+            q_op = OffsetOperand(self._q_operand(inp, qs, qe, cdt), inp.scale)
+        else:
+            q_t = self._q_operand(inp, qs, qe, sdt)
         for seg in segments:
             shape = (B * Hk, G * qn, seg.ke - seg.ks)
             if offset_s:
-                s, m_tile, off = self._offset_scores(inp, q_t, qs, qe, seg, state.m, off, scratch)
+                s, m_tile, used, nxt = self._offset_scores(inp, q_op, qs, qe, seg, state.m, nxt, scratch)
             else:
-                k_t = self._kv(inp.k, inp, seg, q_t.dtype).transpose(1, 2)
+                k_t = self._kv(inp.k, inp, seg, sdt).transpose(1, 2)
                 s = self._finish_scores(inp, torch.bmm(q_t, k_t, out=scratch.get("s", shape, sdt)), qs, qe, seg)
                 m_tile = s.amax(dim=-1)
             m_new = torch.maximum(state.m, m_tile)
             m_ref = m_new.masked_fill(m_new == NEG_INF, 0.0)  # rows with nothing visible yet stay finite
-            p = exp_(s.sub_(m_ref.unsqueeze(-1)))
+            p = exp_(s.sub_(m_ref.unsqueeze(-1) - used))
             correction = torch.exp(state.m - m_ref)
             state.l.mul_(correction).add_(p.sum(dim=-1))
             state.acc.mul_(correction.unsqueeze(-1))
@@ -268,29 +286,29 @@ class Matmul(Backend):
             D -= grad_lse[:, :, qs:qe].reshape(B * Hk, G * qn, 1).to(sdt)
         lse_t = lse[:, :, qs:qe].reshape(B * Hk, G * qn, 1).to(sdt)
         lse_t = lse_t.masked_fill(lse_t == NEG_INF, 0.0)  # fully masked rows: S = -inf, so P = 0
-        keep_p = 1.0 - inp.dropout_p
-        # dP's offset: D for kept entries (dP·z - D = z·(dP - D/z) with z = 1/keep_p).
-        d_off = as_offset(D.squeeze(-1) * keep_p, cdt) if half else None
+        scratch = Scratch(inp.device)
         # S's offset: the lse, when the raw scores are what the softmax saw; else S's product
         # stays in float32 (a score_mod or a float mask moves the entries that matter).
-        s_off = as_offset(lse_t.squeeze(-1), cdt) if half and _raw_softmax(inp) else None
-        scratch = Scratch(inp.device)
-        q_s = self._q_operand(inp, qs, qe, sdt) if half and s_off is None else q_t
+        s_used = torch.zeros_like(lse_t)
+        q_op: Optional[OffsetOperand] = None
+        if half and _raw_softmax(inp):
+            q_op = OffsetOperand(q_t, inp.scale)
+            s_used = q_op.set_offset(lse_t.squeeze(-1))
+        q_s = self._q_operand(inp, qs, qe, sdt) if half and q_op is None else q_t
+        # dP's offset: D for kept entries (dP·z - D = z·(dP - D·(1-p)) with z = 1/(1-p)).
+        d_op: Optional[OffsetOperand] = None
+        d_used = torch.zeros_like(D)
+        if half:
+            d_op = OffsetOperand(do_t, 1.0)
+            d_used = d_op.set_offset(D.squeeze(-1) * (1.0 - inp.dropout_p))
         dq_acc = torch.zeros(q_t.shape, dtype=sdt, device=inp.device) if grads.dq is not None else None
         for seg in segments:
             kn = seg.ke - seg.ks
             k_t = self._kv(inp.k, inp, seg, cdt)
             v_t = self._kv(inp.v, inp, seg, cdt)
             shape = (B * Hk, G * qn, kn)
-            if s_off is not None:
-                raw = offset_product(
-                    q_t,
-                    k_t.transpose(1, 2),
-                    s_off,
-                    inp.scale,
-                    scratch.get("r", shape, cdt),
-                    scratch.get("s", shape, sdt),
-                )
+            if q_op is not None:
+                raw = scratch.get("s", shape, sdt).copy_(q_op.product(k_t, scratch.get("r", shape, cdt), scratch))
             else:
                 k_s = k_t if k_t.dtype == sdt else self._kv(inp.k, inp, seg, sdt)
                 raw = torch.bmm(q_s, k_s.transpose(1, 2), out=scratch.get("s", shape, sdt))
@@ -305,13 +323,12 @@ class Matmul(Backend):
                     s_mod = apply_score_mod(inp, s_in, qs, qe, seg.ks, seg.ke, leaves)
                 s = self._add_bias(inp, s_mod.detach().reshape(B * Hk, G * qn, kn).clone(), qs, qe, seg)
             del raw
-            p = exp_(s.sub_(lse_t))
-            if d_off is None:
+            p = exp_(s.sub_(lse_t - s_used))
+            if d_op is None:
                 dp = torch.bmm(do_t, v_t.transpose(1, 2), out=scratch.get("dp", shape, sdt))
             else:
-                dp = offset_product(
-                    do_t, v_t.transpose(1, 2), d_off, 1.0, scratch.get("r", shape, cdt), scratch.get("dp", shape, sdt)
-                )
+                dp = scratch.get("dp", shape, sdt).copy_(d_op.product(v_t, scratch.get("r", shape, cdt), scratch))
+                dp.add_(d_used)
             pd = p
             if inp.dropout_p > 0.0:
                 z = (
@@ -383,25 +400,52 @@ def native_bf16_products() -> bool:
 _NATIVE_BF16: Optional[bool] = None
 
 
-def as_offset(m: Tensor, dtype: torch.dtype) -> Tensor:
-    """Rows' offsets ``(batch, rows, 1)`` from values near each row's largest: rounded to the
-    operands' ``dtype`` (the GEMM's input), held in ``m``'s dtype; 0 where ``m`` is not finite."""
-    finite = torch.nan_to_num(m, nan=0.0, posinf=0.0, neginf=0.0)
-    return finite.to(dtype).to(m.dtype).unsqueeze(-1)
-
-
-def offset_product(a: Tensor, b: Tensor, offset: Tensor, alpha: float, r: Tensor, out: Tensor) -> Tensor:
-    """``alpha · a @ b`` in ``offset``'s dtype (float32), from a GEMM in ``a``'s half precision.
+class OffsetOperand:
+    """A half-precision GEMM operand ``a`` (batch, rows, E) with one more column for each row's
+    offset: a product is ``alpha · [a, -o/alpha] @ [b, 1]ᵀ = alpha · a @ bᵀ - o``.
 
     The GEMM accumulates in float32 and rounds its result once, to the operands' dtype (8
-    significant bits for bfloat16). Given ``-offset`` as ``baddbmm``'s input, what it rounds is
-    ``alpha · a @ b - offset``: the entries near the offset keep an absolute error of 2^-9 of their
-    distance to it, not of their magnitude (scores of 40 would otherwise be off by 0.06, 6% once
-    exponentiated). ``r``/``out``: buffers for the GEMM's half-precision result and the float32
-    one; two passes over the tile (the conversion and the offset added back).
+    significant bits for bfloat16): with the offset inside, what it rounds is each value's
+    distance to its row's offset, so the entries near it (those the softmax weighs) keep an
+    absolute error of 2^-9 of that distance, not of their magnitude (scores of 40 would
+    otherwise be off by 0.06, 6% once exponentiated). Both operands are contiguous copies (a
+    bfloat16 GEMM on strided tiles ran 35% slower here), the offset column costs one more step
+    of the reduction (E + 1), and ``alpha`` is applied in float32 before the rounding.
     """
-    torch.baddbmm(offset.neg().to(a.dtype), a, b, alpha=alpha, out=r)
-    return out.copy_(r).add_(offset)
+
+    def __init__(self, a: Tensor, alpha: float) -> None:
+        batch, rows, e = a.shape
+        self.e, self.alpha = e, alpha
+        self.rows = torch.empty((batch, rows, e + 1), dtype=a.dtype, device=a.device)
+        self.rows[..., :e].copy_(a)
+
+    def set_offset(self, off: Tensor) -> Tensor:
+        """Set each row's offset from ``off`` (batch, rows), values near its largest: rounded to
+        the operands' dtype, 0 where not finite. Returns the offsets the products subtract, in
+        ``off``'s dtype, ``(batch, rows, 1)``."""
+        finite = torch.nan_to_num(off, nan=0.0, posinf=0.0, neginf=0.0)
+        col = finite.div(self.alpha).to(self.rows.dtype)
+        self.rows[..., self.e].copy_(col.neg())
+        return col.to(off.dtype).mul_(self.alpha).unsqueeze(-1)
+
+    def product(self, b: Tensor, out: Tensor, scratch: "Scratch") -> Tensor:
+        """``alpha · a @ bᵀ - offset`` for ``b`` (batch, n, E), rounded once, written to ``out``."""
+        batch, n, e = b.shape
+        b_ext = scratch.get("operand", (batch, n, e + 1), self.rows.dtype)
+        b_ext[..., :e].copy_(b)
+        b_ext[..., e].fill_(1.0)
+        return torch.baddbmm(out, self.rows, b_ext.transpose(1, 2), beta=0.0, alpha=self.alpha, out=out)
+
+
+def _sampled_max(q_op: OffsetOperand, k_t: Tensor) -> Tensor:
+    """The rows' largest score over a sample of the keys (every ``kn // 128``-th), float32: a
+    row block's first offsets, so that its first tile is rarely computed twice."""
+    step = max(1, k_t.shape[1] // _OFFSET_SAMPLE_KEYS)
+    sample = torch.bmm(q_op.rows[..., : q_op.e], k_t[:, ::step].transpose(1, 2))
+    return sample.amax(dim=-1).float().mul_(q_op.alpha)
+
+
+_OFFSET_SAMPLE_KEYS = 128
 
 
 def _raw_softmax(inp: Inputs) -> bool:
