@@ -9,6 +9,7 @@ import torch
 
 import subquad
 from subquad import MemoryBudgetError, _budget, _fast
+from subquad._backends import fused
 from subquad.integrations.patch import ORIGINAL_SDPA
 
 CALLS = [
@@ -145,3 +146,44 @@ def test_the_cache_is_bounded_and_shared_by_threads():
         assert len(_fast._CACHE) <= 4
     finally:
         _fast.CACHE_SIZE = old
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("return_lse", [False, True])
+def test_grouped_query_decode_steps_run_as_grouped_matmuls(monkeypatch, dtype, return_lse):
+    # 32 query heads on 8 key heads, one query row: two grouped matmuls (the fused kernel takes
+    # each query head alone and ran 1.5x slower). Full path and fast path run the same code.
+    calls = []
+    grouped = fused.grouped_attention
+    monkeypatch.setattr(_fast, "grouped_attention", lambda *a: calls.append("fast") or grouped(*a))
+    monkeypatch.setattr("subquad._call.grouped_attention", lambda *a: calls.append("full") or grouped(*a))
+    _fast.clear()
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 32, 1, 59, generator=g, dtype=dtype)
+    k, v = (torch.randn(2, 8, 300, 59, generator=g, dtype=dtype) for _ in range(2))
+    first = subquad.attention(q, k, v, enable_gqa=True, return_lse=return_lse)
+    again = subquad.attention(q, k, v, enable_gqa=True, return_lse=return_lse)
+    assert calls == ["full", "fast"]
+    for a, b in zip(*(x if isinstance(x, tuple) else (x,) for x in (first, again))):
+        assert torch.equal(a, b)
+    q64, k64, v64 = (t.double() for t in (q, k, v))
+    s = (q64.view(2, 8, 4, 59) @ k64.transpose(-1, -2)) / 59**0.5
+    golden = (torch.softmax(s, -1) @ v64).view(2, 32, 1, 59)
+    out = first[0] if return_lse else first
+    tol = 1e-12 if dtype == torch.float64 else 1e-5
+    assert (out.double() - golden).abs().max() < tol
+    if return_lse:
+        assert (first[1].double() - torch.logsumexp(s, -1).view(2, 32, 1)).abs().max() < tol * 10
+    assert "two grouped matmuls" in str(subquad.explain(q, k, v, enable_gqa=True))
+
+
+def test_grouped_matmuls_stay_within_a_small_budget():
+    # 2^17 scores: the grouped path needs 1 MiB; under a 512 KiB budget the call takes the tiles.
+    _fast.clear()
+    q = torch.randn(1, 32, 4, 64)
+    k = torch.randn(1, 8, 1024, 64)
+    out = subquad.attention(q, k, k, enable_gqa=True, memory_budget="512KiB")
+    ref = ORIGINAL_SDPA(q, k, k, enable_gqa=True)
+    assert (out - ref).abs().max() < 1e-5
+    plan = subquad.explain(q, k, k, enable_gqa=True, memory_budget="512KiB")
+    assert plan.chunk_size != (4, 1024) and plan.predicted_peak_bytes <= 512 * 1024

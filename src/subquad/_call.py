@@ -30,6 +30,7 @@ from torch import Tensor
 from . import _engine, _fast
 from ._autograd import Meta, attention_with_grad, is_transformed
 from ._backends import BACKEND_NAMES, BACKENDS, FlexUnavailable, Options, compile_allowed
+from ._backends.fused import grouped_attention
 from ._budget import Budget, format_seconds, resolve_budget
 from ._callbacks import captured_tensors, from_callback
 from ._errors import ArgumentError, ArgumentTypeError
@@ -419,6 +420,8 @@ def _run(call: Prepared, requested: str) -> Tuple[Tensor, Optional[Tensor]]:
             if not (no_kernel or is_oom(e)):
                 raise
             plan = make_plan(inp, opts, budget, _tiles_backend(inp, plan))
+    if plan.grouped and not (captured or is_transformed(inp.query, inp.key, inp.value)):
+        return grouped_attention(inp.q, inp.k, inp.v, inp.scale, opts.return_lse)
     return _run_tiles_per_group(inp, plan, opts, budget, requested, captured)
 
 

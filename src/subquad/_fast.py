@@ -29,6 +29,7 @@ from torch import Tensor
 
 from . import _engine
 from ._backends import BACKENDS, MPS_MAX_MATMUL_ELEMENTS, TORCH_SDPA, cpu_flash_forward
+from ._backends.fused import groupable, grouped_attention, grouped_bytes
 from ._budget import resolve_budget
 from ._inputs import Inputs
 from ._planner import Plan
@@ -282,8 +283,16 @@ def _run_plain(
         inp = _inputs(query, key_, value, None, is_causal, scale)
         if inp.empty or not _fits(entry, inp, Lq, Lk, return_lse):
             return None
+    scores = query.shape[0] * query.shape[1] * Lq * Lk
     try:
-        if not return_lse and not entry.gqa and query.shape[0] * query.shape[1] * Lq * Lk <= SMALL_SCORES:
+        if (
+            entry.gqa
+            and groupable(query.dtype, is_causal, scores)
+            and grouped_bytes(scores, query.element_size()) <= _budget(entry, query.device)
+        ):
+            out, lse = grouped_attention(query, key_, value, entry.scale, return_lse)
+            return out if lse is None else (out, lse)
+        if not return_lse and not entry.gqa and scores <= SMALL_SCORES:
             # torch's SDPA runs this very kernel on such a call (4-D, no mask, no GQA, no batch
             # broadcasting) with less dispatch overhead; the call is small enough that even its
             # math path would fit any budget.

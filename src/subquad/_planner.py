@@ -47,6 +47,8 @@ class Plan:
     notes: List[str] = field(default_factory=list)
     tiles: int = 1
     predicted_seconds: Optional[float] = None
+    grouped: bool = False
+    """The whole call runs as two grouped matmuls (grouped query heads, few scores, no gradient)."""
 
     def __str__(self) -> str:
         lines = [f"subquad plan for {self.shape}" if self.shape else "subquad plan"]
@@ -116,6 +118,7 @@ def make_plan(
             smallest_overall = smallest if smallest_overall is None else min(smallest_overall, smallest)
             continue
         notes = b.notes(inp)
+        grouped = not need_grad and b.runs_grouped(inp, fwd, budget)
         plan = Plan(
             backend=name,
             chunk_size=fwd,
@@ -125,6 +128,7 @@ def make_plan(
             backward_backend=backward_name,
             backward_chunk_size=bwd_tiles,
             shape=shape,
+            grouped=grouped,
         )
         if fwd is not None and fwd[1] >= inp.Lk and fwd[0] < inp.Lq:
             plan.notes.append("whole key rows per block (no kv chunking)")

@@ -105,6 +105,11 @@ class Backend:
         """What ``explain()`` should say about running this call here (e.g. a first-call compile)."""
         return []
 
+    def runs_grouped(self, inp: Inputs, tiles: Optional[Tuple[int, int]], budget: int) -> bool:
+        """Whether the call, planned on ``tiles`` under ``budget`` without gradients, runs as two
+        grouped matmuls instead of this backend's kernel (the fused CPU backend's decode steps)."""
+        return False
+
     # ------------------------------------------------------------- memory model and tiles
     def forward_bytes(self, inp: Inputs, qc: int, kc: int, need_lse: bool) -> int:
         raise NotImplementedError
