@@ -103,6 +103,8 @@ def main() -> int:
     p.add_argument("--threads", type=int, help="torch threads (default: torch's); 1 keeps a shared machine's "
                    "OpenMP oversubscription out of thousands of tiny kernels")
     p.add_argument("--only", help="run the cases whose name contains this text; with --json, merged into the file")
+    p.add_argument("--skip-dense", action="store_true", help="leave out SDPA with the dense block-diagonal mask "
+                   "(seconds per call, and its gigabytes thrash the caches of the calls timed beside it)")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -124,6 +126,8 @@ def main() -> int:
     for name, case in cases.items():
         if args.only and args.only not in name:
             continue
+        if args.skip_dense:
+            case = {**case, "dense": False}
         rounds = args.rounds if not case["dense"] or sum(case["lengths"]) <= 8192 else 3
         res = interleaved(impls(**case), rounds)
         base = res["per-sequence SDPA loop"]["median_ms"]

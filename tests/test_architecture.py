@@ -35,6 +35,7 @@ LAYERS: List[Tuple[str, ...]] = [
     ("subquad._fast",),
     ("subquad._autograd",),
     ("subquad._engine",),
+    ("subquad._buckets",),
     ("subquad._planner",),
     ("subquad._backends",),
     ("subquad._traced",),

@@ -13,7 +13,7 @@ import torch
 
 import subquad
 from conftest import assert_close_to_golden, naive_attention
-from subquad import mods
+from subquad import _buckets, _engine, mods
 from subquad._tiles import TILES
 
 f64 = torch.float64
@@ -283,3 +283,32 @@ def test_seqused_k_uses_the_first_keys_of_each_block(alignment):
         assert_close_to_golden(a, b, name=f"d{name}")
     with pytest.raises(ValueError, match=r"seqused_k\[1\] = 11 is outside \[0, 10\]"):
         subquad.varlen_attention(q, k, v, cu_q, cu_k, seqused_k=torch.tensor([1, 11, 0, 0], dtype=torch.int32))
+
+
+@pytest.mark.parametrize("alignment", ["top_left", "bottom_right"])
+def test_short_sequences_share_tiles(monkeypatch, alignment):
+    # Sequences of a few tokens run as padded batches per bucket (issue 29: one call per sequence
+    # made 1024 short sequences slower than a per-sequence SDPA loop), with the per-sequence
+    # semantics: causal alignment, GQA, lse -inf where nothing is seen, different key lengths.
+    ran = []
+    run = _buckets.run_bucket
+    monkeypatch.setattr(_engine, "run_bucket", lambda inp, seqs, *a: ran.extend(seqs) or run(inp, seqs, *a))
+    g = torch.Generator().manual_seed(9)
+    lengths_q = torch.randint(0, 20, (60,), generator=g).tolist() + [70]  # the last is too long to share
+    lengths_k = [max(0, n + int(d)) for n, d in zip(lengths_q, torch.randint(-3, 4, (61,), generator=g))]
+    q, k, v, cu_q, cu_k = packed(lengths_q, lengths_k, Hq=4, Hk=2, E=16)
+    check(q, k, v, cu_q, cu_k, grad=False, is_causal=True, alignment=alignment, enable_gqa=True)
+    short = [s for s, (a, b) in enumerate(zip(lengths_q, lengths_k)) if 0 < a and 4 * a * b <= _buckets.SHORT_SCORES]
+    assert sorted(ran) == short and 60 not in ran
+
+
+def test_shared_tiles_stay_within_the_planned_memory(monkeypatch):
+    batches = []
+    real = _buckets._run
+    monkeypatch.setattr(_buckets, "_run", lambda inp, seqs, *a: batches.append(len(seqs)) or real(inp, seqs, *a))
+    q, k, v, cu_q, cu_k = packed([32] * 200, Hq=2, E=64, dtype=torch.float32)
+    out = subquad.varlen_attention(q, k, v, cu_q, cu_k, memory_budget="4MiB")
+    ref, _ = reference(q, k, v, cu_q, cu_k)
+    assert_close_to_golden(out, ref.float(), floor=1e-5)
+    # 200 sequences of 32 x 32, 2 heads: about 90 KiB each, so a 4 MiB budget takes several batches.
+    assert len(batches) > 1 and max(batches) < 200 and sum(batches) == 200, batches

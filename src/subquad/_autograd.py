@@ -21,6 +21,7 @@ from torch._C import _functorch
 
 from . import _engine
 from ._backends import BACKENDS
+from ._buckets import BATCH_BYTES
 from ._inputs import Inputs
 from ._tiles import Grads, KernelRefused, reduce_to
 
@@ -55,7 +56,13 @@ class _Attention(torch.autograd.Function):
     ) -> Tuple[Tensor, Tensor]:
         inp = dataclasses.replace(meta.inp, query=query, key=key, value=value, attn_mask=attn_mask)
         out, lse = _engine.forward(
-            inp, meta.backend, meta.tiles, meta.seed, need_lse=True, predicted_s=meta.predicted_s
+            inp,
+            meta.backend,
+            meta.tiles,
+            meta.seed,
+            need_lse=True,
+            predicted_s=meta.predicted_s,
+            batch_bytes=min(meta.budget, BATCH_BYTES),
         )
         assert lse is not None
         return out, lse

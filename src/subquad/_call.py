@@ -31,6 +31,7 @@ from . import _engine, _fast
 from ._autograd import Meta, attention_with_grad, is_transformed
 from ._backends import BACKEND_NAMES, BACKENDS, FlexUnavailable, Options, compile_allowed
 from ._backends.fused import grouped_attention
+from ._buckets import BATCH_BYTES
 from ._budget import Budget, format_seconds, resolve_budget
 from ._callbacks import captured_tensors, from_callback
 from ._errors import ArgumentError, ArgumentTypeError
@@ -161,6 +162,8 @@ def prepare(
         sized, opts, budget, backend, estimate_time=estimate_time, shape=None if sized is inp else describe(inp)
     )
     if sized is not inp:  # a packed call: the tiles of every sequence
+        if inp.short_sequences_share_tiles:  # and batches of its short sequences, one at a time
+            plan.predicted_peak_bytes = max(plan.predicted_peak_bytes, min(budget, BATCH_BYTES))
         need_grad = inp.requires_grad or bool(captured)
         plan.tiles = count_tiles(inp, plan.chunk_size, plan.backward_chunk_size if need_grad else None)
         if estimate_time or plan.tiles >= ESTIMATE_TIME_FROM_TILES:
@@ -515,7 +518,13 @@ def _run_tiles_once(
         )
         return attention_with_grad(inp, meta, captured)
     return _engine.forward(
-        inp, plan.backend, forward_tiles, seed, need_lse=opts.return_lse, predicted_s=plan.predicted_seconds
+        inp,
+        plan.backend,
+        forward_tiles,
+        seed,
+        need_lse=opts.return_lse,
+        predicted_s=plan.predicted_seconds,
+        batch_bytes=min(plan.budget_bytes, BATCH_BYTES),
     )
 
 

@@ -20,6 +20,7 @@ from torch import Tensor
 
 from . import mods
 from ._backends import BACKENDS, FusedCPU
+from ._buckets import buckets, run_bucket
 from ._callbacks import EMPTY, FULL, PARTIAL, UNKNOWN, TileStates, evaluated_state
 from ._inputs import Inputs, MaskMod
 from ._tiles import TILES, Grads, Segment
@@ -131,15 +132,21 @@ def forward(
     predicted_s: Optional[float] = None,
     out: Optional[Tensor] = None,
     lse: Optional[Tensor] = None,
+    batch_bytes: int = 0,
 ) -> Tuple[Tensor, Optional[Tensor]]:
     """Attention of the whole call, ``(out (B, Hq, Lq, Ev), lse (B, Hq, Lq) or None)``.
 
-    ``out``/``lse``: tensors (views) to write the result into instead of new ones. Packed
+    ``batch_bytes``: what a batch of a packed call's short sequences may take (its share of the
+    budget; :mod:`subquad._buckets`). ``out``/``lse``: tensors (views) to write the result into
+    instead of new ones. Packed
     sequences run one at a time (:func:`sequence_view`). An interrupt (Ctrl-C) between tiles
     leaves nothing behind: the output is returned only once every tile is done.
     """
     if inp.packed is not None:
-        return _forward_packed(inp, backend, chunk, seed, need_lse, predicted_s)
+        # Batches of short sequences: ``batch_bytes`` (the caller's share of the budget), or what
+        # the planned tiles were predicted to need, whichever is more.
+        limit = max(batch_bytes, BACKENDS[backend].forward_bytes(planning_view(inp), chunk[0], chunk[1], need_lse))
+        return _forward_packed(inp, backend, chunk, seed, need_lse, predicted_s, limit)
     b = BACKENDS[backend]
     q_chunk, kv_chunk = chunk
     B, Hq, Lq = inp.B, inp.Hq, inp.Lq
@@ -230,7 +237,13 @@ def _with_window(inp: Inputs, offset: int) -> Optional[MaskMod]:
 
 
 def _forward_packed(
-    inp: Inputs, backend: str, chunk: Tuple[int, int], seed: int, need_lse: bool, predicted_s: Optional[float]
+    inp: Inputs,
+    backend: str,
+    chunk: Tuple[int, int],
+    seed: int,
+    need_lse: bool,
+    predicted_s: Optional[float],
+    limit: int,
 ) -> Tuple[Tensor, Optional[Tensor]]:
     # Written in the caller's packed layout, (total, Hq, Ev) and (total, Hq), viewed as the engine's.
     rows = torch.empty((inp.Lq, inp.Hq, inp.Ev), dtype=inp.dtype, device=inp.device)
@@ -240,9 +253,14 @@ def _forward_packed(
         lse = torch.empty((inp.Lq, inp.Hq), dtype=inp.stats_dtype, device=inp.device).t().unsqueeze(0)
     p = inp.packed
     assert p is not None
+    shared: set = set()
+    if inp.short_sequences_share_tiles and inp.Lk > 0:
+        for padded, seqs in buckets(inp, chunk).items():
+            run_bucket(inp, seqs, padded, limit, out, lse)
+            shared.update(seqs)
     for s in range(p.n):
         qs, qe, _, _ = p.rows(s)
-        if qe > qs:
+        if qe > qs and s not in shared:
             forward(
                 sequence_view(inp, s),
                 backend,

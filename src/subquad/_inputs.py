@@ -236,6 +236,20 @@ class Inputs:
         return "bool" if self.attn_mask.dtype == torch.bool else "float"
 
     @property
+    def short_sequences_share_tiles(self) -> bool:
+        """Whether a packed call's short sequences run in shared tiles (:mod:`subquad._buckets`):
+        no ``score_mod``, ``mask_mod``, window, mask or dropout."""
+        p = self.packed
+        return (
+            p is not None
+            and p.window is None
+            and self.score_mod is None
+            and self.mask_mod is None
+            and self.attn_mask is None
+            and self.dropout_p == 0.0
+        )
+
+    @property
     def has_callbacks(self) -> bool:
         return self.score_mod is not None or self.mask_mod is not None
 
