@@ -30,14 +30,13 @@ import os
 import pathlib
 import subprocess
 import sys
-import tarfile
 
 import pytest
 
+from _host_snapshots import extract, extract_root, hosts_folder
 from subquad.integrations import a1111
 from subquad.integrations._hosts import MARKER, HostNotFound
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
 WORKER = pathlib.Path(__file__).with_name("_a1111_cases.py")
 WEBUI = "stable-diffusion-webui-1937682a.tar.gz"
 LAYOUT = {  # archive -> where A1111's installer puts its top folder's contents, under the web UI
@@ -51,40 +50,17 @@ CASES = [
 ]
 
 
-def _snapshots():
-    candidates = [os.environ.get("SUBQUAD_HOSTS_DIR"), REPO.parent / "shared" / "hosts", "/work/shared/hosts"]
-    for folder in candidates:
-        if folder and all((pathlib.Path(folder) / name).is_file() for name in [WEBUI, *LAYOUT]):
-            return pathlib.Path(folder)
-    return None
-
-
-def _extract(archive, dest, strip=False):
-    with tarfile.open(archive) as tar:
-        members = tar.getmembers()
-        if strip:  # drop the archive's top folder (stablediffusion/, generative-models/)
-            for member in members:
-                member.name = member.name.partition("/")[2]
-            members = [m for m in members if m.name]
-        if hasattr(tarfile, "data_filter"):
-            tar.extractall(dest, members=members, filter="data")
-        else:  # pragma: no cover - Python < 3.11.4
-            tar.extractall(dest, members=members)
-
-
 @pytest.fixture(scope="module")
 def webui_root(tmp_path_factory):
-    folder = _snapshots()
+    folder = hosts_folder(WEBUI, *LAYOUT)
     if folder is None:
         pytest.skip(
             f"no A1111 snapshots ({WEBUI}, {', '.join(LAYOUT)}); set SUBQUAD_HOSTS_DIR to the folder that holds them"
         )
-    dest = tmp_path_factory.mktemp("a1111")
-    _extract(folder / WEBUI, dest)
-    (root,) = [p for p in dest.iterdir() if p.is_dir()]
+    root = extract_root(folder / WEBUI, tmp_path_factory.mktemp("a1111"))
     for archive, under in LAYOUT.items():
         (root / under).mkdir(parents=True)
-        _extract(folder / archive, root / under, strip=True)
+        extract(folder / archive, root / under, strip=True)  # without the archive's top folder
     return root
 
 

@@ -26,14 +26,13 @@ import os
 import pathlib
 import subprocess
 import sys
-import tarfile
 
 import pytest
 
+from _host_snapshots import extract_root, hosts_folder
 from subquad.integrations import comfyui
 from subquad.integrations._hosts import MARKER, HostNotFound
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
 WORKER = pathlib.Path(__file__).with_name("_comfyui_cases.py")
 SNAPSHOT = "ComfyUI-a125cd84.tar.gz"
 CASES = [
@@ -43,27 +42,12 @@ CASES = [
 ]
 
 
-def _snapshot():
-    candidates = [os.environ.get("SUBQUAD_HOSTS_DIR"), REPO.parent / "shared" / "hosts", "/work/shared/hosts"]
-    for folder in candidates:
-        if folder and (pathlib.Path(folder) / SNAPSHOT).is_file():
-            return pathlib.Path(folder) / SNAPSHOT
-    return None
-
-
 @pytest.fixture(scope="module")
 def comfyui_root(tmp_path_factory):
-    archive = _snapshot()
-    if archive is None:
+    folder = hosts_folder(SNAPSHOT)
+    if folder is None:
         pytest.skip(f"no ComfyUI snapshot ({SNAPSHOT}); set SUBQUAD_HOSTS_DIR to the folder that holds it")
-    dest = tmp_path_factory.mktemp("comfyui")
-    with tarfile.open(archive) as tar:
-        if hasattr(tarfile, "data_filter"):
-            tar.extractall(dest, filter="data")
-        else:  # pragma: no cover - Python < 3.11.4
-            tar.extractall(dest)
-    (root,) = [p for p in dest.iterdir() if p.is_dir()]
-    return root
+    return extract_root(folder / SNAPSHOT, tmp_path_factory.mktemp("comfyui"))
 
 
 @pytest.fixture(scope="module")

@@ -7,18 +7,15 @@ status, that it can run twice, and that a wrong folder gets one line and status 
 
 from __future__ import annotations
 
-import os
-import pathlib
 import subprocess
 import sys
-import tarfile
 
 import pytest
 
+from _host_snapshots import extract_root, hosts_folder
 from subquad._cli import main
 from subquad.integrations._hosts import MARKER
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
 SNAPSHOTS = {
     "comfyui": ("ComfyUI-a125cd84.tar.gz", "custom_nodes"),
     "a1111": ("stable-diffusion-webui-1937682a.tar.gz", "extensions"),
@@ -27,17 +24,10 @@ SNAPSHOTS = {
 
 def _host_folder(tmp_path_factory, host):
     name = SNAPSHOTS[host][0]
-    for folder in (os.environ.get("SUBQUAD_HOSTS_DIR"), REPO.parent / "shared" / "hosts", "/work/shared/hosts"):
-        archive = pathlib.Path(folder) / name if folder else None
-        if archive is not None and archive.is_file():
-            break
-    else:
+    folder = hosts_folder(name)
+    if folder is None:
         pytest.skip(f"no {host} snapshot ({name}); set SUBQUAD_HOSTS_DIR to the folder that holds it")
-    dest = tmp_path_factory.mktemp(host)
-    with tarfile.open(archive) as tar:
-        tar.extractall(dest, filter="data")
-    (root,) = [p for p in dest.iterdir() if p.is_dir()]
-    return root
+    return extract_root(folder / name, tmp_path_factory.mktemp(host))
 
 
 @pytest.mark.parametrize("host", list(SNAPSHOTS))

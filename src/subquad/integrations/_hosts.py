@@ -10,14 +10,39 @@ user's own folder of the same name is never deleted, and ``install`` twice rewri
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 from typing import Dict, Optional, Sequence
 
+from .._budget import Budget, parse_budget
 from .._errors import ArgumentError
 from .._version import __version__
 
 MARKER = ".subquad-installed"
+
+ENV_BUDGET = "SUBQUAD_MEMORY_BUDGET"
+"""The environment variable both hosts read a memory budget from when nothing else sets one."""
+
+
+def checked_budget(text: object, where: str) -> Budget:
+    """``text`` as a memory budget (``None`` when empty), checked now: a typo in a host's setting
+    is refused with ``where`` it came from, not at the first attention call."""
+    value = str(text or "").strip()
+    if not value:
+        return None
+    try:
+        parse_budget(value)
+    except ArgumentError as e:
+        raise ArgumentError(f"{where} is {value!r}, not a memory budget: {e}") from None
+    return value
+
+
+def env_budget() -> Budget:
+    """The budget of ``SUBQUAD_MEMORY_BUDGET`` (``None`` when unset or empty)."""
+    return checked_budget(os.environ.get(ENV_BUDGET), f"the environment variable {ENV_BUDGET}")
+
+
 """The file that marks a folder as written by ``subquad install`` (it holds subquad's version)."""
 
 

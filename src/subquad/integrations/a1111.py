@@ -40,7 +40,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
-import os
 import sys
 from pathlib import Path
 from typing import Any, ContextManager, Dict, List, Optional
@@ -50,9 +49,9 @@ from torch import Tensor
 
 import subquad
 
-from .._budget import Budget, parse_budget
+from .._budget import Budget
 from .._errors import ArgumentError
-from ._hosts import HostNotFound, find_host, remove_folder, write_folder
+from ._hosts import ENV_BUDGET, HostNotFound, checked_budget, env_budget, find_host, remove_folder, write_folder
 
 __all__ = [
     "NAME",
@@ -88,7 +87,6 @@ takes the highest priority, never picks subquad; only choosing it does."""
 SETTING = "subquad_memory_budget"
 """The key of the setting "subquad memory budget" in ``shared.opts`` (a string such as ``512MiB``)."""
 
-ENV_BUDGET = "SUBQUAD_MEMORY_BUDGET"
 
 MARKERS = ("webui.py", "modules/script_callbacks.py", "modules/sd_hijack_optimizations.py")
 """What makes a folder an AUTOMATIC1111 checkout for :func:`install` (``extensions/`` is created if absent)."""
@@ -117,18 +115,8 @@ def memory_budget() -> Budget:
         ArgumentError: the setting or the variable is not a memory budget (says which, and why).
     """
     opts = _module("modules.shared").opts
-    text = str(getattr(opts, SETTING, None) or "").strip()
-    where = f'the setting "subquad memory budget" ({SETTING})'
-    if not text:
-        text = os.environ.get(ENV_BUDGET, "").strip()
-        where = f"the environment variable {ENV_BUDGET}"
-    if not text:
-        return None
-    try:
-        parse_budget(text)
-    except ArgumentError as e:
-        raise ArgumentError(f"{where} is {text!r}, not a memory budget: {e}") from None
-    return text
+    setting = checked_budget(getattr(opts, SETTING, None), f'the setting "subquad memory budget" ({SETTING})')
+    return setting if setting is not None else env_budget()
 
 
 def _autocast_off(device_type: str) -> ContextManager[Any]:

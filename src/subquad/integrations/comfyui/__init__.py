@@ -31,7 +31,8 @@ default mode), ``_install`` (``subquad install comfyui``).
 
 from __future__ import annotations
 
-from ._attention import ENV_BUDGET, attention, set_memory_budget, vae_attention
+from .._hosts import ENV_BUDGET
+from ._attention import attention, set_memory_budget, vae_attention
 from ._default import ENV_DEFAULT, NAME, disable_default, enable_default, register
 from ._hooks import Hooks, HostUnsupported, hooks
 from ._install import FOLDER, MARKERS, install, uninstall

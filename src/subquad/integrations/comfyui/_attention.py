@@ -2,13 +2,12 @@
 
 Nothing here imports ComfyUI: these run anywhere torch does. The rest of the package may use
 :func:`attention`, :func:`vae_attention`, :func:`resolve_budget`, :func:`node_budget`,
-:func:`set_memory_budget`, ``ENV_BUDGET`` and the callables ComfyUI's hooks take
+:func:`set_memory_budget` and the callables ComfyUI's hooks take
 (:class:`Override`, :class:`Replace`, :class:`VaeAttention`).
 """
 
 from __future__ import annotations
 
-import os
 import sys
 from typing import Any, Callable, Dict, List, Optional
 
@@ -19,8 +18,8 @@ import subquad
 
 from ..._budget import Budget, parse_budget
 from ..._errors import ArgumentError
+from .._hosts import env_budget
 
-ENV_BUDGET = "SUBQUAD_MEMORY_BUDGET"
 _ATTENTION = "comfy.ldm.modules.attention"  # = _hooks.ATTENTION (_hooks imports this module)
 _SETTING: List[Budget] = []  # [budget] once set_memory_budget() was given one
 
@@ -44,14 +43,7 @@ def resolve_budget(memory_budget: Budget) -> Budget:
         return memory_budget
     if _SETTING:
         return _SETTING[0]
-    text = os.environ.get(ENV_BUDGET, "").strip()
-    if not text:
-        return None
-    try:
-        parse_budget(text)
-    except ArgumentError as e:
-        raise ArgumentError(f"The environment variable {ENV_BUDGET}={text!r} is not a memory budget: {e}") from None
-    return text
+    return env_budget()
 
 
 def node_budget(text: str) -> Budget:

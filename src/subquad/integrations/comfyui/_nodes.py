@@ -15,7 +15,8 @@ from typing import Any, Dict, List, Tuple
 import torch
 
 from ..._budget import Budget, parse_budget
-from ._attention import ENV_BUDGET, Override, Replace, VaeAttention, node_budget, vae_attention
+from .._hosts import ENV_BUDGET
+from ._attention import Override, Replace, VaeAttention, node_budget, vae_attention
 from ._hooks import VAE, hooks, unsupported
 
 _log = logging.getLogger(__name__)
