@@ -53,12 +53,9 @@ class _CountTolist:
 
 
 # ----------------------------------------------------------------- defect 7: the tile loop
-def test_a_document_mask_on_a_gpu_reads_its_tile_states_once_not_per_tile(monkeypatch):
-    # Before: document(ids).block_state per tile, two bool(tensor) waits each (322 waits here).
-    L, c = 1024, 64  # 16 x 16 tiles
-    q, k, v = _qkv(L)
-    mask = mods.and_masks(mods.causal(), mods.document(_documents(L, 100)))
-    golden = naive_attention(q, k, v, mask_mod=mask)
+def _on_cpu_then_cuda(monkeypatch, q, k, v, mask, c):
+    """The call's tiles on the CPU, then with the CUDA branches forced: ``(cpu out, cpu tile
+    counts, cuda out, state reads, op recorder)``."""
     TILES.reset()
     cpu = subquad.attention(q, k, v, mask_mod=mask, backend="matmul", chunk_size=c)
     on_cpu = (TILES.computed, TILES.skipped)
@@ -67,6 +64,16 @@ def test_a_document_mask_on_a_gpu_reads_its_tile_states_once_not_per_tile(monkey
     TILES.reset()
     with OpRecorder() as rec:
         out = subquad.attention(q, k, v, mask_mod=mask, backend="matmul", chunk_size=c)
+    return cpu, on_cpu, out, reads, rec
+
+
+def test_a_document_mask_on_a_gpu_reads_its_tile_states_once_not_per_tile(monkeypatch):
+    # Before: document(ids).block_state per tile, two bool(tensor) waits each (322 waits here).
+    L, c = 1024, 64  # 16 x 16 tiles
+    q, k, v = _qkv(L)
+    mask = mods.and_masks(mods.causal(), mods.document(_documents(L, 100)))
+    golden = naive_attention(q, k, v, mask_mod=mask)
+    cpu, on_cpu, out, reads, rec = _on_cpu_then_cuda(monkeypatch, q, k, v, mask, c)
     assert rec.syncs == 0, rec.summary()
     assert reads.calls <= 1  # the grid's states, once for the call
     assert (TILES.computed, TILES.skipped) == on_cpu and TILES.skipped > 100
@@ -81,14 +88,7 @@ def test_a_hand_written_mask_on_a_gpu_is_evaluated_a_block_row_at_a_time(monkeyp
     ids = _documents(L, 150)
     mask = mods.and_masks(mods.causal(), _hand_written_document(ids))
     golden = naive_attention(q, k, v, mask_mod=mask)
-    TILES.reset()
-    subquad.attention(q, k, v, mask_mod=mask, backend="matmul", chunk_size=c)
-    on_cpu = (TILES.computed, TILES.skipped)
-    as_device(monkeypatch, "cuda")
-    reads = _CountTolist(monkeypatch)
-    TILES.reset()
-    with OpRecorder() as rec:
-        out = subquad.attention(q, k, v, mask_mod=mask, backend="matmul", chunk_size=c)
+    _, on_cpu, out, reads, rec = _on_cpu_then_cuda(monkeypatch, q, k, v, mask, c)
     assert rec.syncs == 0, rec.summary()
     assert reads.calls <= 1 + L // c  # the declared grid, then one read per block row
     assert (TILES.computed, TILES.skipped) == on_cpu

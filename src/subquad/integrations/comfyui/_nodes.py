@@ -145,19 +145,24 @@ class SubquadModelAttention:
         return {
             "required": {
                 "model": ("MODEL", {"tooltip": "The diffusion model (SD1.x, SDXL, Flux, SD3, ...)."}),
-                "memory_budget": (
-                    "STRING",
-                    {
-                        "default": "",
-                        "tooltip": "Extra memory one attention call may use, e.g. 512MiB or 2GB. "
-                        f"Empty: {ENV_BUDGET} if set, else half the device's free memory.",
-                    },
-                ),
+                "memory_budget": _budget_input("512MiB or 2GB"),
             }
         }
 
     def patch(self, model: Any, memory_budget: str = "") -> Tuple[Any]:
         return (patch_model(model, node_budget(memory_budget)),)
+
+
+def _budget_input(examples: str) -> Tuple[str, Dict[str, str]]:
+    """A node's ``memory_budget`` input: a string, empty by default."""
+    return (
+        "STRING",
+        {
+            "default": "",
+            "tooltip": f"Extra memory one attention call may use, e.g. {examples}. "
+            f"Empty: {ENV_BUDGET} if set, else half the device's free memory.",
+        },
+    )
 
 
 class SubquadVAEAttention:
@@ -176,14 +181,7 @@ class SubquadVAEAttention:
         return {
             "required": {
                 "vae": ("VAE",),
-                "memory_budget": (
-                    "STRING",
-                    {
-                        "default": "",
-                        "tooltip": "Extra memory one attention call may use, e.g. 256MiB. "
-                        f"Empty: {ENV_BUDGET} if set, else half the device's free memory.",
-                    },
-                ),
+                "memory_budget": _budget_input("256MiB"),
             }
         }
 
