@@ -16,7 +16,7 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Any, Callable, Dict
+from typing import Any, Callable, Dict, Optional, Sequence
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -75,7 +75,7 @@ def _child(spec: Dict[str, Any]) -> Dict[str, Any]:
             result["peak_extra_bytes"] = (_status_kib("VmHWM") - base) * 1024
         del out
         result["status"] = "ok"
-    except Exception as e:  # noqa: BLE001 - an OOM or a refusal is a result, not a crash
+    except Exception as e:
         msg = f"{type(e).__name__}: {e}".splitlines()[0][:300]
         result["status"] = "oom" if "memory" in msg.lower() else "error"
         result["reason"] = msg
@@ -92,7 +92,9 @@ def _nbytes(out: Any) -> int:
     return 0
 
 
-def measure(target: str, kwargs: Dict[str, Any], repeats: int = 3, timeout: float = 900, **extra: Any) -> Dict[str, Any]:
+def measure(
+    target: str, kwargs: Dict[str, Any], repeats: int = 3, timeout: float = 900, **extra: Any
+) -> Dict[str, Any]:
     """Run ``target`` (``"module:factory"``; the factory builds inputs and returns a no-arg callable)
     with ``kwargs`` in fresh processes and return its timing and peak memory.
 
@@ -118,9 +120,16 @@ def _run_child(spec: Dict[str, Any], timeout: float, honest_rss: bool) -> Dict[s
     env["PYTHONPATH"] = os.pathsep.join([HERE, os.path.dirname(HERE), env.get("PYTHONPATH", "")])
     try:
         proc = subprocess.run(
-            [sys.executable, "-c", "import sys, json, _harness as h; print('@@' + json.dumps(h._child(json.loads(sys.argv[1]))))",
-             json.dumps(spec)],
-            capture_output=True, text=True, env=env, timeout=timeout,
+            [
+                sys.executable,
+                "-c",
+                "import sys, json, _harness as h; print('@@' + json.dumps(h._child(json.loads(sys.argv[1]))))",
+                json.dumps(spec),
+            ],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=timeout,
         )
     except subprocess.TimeoutExpired:
         return {"status": "timeout", "reason": f"exceeded {timeout:.0f} s"}
@@ -138,3 +147,74 @@ def fmt_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} GiB"
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared by the scripts that run their own children (hosts_comfyui.py, hosts_a1111.py, bench_ring.py)
+
+
+def status_bytes(field: str) -> int:
+    """A field of ``/proc/self/status`` (``VmRSS``, ``VmHWM``) in bytes."""
+    return _status_kib(field) * 1024
+
+
+def reset_hwm() -> None:
+    """Reset the process's RSS high-water mark (``VmHWM``)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def fmt_gib(n: Optional[float]) -> str:
+    """``n`` bytes as GiB from 1 GiB up, else MiB; ``-`` for ``None``."""
+    if n is None:
+        return "-"
+    return f"{n / 2**30:.2f} GiB" if abs(n) >= 2**30 else f"{n / 2**20:.0f} MiB"
+
+
+def machine() -> Dict[str, Any]:
+    """What ran a benchmark: date, CPU model, cores, threads, memory, torch, subquad, Python."""
+    import datetime
+    import platform
+
+    import torch
+
+    import subquad
+
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "cpu": cpu,
+        "cpus": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+        "torch": torch.__version__,
+        "subquad": subquad.__version__,
+        "python": platform.python_version(),
+    }
+
+
+def run_script_child(script: str, spec: Dict[str, Any], timeout: float, drop_env: Sequence[str] = ()) -> Dict[str, Any]:
+    """Run ``script --child <spec as JSON>`` in a fresh process (large frees go back to the OS) and
+    return the last JSON line it prints, with ``process_seconds``; or ``status`` timeout, killed
+    (out of memory) or error, with the reason."""
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072")
+    for name in drop_env:
+        env.pop(name, None)
+    cmd = [sys.executable, os.path.abspath(script), "--child", json.dumps(spec)]
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"status": "timeout", "reason": f"over {timeout:.0f} s"}
+    wall = time.perf_counter() - start
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode == 0 and rows:
+        return dict(json.loads(rows[-1]), process_seconds=wall)
+    tail = (proc.stderr or "").strip().splitlines()[-1:] or [f"exit code {proc.returncode}"]
+    killed = proc.returncode in (-9, 137) or "memory" in tail[0].lower()
+    return {"status": "killed" if killed else "error", "reason": tail[0][:300], "returncode": proc.returncode}

@@ -38,7 +38,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 B, H, E = 1, 8, 64
 
 sys.path.insert(0, HERE)
-from _harness import _status_kib  # noqa: E402
+from _harness import _status_kib, machine  # noqa: E402
 
 
 def _count_sends(counter: Dict[str, int]) -> None:
@@ -190,8 +190,10 @@ def _run(P: int, cfg: Dict[str, Any]) -> Dict[str, Any]:
     try:
         with tempfile.TemporaryDirectory() as d:
             try:
-                mp.start_processes(_worker_entry, args=(P, _free_port(), cfg, d), nprocs=P, join=True, start_method="spawn")
-            except Exception as e:  # noqa: BLE001 - an OOM or a refusal is a result, not a crash
+                mp.start_processes(
+                    _worker_entry, args=(P, _free_port(), cfg, d), nprocs=P, join=True, start_method="spawn"
+                )
+            except Exception as e:
                 return {"failed": f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:200]}"}
             ranks = []
             for r in range(P):
@@ -217,7 +219,7 @@ def _worker_entry(rank: int, P: int, port: int, cfg: Dict[str, Any], d: str) -> 
 def _peer_available() -> bool:
     try:
         import ring_attention_pytorch  # noqa: F401
-    except Exception:  # noqa: BLE001
+    except Exception:
         return False
     return True
 
@@ -227,7 +229,9 @@ def main() -> None:
     ap.add_argument("--lengths", type=int, nargs="+", default=[16384, 32768])
     ap.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--modes", nargs="+", default=["forward", "train"], choices=["forward", "train"])
-    ap.add_argument("--impls", nargs="+", default=["one-process", "subquad-ring", "subquad-ulysses", "ring-attention-pytorch"])
+    ap.add_argument(
+        "--impls", nargs="+", default=["one-process", "subquad-ring", "subquad-ulysses", "ring-attention-pytorch"]
+    )
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args()
@@ -251,23 +255,9 @@ def main() -> None:
                         print(_line(row), flush=True)
     _table(rows)
     if args.out:
-        meta = dict(machine=_machine(), shape=dict(B=B, H=H, E=E), dtype="float32", causal=True, repeats=args.repeats)
+        meta = dict(machine=machine(), shape=dict(B=B, H=H, E=E), dtype="float32", causal=True, repeats=args.repeats)
         with open(args.out, "w") as f:
             json.dump(dict(meta=meta, rows=rows), f, indent=1)
-
-
-def _machine() -> Dict[str, Any]:
-    import platform
-
-    import torch
-
-    cpu = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return dict(cpu=cpu, cores=os.cpu_count(), torch=torch.__version__, python=sys.version.split()[0])
 
 
 def _mib(n: Any) -> str:
@@ -278,8 +268,10 @@ def _line(r: Dict[str, Any]) -> str:
     if "failed" in r:
         return f"{r['impl']:>22} P={r['ranks']} L={r['length']} {r['mode']:>7}: failed ({r['failed']})"
     err = f"{r['error']:.1e}" if "error" in r else "-"
-    return (f"{r['impl']:>22} P={r['ranks']} L={r['length']} {r['mode']:>7}: {r['seconds']:.2f} s, "
-            f"peak/rank {_mib(r.get('peak'))}, sent/rank {_mib(r.get('bytes_sent', 0))}, max error {err}")
+    return (
+        f"{r['impl']:>22} P={r['ranks']} L={r['length']} {r['mode']:>7}: {r['seconds']:.2f} s, "
+        f"peak/rank {_mib(r.get('peak'))}, sent/rank {_mib(r.get('bytes_sent', 0))}, max error {err}"
+    )
 
 
 def _table(rows: List[Dict[str, Any]]) -> None:
@@ -294,8 +286,10 @@ def _table(rows: List[Dict[str, Any]]) -> None:
         t_ratio = f"{r['seconds'] / b['seconds']:.2f}x" if b else "-"
         m_ratio = f"{r['peak'] / b['peak']:.2f}x" if b and r.get("peak") and b.get("peak") else "-"
         err = f"{r['error']:.1e}" if "error" in r else "-"
-        print(f"| {r['impl']} | {r['ranks']} | {r['length']} | {r['mode']} | {r['seconds']:.2f} s | {t_ratio} | "
-              f"{_mib(r.get('peak'))} | {m_ratio} | {_mib(r.get('bytes_sent', 0))} | {err} |")
+        print(
+            f"| {r['impl']} | {r['ranks']} | {r['length']} | {r['mode']} | {r['seconds']:.2f} s | {t_ratio} | "
+            f"{_mib(r.get('peak'))} | {m_ratio} | {_mib(r.get('bytes_sent', 0))} | {err} |"
+        )
 
 
 if __name__ == "__main__":

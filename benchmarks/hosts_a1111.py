@@ -32,17 +32,16 @@ min-max spread. A run the kernel kills for memory is a result ("killed").
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import tarfile
 import tempfile
 import time
 from typing import Any, Dict, List, Optional
+
+from _harness import fmt_gib, machine, run_script_child, status_bytes
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -78,14 +77,6 @@ STAND_INS = frozenset(
 
 # ---------------------------------------------------------------------------------------------
 # The child: one measurement in a fresh process
-
-
-def _status_bytes(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{field} not in /proc/self/status")
 
 
 def _start_webui(root: str) -> Dict[str, Any]:
@@ -212,13 +203,13 @@ def child(spec: Dict[str, Any]) -> Dict[str, Any]:
     with torch.no_grad():
         out = run(min(side, 16))
         del out
-        before = _status_bytes("VmRSS")
+        before = status_bytes("VmRSS")
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
         start = time.perf_counter()
         out = run(side)
         seconds = time.perf_counter() - start
-        peak = _status_bytes("VmHWM") - before
+        peak = status_bytes("VmHWM") - before
         del out
     return {
         "status": "ok",
@@ -231,25 +222,6 @@ def child(spec: Dict[str, Any]) -> Dict[str, Any]:
 
 # ---------------------------------------------------------------------------------------------
 # The parent: rounds of fresh processes, then the tables
-
-
-def _run_child(spec: Dict[str, Any], timeout: float) -> Dict[str, Any]:
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072")
-    for name in ("SUBQUAD_MEMORY_BUDGET", "COMMANDLINE_ARGS", "ATTN_PRECISION"):
-        env.pop(name, None)
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", json.dumps(spec)]
-    start = time.perf_counter()
-    try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {"status": "timeout", "reason": f"over {timeout:.0f} s"}
-    wall = time.perf_counter() - start
-    rows = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    if proc.returncode == 0 and rows:
-        return dict(json.loads(rows[-1]), process_seconds=wall)
-    tail = (proc.stderr or "").strip().splitlines()[-1:] or [f"exit code {proc.returncode}"]
-    killed = proc.returncode in (-9, 137) or "memory" in tail[0].lower()
-    return {"status": "killed" if killed else "error", "reason": tail[0][:300], "returncode": proc.returncode}
 
 
 def _extract(tmp: str) -> str:
@@ -271,29 +243,6 @@ def _extract(tmp: str) -> str:
                     tar.extractall(os.path.join(root, under), members=[m for m in members if m.name], filter="data")
             return root
     raise SystemExit(f"no {WEBUI} and {', '.join(LAYOUT)}: pass --webui DIR or set SUBQUAD_HOSTS_DIR")
-
-
-def _machine() -> Dict[str, Any]:
-    import torch
-
-    import subquad
-
-    cpu = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return {
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "cpu": cpu,
-        "cpus": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
-        "torch": torch.__version__,
-        "subquad": subquad.__version__,
-        "python": platform.python_version(),
-    }
 
 
 def _mps_plans(blocks: List[Any]) -> List[str]:
@@ -321,12 +270,6 @@ def _mps_plans(blocks: List[Any]) -> List[str]:
                     f"- {name}, {which}-attention `{(b, h, q_len, k_len, e)}`, budget 256MiB: " + "; ".join(head)
                 )
     return lines
-
-
-def _fmt_bytes(n: Optional[float]) -> str:
-    if n is None:
-        return "-"
-    return f"{n / 2**30:.2f} GiB" if abs(n) >= 2**30 else f"{n / 2**20:.0f} MiB"
 
 
 def _summary(runs: List[Dict[str, Any]]) -> Dict[str, Any]:
@@ -379,7 +322,7 @@ def _markdown(result: Dict[str, Any]) -> str:
         fw = s["forwards"]["CrossAttention" if job["kind"] == "transformer" else "AttnBlock"]
         out.append(
             f"| {job['name']} | {job['variant']} | {s['seconds']:.3f} s ({s['seconds_min']:.3f}-{s['seconds_max']:.3f}) "
-            f"| {speed} | {_fmt_bytes(s['peak'])} ({_fmt_bytes(s['peak_min'])}-{_fmt_bytes(s['peak_max'])}) | `{fw}` |"
+            f"| {speed} | {fmt_gib(s['peak'])} ({fmt_gib(s['peak_min'])}-{fmt_gib(s['peak_max'])}) | `{fw}` |"
         )
     out += [
         "",
@@ -457,11 +400,16 @@ def main(argv: Optional[List[str]] = None) -> int:
         for r in range(args.rounds):
             order = jobs[r % len(jobs) :] + jobs[: r % len(jobs)]
             for job in order:
-                row = _run_child(dict(job, root=root), args.timeout)
+                row = run_script_child(
+                    __file__,
+                    dict(job, root=root),
+                    args.timeout,
+                    ("SUBQUAD_MEMORY_BUDGET", "COMMANDLINE_ARGS", "ATTN_PRECISION"),
+                )
                 row["round"] = r
                 runs[_key(job)].append(row)
                 shown = (
-                    f"{row['seconds']:.3f} s, peak +{_fmt_bytes(row['peak_growth_bytes'])}"
+                    f"{row['seconds']:.3f} s, peak +{fmt_gib(row['peak_growth_bytes'])}"
                     if row["status"] == "ok"
                     else f"{row['status']}: {row.get('reason', '')}"
                 )
@@ -474,7 +422,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     result = {
         "argv": list(argv if argv is not None else sys.argv[1:]),
         "args": {k: v for k, v in vars(args).items() if k != "child"},
-        "machine": _machine(),
+        "machine": machine(),
         "jobs": {_key(j): j for j in jobs},
         "runs": runs,
         "summary": {k: _summary(v) for k, v in runs.items()},

@@ -31,17 +31,16 @@ so a row shows what really ran. A run the kernel kills for memory is a result ("
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import tarfile
 import tempfile
 import time
 from typing import Any, Dict, List, Optional
+
+from _harness import fmt_gib, machine, reset_hwm, run_script_child, status_bytes
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -90,14 +89,6 @@ TINY_UNET = {  # SD15's config with tiny widths (as tests/_comfyui_cases.py)
 
 # ---------------------------------------------------------------------------------------------
 # The child: one measurement in a fresh process
-
-
-def _status_bytes(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{field} not in /proc/self/status")
 
 
 def _import_comfyui(root: str, pytorch_attention: bool) -> Dict[str, Any]:
@@ -165,30 +156,25 @@ class _Marks:
 
     def start(self) -> None:
         self.marks, self.attention = [], []
-        self.before = _status_bytes("VmRSS")
-        _reset_hwm()
+        self.before = status_bytes("VmRSS")
+        reset_hwm()
 
     def peak_growth(self) -> int:
-        return max(self.marks + [_status_bytes("VmHWM")]) - self.before
+        return max(self.marks + [status_bytes("VmHWM")]) - self.before
 
     def measured(self, fn: Any) -> Any:
         def wrapper(q: Any, k: Any, v: Any, **kwargs: Any) -> Any:
-            self.marks.append(_status_bytes("VmHWM"))
-            before = _status_bytes("VmRSS")
-            _reset_hwm()
+            self.marks.append(status_bytes("VmHWM"))
+            before = status_bytes("VmRSS")
+            reset_hwm()
             out = fn(q, k, v, **kwargs)
-            growth = _status_bytes("VmHWM") - before
+            growth = status_bytes("VmHWM") - before
             self.attention.append(
                 {"growth": growth, "output": out.numel() * out.element_size(), "tokens": q[0, 0].numel()}
             )
             return out
 
         return wrapper
-
-
-def _reset_hwm() -> None:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
 
 
 def child(spec: Dict[str, Any]) -> Dict[str, Any]:
@@ -292,25 +278,6 @@ def child(spec: Dict[str, Any]) -> Dict[str, Any]:
 # The parent: rounds of fresh processes, then the tables
 
 
-def _run_child(spec: Dict[str, Any], timeout: float) -> Dict[str, Any]:
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072")
-    for name in ("SUBQUAD_COMFYUI_DEFAULT", "SUBQUAD_MEMORY_BUDGET"):
-        env.pop(name, None)
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", json.dumps(spec)]
-    start = time.perf_counter()
-    try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {"status": "timeout", "reason": f"over {timeout:.0f} s"}
-    wall = time.perf_counter() - start
-    rows = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    if proc.returncode == 0 and rows:
-        return dict(json.loads(rows[-1]), process_seconds=wall)
-    tail = (proc.stderr or "").strip().splitlines()[-1:] or [f"exit code {proc.returncode}"]
-    killed = proc.returncode in (-9, 137) or "memory" in tail[0].lower()
-    return {"status": "killed" if killed else "error", "reason": tail[0][:300], "returncode": proc.returncode}
-
-
 def _jobs(args: argparse.Namespace) -> List[Dict[str, Any]]:
     jobs = []
     if "unet" in args.only:
@@ -343,29 +310,6 @@ def _extract(tmp: str) -> str:
     raise SystemExit(f"no {SNAPSHOT}: pass --comfyui DIR or set SUBQUAD_HOSTS_DIR")
 
 
-def _machine() -> Dict[str, Any]:
-    import torch
-
-    import subquad
-
-    cpu = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return {
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "cpu": cpu,
-        "cpus": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
-        "torch": torch.__version__,
-        "subquad": subquad.__version__,
-        "python": platform.python_version(),
-    }
-
-
 def _mps_plans() -> List[str]:
     """What subquad's planner would run on Apple MPS for these calls (fp16; the device simulated)."""
     from unittest import mock
@@ -391,12 +335,6 @@ def _mps_plans() -> List[str]:
             head = [line.strip() for line in str(plan).splitlines()[1:3]]
             lines.append(f"- {label} `{(b, h, lq, lk, e)}`, budget {budget}: " + "; ".join(head))
     return lines
-
-
-def _fmt_bytes(n: Optional[float]) -> str:
-    if n is None:
-        return "-"
-    return f"{n / 2**30:.2f} GiB" if abs(n) >= 2**30 else f"{n / 2**20:.0f} MiB"
 
 
 def _summary(runs: List[Dict[str, Any]]) -> Dict[str, Any]:
@@ -460,7 +398,7 @@ def _markdown(result: Dict[str, Any]) -> str:
             speed = f"{base['seconds'] / s['seconds']:.2f}x" if "seconds" in base else "-"
             out.append(
                 f"| {job['batch']} | {job['variant']} | {s['seconds']:.2f} s ({s['seconds_min']:.2f}-{s['seconds_max']:.2f}) "
-                f"| {speed} | {_fmt_bytes(s['peak'])} ({_fmt_bytes(s['peak_min'])}-{_fmt_bytes(s['peak_max'])}) "
+                f"| {speed} | {fmt_gib(s['peak'])} ({fmt_gib(s['peak_min'])}-{fmt_gib(s['peak_max'])}) "
                 f"| {_calls(s['calls'])} |"
             )
         out.append("")
@@ -501,8 +439,8 @@ def _markdown(result: Dict[str, Any]) -> str:
                 continue
             out.append(
                 f"| {job['size']} px | {job['variant']} | {s['seconds']:.2f} s ({s['seconds_min']:.2f}-{s['seconds_max']:.2f}) "
-                f"| {_fmt_bytes(s['peak'])} ({_fmt_bytes(s['peak_min'])}-{_fmt_bytes(s['peak_max'])}) "
-                f"| {_fmt_bytes(s['attention_extra'])} ({_fmt_bytes(s['attention_extra_max'])}) | {_calls(s['calls'])} |"
+                f"| {fmt_gib(s['peak'])} ({fmt_gib(s['peak_min'])}-{fmt_gib(s['peak_max'])}) "
+                f"| {fmt_gib(s['attention_extra'])} ({fmt_gib(s['attention_extra_max'])}) | {_calls(s['calls'])} |"
             )
         out.append("")
     out += [
@@ -538,7 +476,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         help="pixels of the whole decode (default 512: from 1024 px the float32 decoder's convolutions alone "
         "outgrow a 24 GiB machine, whatever the attention; 64,128 with --quick)",
     )
-    p.add_argument("--vae-mid-sizes", help="pixels of the middle-block runs (default 512,1024,2048; 64,128 with --quick)")
+    p.add_argument(
+        "--vae-mid-sizes", help="pixels of the middle-block runs (default 512,1024,2048; 64,128 with --quick)"
+    )
     p.add_argument("--timeout", type=float, default=3600, help="seconds one run may take")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -586,11 +526,13 @@ def main(argv: Optional[List[str]] = None) -> int:
             order = jobs[r % len(jobs) :] + jobs[: r % len(jobs)] if jobs else []
             for job in order:
                 spec = dict(job, root=root, quick=args.quick)
-                row = _run_child(spec, args.timeout)
+                row = run_script_child(
+                    __file__, spec, args.timeout, ("SUBQUAD_COMFYUI_DEFAULT", "SUBQUAD_MEMORY_BUDGET")
+                )
                 row["round"] = r
                 runs[_key(job)].append(row)
                 shown = (
-                    f"{row['seconds']:.2f} s, peak +{_fmt_bytes(row['peak_growth_bytes'])}, {_calls(row['calls'])}"
+                    f"{row['seconds']:.2f} s, peak +{fmt_gib(row['peak_growth_bytes'])}, {_calls(row['calls'])}"
                     if row["status"] == "ok"
                     else f"{row['status']}: {row.get('reason', '')}"
                 )
@@ -605,7 +547,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         "stem": stem,
         "argv": list(argv if argv is not None else sys.argv[1:]),
         "args": {k: v for k, v in vars(args).items() if k != "child"},
-        "machine": _machine(),
+        "machine": machine(),
         "comfyui_version": version,
         "jobs": {_key(j): j for j in jobs},
         "runs": runs,
