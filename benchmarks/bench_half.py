@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import statistics
 import subprocess
@@ -31,6 +30,9 @@ import torch
 import torch.nn.functional as F
 
 import subquad
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _harness import machine
 
 SHAPE = (1, 8, 4096, 64)
 BWD_SHAPE = (1, 4, 2048, 64)
@@ -47,17 +49,6 @@ def _cpu_flags() -> List[str]:
     except OSError:
         pass
     return []
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def _forward_calls() -> Dict[str, Callable[[], Any]]:
@@ -132,16 +123,7 @@ def main() -> None:
     if args.one_process:
         _one_process()
         return
-    results: Dict[str, Any] = {
-        "machine": {
-            "cpu": _cpu_name(),
-            "flags": _cpu_flags(),
-            "threads": torch.get_num_threads(),
-            "torch": torch.__version__,
-            "subquad": getattr(subquad, "__version__", "?"),
-            "date": time.strftime("%Y-%m-%d"),
-        }
-    }
+    results: Dict[str, Any] = {"machine": dict(machine(), flags=_cpu_flags())}
     print(f"# {results['machine']}")
     fwd = interleaved(_forward_calls(), args.rounds)
     results["forward"] = {n: _summary(ts) for n, ts in fwd.items()}

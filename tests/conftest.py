@@ -71,6 +71,11 @@ def naive_attention(
     return (out, lse) if return_lse else out
 
 
+def float32_scores_reference(q: Tensor, k: Tensor, v: Tensor, **kw):
+    """What torch's SDPA gives half inputs: float32 scores and softmax, the output rounded once."""
+    return naive_attention(q.float(), k.float(), v.float(), **kw).to(q.dtype)
+
+
 def to64(*ts):
     return [None if t is None else (t.detach().double() if t.is_floating_point() else t) for t in ts]
 

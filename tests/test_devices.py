@@ -13,7 +13,7 @@ from torch.torch_version import TorchVersion
 
 import subquad
 from _devices import OpRecorder, as_device, device_memory, fake_tensors
-from conftest import assert_close_to_golden, naive_attention, to64
+from conftest import assert_close_to_golden, float32_scores_reference, naive_attention, to64
 from subquad import _fast
 from subquad._backends import BACKENDS, MPS_MAX_MATMUL_ELEMENTS
 from subquad._backends import base as backends_base
@@ -23,11 +23,6 @@ from subquad._tiles import is_oom
 
 GiB = 1 << 30
 HALF = [torch.float16, torch.bfloat16]
-
-
-def _float32_scores_reference(q, k, v, **kw):
-    """What torch's SDPA gives half inputs: float32 scores and softmax, the output rounded once."""
-    return naive_attention(q.float(), k.float(), v.float(), **kw).to(q.dtype)
 
 
 # ----------------------------------------------------------------- half precision off the CPU
@@ -42,7 +37,7 @@ def test_half_precision_tiles_are_as_exact_as_sdpa_on_every_device(monkeypatch, 
     with OpRecorder() as rec:
         out = subquad.attention(q, k, v, backend="matmul", chunk_size=(64, 96))
     golden = naive_attention(*to64(q, k, v))
-    assert_close_to_golden(out, golden, _float32_scores_reference(q, k, v))
+    assert_close_to_golden(out, golden, float32_scores_reference(q, k, v))
     products = rec.named("aten.bmm", "aten.baddbmm")
     assert products, "the call ran no matmul"
     assert {op.out_dtypes for op in products} == {(torch.float32,)}, {op.out_dtypes for op in products}

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 import subquad
 from _devices import OpRecorder
-from conftest import assert_close_to_golden, naive_attention, to64
+from conftest import assert_close_to_golden, float32_scores_reference, naive_attention, to64
 from subquad import _planner
 from subquad._backends import matmul
 
@@ -30,11 +30,6 @@ def products(request, monkeypatch):
     """Run the tiles with bfloat16 products (as on a CPU with AVX512-BF16/AMX) or float32 ones."""
     monkeypatch.setattr(matmul, "_NATIVE_BF16", request.param)
     return request.param
-
-
-def _float32_scores(q, k, v, **kw):
-    """What torch's SDPA gives half inputs: float32 scores and softmax, the output rounded once."""
-    return naive_attention(*(t.float() for t in (q, k, v)), **kw).to(q.dtype)
 
 
 def _inputs(shape_q, shape_kv, magnitude, seed, *, transpose=False):
@@ -124,7 +119,7 @@ def test_offsets_keep_large_scores_exact(monkeypatch):
     monkeypatch.setattr(matmul, "_NATIVE_BF16", True)
     out = subquad.attention(q, k, v, backend="matmul", chunk_size=(64, 64))
     golden = naive_attention(*to64(q, k, v))
-    assert_close_to_golden(out, golden, _float32_scores(q, k, v), fudge=2.0)
+    assert_close_to_golden(out, golden, float32_scores_reference(q, k, v), fudge=2.0)
     rounded = torch.softmax((scores.to(BF16).double()), dim=-1) @ v.double()
     assert (rounded - golden).abs().max() > 4 * (out.double() - golden).abs().max(), "the case does not need offsets"
 
@@ -147,7 +142,7 @@ def test_a_row_whose_maximum_jumps_late_is_recomputed(monkeypatch):
     assert len(products) == 5, "4 tiles, and the last computed again for row 3's jump"
     assert offsets[-1][0, 3] > 20
     golden = naive_attention(*to64(q, k, v))
-    assert_close_to_golden(out, golden, _float32_scores(q, k, v))
+    assert_close_to_golden(out, golden, float32_scores_reference(q, k, v))
 
 
 def test_exp_helper_is_exp():
