@@ -119,6 +119,14 @@ def attention(
             backend=backend,
             return_lse=return_lse,
         )
+    # The per-call fast path here, not one call deeper: each layer of keyword arguments costs a
+    # decode step a microsecond.
+    fast_key, result = _call.fast(
+        query, key, value, attn_mask, is_causal, score_mod, mask_mod, scale, enable_gqa, dropout_p, memory_budget,
+        chunk_size, backend, return_lse, allow_compile
+    )  # fmt: skip
+    if result is not None:
+        return result
     return _call.attention(
         query,
         key,
@@ -135,6 +143,7 @@ def attention(
         backend=backend,
         return_lse=return_lse,
         allow_compile=allow_compile,
+        fast_key=fast_key,
     )
 
 

@@ -45,6 +45,8 @@ Tiles = Tuple[int, int]
 ChunkSize = Union[int, Tiles, Sequence[int], None]  # a pair as a tuple or a list (parse_chunk_size)
 
 WARN_LONGER_THAN_S = 300.0
+
+NOT_TRIED: Any = object()  # attention(fast_key=...): the caller has not tried the fast path
 """A call predicted to take longer than this warns once (with the plan's estimate)."""
 
 
@@ -172,25 +174,25 @@ def prepare(
     return Prepared(inp, opts, budget, plan, captured)
 
 
-def attention(
+def fast(
     query: Tensor,
     key: Tensor,
     value: Tensor,
-    *,
-    attn_mask: Optional[Tensor] = None,
-    is_causal: bool = False,
-    score_mod: Optional[ScoreMod] = None,
-    mask_mod: Optional[MaskMod] = None,
-    scale: Optional[float] = None,
-    enable_gqa: bool = False,
-    dropout_p: float = 0.0,
-    memory_budget: Budget = None,
-    chunk_size: ChunkSize = None,
-    backend: str = "auto",
-    return_lse: bool = False,
-    allow_compile: Optional[bool] = None,
-) -> Union[Tensor, Tuple[Tensor, Tensor]]:
-    """:func:`subquad.attention`, eagerly (see its docstring)."""
+    attn_mask: Optional[Tensor],
+    is_causal: bool,
+    score_mod: Optional[ScoreMod],
+    mask_mod: Optional[MaskMod],
+    scale: Optional[float],
+    enable_gqa: bool,
+    dropout_p: float,
+    memory_budget: Budget,
+    chunk_size: ChunkSize,
+    backend: str,
+    return_lse: bool,
+    allow_compile: Optional[bool],
+) -> Tuple[Any, Optional[Union[Tensor, Tuple[Tensor, Tensor]]]]:
+    """``(key, result)`` of the per-call fast path (:mod:`subquad._fast`); ``result`` is ``None``
+    when the call must take the full path (pass ``key`` on to :func:`attention`)."""
     fast_key = _fast.key(
         query,
         key,
@@ -208,8 +210,50 @@ def attention(
         return_lse,
         allow_compile,
     )
-    if fast_key is not None:
-        result = _fast.run(fast_key, query, key, value, attn_mask, is_causal, scale, enable_gqa, return_lse)
+    if fast_key is None:
+        return None, None
+    return fast_key, _fast.run(fast_key, query, key, value, attn_mask, is_causal, scale, enable_gqa, return_lse)
+
+
+def attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    *,
+    attn_mask: Optional[Tensor] = None,
+    is_causal: bool = False,
+    score_mod: Optional[ScoreMod] = None,
+    mask_mod: Optional[MaskMod] = None,
+    scale: Optional[float] = None,
+    enable_gqa: bool = False,
+    dropout_p: float = 0.0,
+    memory_budget: Budget = None,
+    chunk_size: ChunkSize = None,
+    backend: str = "auto",
+    return_lse: bool = False,
+    allow_compile: Optional[bool] = None,
+    fast_key: Any = NOT_TRIED,
+) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+    """:func:`subquad.attention`, eagerly (see its docstring). ``fast_key``: the call's
+    :func:`subquad._fast.key` when the caller already tried the fast path with it."""
+    if fast_key is NOT_TRIED:
+        fast_key, result = fast(
+            query,
+            key,
+            value,
+            attn_mask,
+            is_causal,
+            score_mod,
+            mask_mod,
+            scale,
+            enable_gqa,
+            dropout_p,
+            memory_budget,
+            chunk_size,
+            backend,
+            return_lse,
+            allow_compile,
+        )
         if result is not None:
             return result
     if any(getattr(t, "is_nested", False) for t in (query, key, value)):

@@ -241,13 +241,14 @@ def run(
     entry = _CACHE.get(k)
     if entry is None:
         return None
-    Lq, Lk = query.shape[-2], key_.shape[-2]
+    qs = query.shape  # each read makes a new Size: once
+    Lq, Lk = qs[-2], key_.shape[-2]
     if value.shape[-2] != Lk or Lq == 0 or Lk == 0:
         return None
     if attn_mask is not None and (attn_mask.shape[-2] not in (1, Lq) or attn_mask.shape[-1] not in (1, Lk)):
         return None
     if entry.plain:
-        return _run_plain(entry, query, key_, value, is_causal, scale, return_lse, Lq, Lk)
+        return _run_plain(entry, query, key_, value, is_causal, scale, return_lse, qs[0] * qs[1], Lq, Lk)
     inp = _inputs(query, key_, value, attn_mask, is_causal, scale)
     if inp.empty or not _fits(entry, inp, Lq, Lk, return_lse):
         return None
@@ -274,16 +275,18 @@ def _run_plain(
     is_causal: bool,
     scale: Optional[float],
     return_lse: bool,
+    rows: int,
     Lq: int,
     Lk: int,
 ) -> Optional[Union[Tensor, Tuple[Tensor, Tensor]]]:
-    """One fused kernel call on the caller's own tensors; Inputs are built only to re-check the fit."""
+    """One fused kernel call on the caller's own tensors (``rows`` = B·Hq of them); Inputs are
+    built only to re-check the fit."""
     fq, fk, fb = entry.fits
     if not (fq == Lq and Lk <= fk and _budget(entry, query.device) >= fb):
         inp = _inputs(query, key_, value, None, is_causal, scale)
         if inp.empty or not _fits(entry, inp, Lq, Lk, return_lse):
             return None
-    scores = query.shape[0] * query.shape[1] * Lq * Lk
+    scores = rows * Lq * Lk
     try:
         if (
             entry.gqa
@@ -296,7 +299,7 @@ def _run_plain(
             # torch's SDPA runs this very kernel on such a call (4-D, no mask, no GQA, no batch
             # broadcasting) with less dispatch overhead; the call is small enough that even its
             # math path would fit any budget.
-            return TORCH_SDPA(query, key_, value, is_causal=is_causal, scale=entry.scale)
+            return TORCH_SDPA(query, key_, value, None, 0.0, is_causal, scale=scale)  # None: its default scale
         out, lse = cpu_flash_forward()(query, key_, value, 0.0, is_causal, attn_mask=None, scale=entry.scale)
     except Exception:  # the full path recovers (or raises) as it always does
         return None
