@@ -6,6 +6,7 @@ the mask adapters; the CLI tests check results.json/results.csv, --compare and u
 """
 
 import csv
+import importlib.util
 import json
 import math
 import os
@@ -17,10 +18,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from subquad.bench import cases, cli, impls, measure, report
+from subquad._cli import main as subquad_main
+from subquad.bench import cases, cli, impls, measure, models, report
 from subquad.bench.cases import Case, Timing
 from subquad.bench.impls import Impl, Unsupported
 from subquad.bench.measure import Result
+from subquad.bench.model_measure import ModelResult
 
 FAST = Timing(warmup_s=0.0, target_s=0.5, min_reps=3, max_reps=5)
 ONCE = Timing(warmup_s=0.0, target_s=0.0, min_reps=1, max_reps=1)
@@ -363,28 +366,6 @@ def test_compare_rules():
     assert "no (impl, case, mode) in common" in text
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--preset", "quick", "--shape", "1,1,8,8"], "either --preset or --shape"),
-    (["--impl", "nosuch"], "matches no implementation"),
-    (["--fail-if-regression", "5"], "needs --compare"),
-    (["--shape", "1,2,3"], "Expected a shape"),
-    (["--dtype", "int8"], "Unknown dtype"),
-    (["--budget", "12 apples"], "--budget '12 apples'"),
-], ids=["preset-and-shape", "unknown-impl", "regression-without-compare", "bad-shape", "bad-dtype",
-        "bad-budget"])
-def test_usage_errors(args, message, capsys):
-    with pytest.raises(SystemExit) as info:
-        cli.main(args)
-    assert info.value.code == 2
-    assert message in capsys.readouterr().err
-
-
-def test_list(capsys):
-    code, captured = run_cli(["--list", "--device", "cpu"], capsys)
-    assert code == 0
-    assert "sd15-1024" in captured.out and "subquad-matmul" in captured.out
-
-
 def test_plain_table_without_rich():
     results = [
         Result(impl="a", case="1x1x8x8x8 fp32 none", mode="fwd", median_ms=1.5, tflops=0.1,
@@ -429,3 +410,241 @@ def test_format_helpers():
     assert report.format_bytes(3 << 30) == "3.0 GiB"
     assert report.format_ms(0.1234) == "0.123" and report.format_ms(1234.0) == "1234"
     assert math.isclose(cases.Case(1, 1, 4, 4, 8).output_bytes, 4 * 8 * 4)
+
+
+# ------------------------------------------------------------------ the command line
+
+# Each wrong command line is one line on stderr and exit status 2, before anything is measured
+# and before diffusers, transformers or JAX are looked for (the tests pretend none is installed).
+USAGE_ERRORS = [
+    (["--preset", "quick", "--shape", "1,1,8,8"], "either --preset or --shape"),
+    (["--impl", "nosuch"], "matches no implementation"),
+    (["--shape", "1,2,3"], "Expected a shape"),
+    (["--dtype", "int8"], "Unknown dtype"),
+    (["--budget", "12 apples"], "--budget '12 apples'"),
+    (["--budget", "bad"], "--budget 'bad'"),
+    (["--seconds", "0"], "--seconds must be a positive number"),
+    (["--seconds", "nan"], "--seconds must be a positive number"),
+    (["--seconds", "-1e3"], "--seconds must be a positive number"),
+    (["--nosuch"], "unrecognized arguments: --nosuch"),
+    (["--mask", "nosuch"], "invalid choice: 'nosuch'"),
+    (["--fail-if-regression", "5"], "--fail-if-regression needs --compare"),
+    (["--compare", "old.json", "--fail-if-regression", "-5"], "a percentage of 0 or more"),
+    (["--compare", "old.json", "--allow-empty-compare"], "--allow-empty-compare goes with"),
+    (["--max-memory", "4GiB"], "--max-memory needs --model"),
+    (["--batch", "2"], "--batch needs --model"),
+    (["--model", "nosuch"], "Unknown model 'nosuch'"),
+    (["--model", "sd-vae-decoder-small", "--resolution", "100"], "multiple of 8 (the latent is 1/8 of it), got 100; for example 96 or 104"),
+    (["--model", "sd-vae-decoder-small", "--resolution", "0"], "of it), got 0; for example 8"),
+    (["--model", "sd-vae-decoder-small", "--max-memory", "lots"], "--max-memory 'lots': expected a size"),
+    (["--model", "sd-vae-decoder-small", "--max-memory", "4 apples"], "--max-memory '4 apples'"),
+    (["--model", "sd-vae-decoder-small", "--max-memory", "-1GiB"], "--max-memory '-1GiB': the cap must be more"),
+    (["--model", "sd-vae-decoder-small", "--max-memory", "0"], "--max-memory '0': the cap must be more"),
+    (["--model", "sd-vae-decoder-small", "--batch", "0"], "--batch must be at least 1, got 0"),
+    (["--model", "sd-vae-decoder-small", "--rounds", "-1"], "--rounds must be at least 0, got -1"),
+    (["--model", "sd-vae-decoder-small", "--shape", "1,1,8,8"], "--shape not supported with --model"),
+    (["--model", "sd-vae-decoder-small", "--seq-len", "128"], "--seq-len does not apply"),
+    (["--model", "llama-small", "--seq-len", "0"], "--seq-len must be positive, got 0"),
+    (["--model", "llama-small", "--impl", "classic"], "matches no implementation for llama-small"),
+    (["--framework", "jax", "--model", "llama-small"], "--model not supported with --framework jax"),
+    (["--framework", "jax", "--preset", "quick"], "is a torch preset"),
+    (["--framework", "jax", "--impl", "flash"], "with --framework jax choose from"),
+]
+
+
+@pytest.fixture
+def nothing_runs(monkeypatch):
+    """Fails the test if anything is measured; the optional libraries look uninstalled."""
+
+    def measured(*args, **kwargs):
+        raise AssertionError("a measurement started before the usage error")
+
+    for module, name in ((cli.measure, "run_all"), (cli.model_measure, "run_model_bench"),
+                         (cli.jax_bench, "main"), (cli, "_busy_warning")):
+        monkeypatch.setattr(module, name, measured)
+
+    def require(library):
+        raise models.MissingDependency(f"--model needs {library}, which is not installed: {models.INSTALL[library]}")
+
+    monkeypatch.setattr(models, "require", require)
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "jax" else real(name, *a))
+
+
+def usage_error(args, capsys):
+    """The stderr line of a command line that must fail as a usage error."""
+    with pytest.raises(SystemExit) as info:
+        cli.main(args)
+    captured = capsys.readouterr()
+    assert info.value.code == 2, captured
+    assert captured.out == ""
+    lines = captured.err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("subquad bench: error: "), captured.err
+    return lines[0]
+
+
+@pytest.mark.parametrize("args, message", USAGE_ERRORS, ids=[" ".join(a) for a, _ in USAGE_ERRORS])
+def test_each_usage_error_is_one_line_before_anything_runs(args, message, nothing_runs, tmp_path,
+                                                           monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "old.json").write_text("[]")
+    assert message in usage_error(args, capsys)
+
+
+@pytest.mark.parametrize("args, library", [
+    (["--model", "sd-vae-decoder-small", "--resolution", "64"], "needs diffusers, which is not installed"),
+    (["--model", "llama-small"], "needs transformers, which is not installed"),
+    (["--framework", "jax"], "needs JAX, which is not installed: pip install 'subquad[jax]'"),
+])
+def test_a_missing_dependency_is_checked_after_the_arguments(args, library, nothing_runs, capsys):
+    assert library in usage_error(args, capsys)
+
+
+def attention_record(impl="naive", status="ok", **fields):
+    fields = {"median_ms": 1.0, "q1_ms": 0.9, "q3_ms": 1.1, "reps": 5, "peak_bytes": 1 << 20,
+              **fields} if status == "ok" else fields
+    return Result(impl=impl, case="1x1x8x8x8 fp32 none", mode="fwd", status=status, **fields)
+
+
+def model_record(impl="sdpa", status="ok"):
+    fields = {"median_ms": 10.0, "q1_ms": 9.0, "q3_ms": 11.0, "rounds": 3, "peak_bytes": 1 << 20,
+              "weights_bytes": 1 << 20} if status == "ok" else {"reason": "not installed"}
+    return ModelResult(model="sd-vae-decoder-small", impl=impl, task="infer", mode="infer", size=64,
+                       size_unit="px", status=status, **fields)
+
+
+BAD_COMPARE_FILES = [
+    ("results.csv", "impl,case,mode\nnaive,c,fwd\n", [], "not JSON: Expecting value"),
+    ("bad.json", '{"impl": "naive"}', [], "expected a list of records, got dict"),
+    ("empty.json", "[]", [], "has no records"),
+    ("trunc.json", '[{"impl": "naive", ', [], "not JSON"),
+    ("binary.json", b"\xff\xfe\x00", [], "not JSON"),
+    ("partial.json", '[{"impl": "naive", "mode": "fwd"}]', [], "record 0 has no case"),
+    ("types.json", json.dumps([attention_record(median_ms="fast").to_dict()]), [], "TypeError"),
+    ("model.json", json.dumps([model_record().to_dict()]), [], "holds --model results"),
+    ("attention.json", json.dumps([attention_record().to_dict()]), ["--model", "sd-vae-decoder-small"],
+     "holds results of single attention calls"),
+    ("missing.json", None, [], "no such file"),
+    ("folder", "dir", [], "is a folder"),
+]
+
+
+@pytest.mark.parametrize("name, content, more, message", BAD_COMPARE_FILES,
+                         ids=[f[0] for f in BAD_COMPARE_FILES])
+def test_a_wrong_compare_file_is_a_usage_error_before_anything_runs(name, content, more, message, tmp_path,
+                                                                   nothing_runs, capsys):
+    path = tmp_path / name
+    if content == "dir":
+        path.mkdir()
+    elif isinstance(content, bytes):
+        path.write_bytes(content)
+    elif content is not None:
+        path.write_text(content)
+    line = usage_error(["--compare", str(path), "--fail-if-regression", "10", *more], capsys)
+    assert f"--compare {path}: " in line and message in line
+
+
+def test_a_negative_looking_value_is_read_as_the_value():
+    args = cli.build_parser().parse(["--model", "x", "--max-memory", "-1GiB", "--budget", "-.5", "--seed", "-3"])
+    assert (args.max_memory, args.budget, args.seed) == ("-1GiB", "-.5", -3)
+
+
+@pytest.fixture
+def fake_run(monkeypatch):
+    """``subquad bench`` without measuring: every run returns the records in ``fake_run``."""
+    records = [attention_record()]
+    monkeypatch.setattr(cli.measure, "run_all", lambda jobs, *a, **k: list(records))
+    monkeypatch.setattr(cli, "_busy_warning", lambda: None)
+    return records
+
+
+@pytest.mark.parametrize("old, flags, code, said", [
+    ([attention_record()], ["--fail-if-regression", "10"], 0, None),
+    ([attention_record(median_ms=0.1, q1_ms=0.09, q3_ms=0.11)], ["--fail-if-regression", "10"], 1, "regressions:"),
+    ([attention_record(impl="sdpa-math")], ["--fail-if-regression", "10"], 1, "nothing compared"),
+    ([attention_record(status="unsupported", reason="x")], ["--fail-if-regression", "10"], 1, "nothing compared"),
+    ([attention_record(impl="sdpa-math")], ["--fail-if-regression", "10", "--allow-empty-compare"], 0, None),
+    ([attention_record(impl="sdpa-math")], [], 0, None),
+], ids=["same", "slower", "nothing-in-common", "nothing-ok-before", "allowed-empty", "no-gate"])
+def test_a_gate_that_compares_nothing_fails(old, flags, code, said, fake_run, tmp_path, capsys):
+    path = tmp_path / "old.json"
+    report.write_json(old, str(path))
+    got, captured = run_cli(["--shape", "1,1,8,8", "--impl", "naive", "--plain", "--compare", str(path), *flags],
+                            capsys)
+    assert got == code, captured.out
+    assert said is None or said in captured.out
+    assert "compared with" in captured.out
+
+
+def test_a_model_gate_that_compares_nothing_fails(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(models, "require", lambda library: None)
+    monkeypatch.setattr(cli, "_busy_warning", lambda: None)
+    monkeypatch.setattr(cli.model_measure, "run_model_bench", lambda *a, **k: [model_record()])
+    path = tmp_path / "old.json"
+    args = ["--model", "sd-vae-decoder-small", "--resolution", "64", "--impl", "sdpa", "--compare", str(path),
+            "--fail-if-regression", "10"]
+    report.write_json([model_record()], str(path))
+    assert run_cli(args, capsys)[0] == 0
+    report.write_json([model_record(impl="classic")], str(path))
+    code, captured = run_cli(args, capsys)
+    assert code == 1 and "nothing compared: no (model, impl, mode, size)" in captured.out
+    assert run_cli([*args, "--allow-empty-compare"], capsys)[0] == 0
+
+
+def test_list(monkeypatch, capsys):
+    monkeypatch.setattr(models, "require", lambda library: (_ for _ in ()).throw(
+        models.MissingDependency(f"--model needs {library}, which is not installed: {models.INSTALL[library]}"))
+        if library == "transformers" else None)
+    code, captured = run_cli(["--list", "--device", "cpu"], capsys)
+    assert code == 0
+    assert "sd15-1024" in captured.out and "subquad-matmul" in captured.out
+    assert "jax-quick" in captured.out and "--framework jax" in captured.out
+    lines = captured.out.splitlines()
+    after = {line.split()[0]: lines[i + 1].strip() for i, line in enumerate(lines[:-1]) if line.startswith("  ")
+             and line.split()[0] in models.MODELS}
+    assert after["sd15-unet-small"] == "[available]"
+    assert after["llama-small"] == "[needs transformers, which is not installed: pip install 'subquad[transformers]']"
+
+
+@pytest.mark.parametrize("spellings, name", [
+    (("fp16", "float16", "half", "torch.float16"), "fp16"),
+    (("bf16", "bfloat16"), "bf16"),
+    (("fp32", "float32", "float", "FLOAT32"), "fp32"),
+    (("fp64", "float64", "double"), "fp64"),
+])
+def test_every_dtype_spelling_works_in_bench_and_info(spellings, name, capsys):
+    for spelling in spellings:
+        assert cli.build_parser().parse(["--dtype", spelling]).dtype == name
+    assert subquad_main(["info", "--device", "cpu", "--dtype", spellings[1], "--shape", "1,2,16,24,8"]) == 0
+    out = capsys.readouterr().out
+    assert "fused CPU flash kernel" in out
+
+
+def test_info_takes_the_five_integers_of_bench(capsys):
+    assert subquad_main(["info", "--device", "cpu", "--shape", "1,2,16,40,8", "--run"]) == 0
+    assert "output (1, 2, 16, 8)" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        subquad_main(["info", "--shape", "1,2,3"])
+    assert "Expected a shape B,H,Lq,Lk,E" in capsys.readouterr().err
+
+
+def test_piped_tables_cut_reasons_at_words(monkeypatch):
+    import io
+
+    reason = ("refuses this input: " + "the keys are padded " * 3 + "incomprehensibilities " * 8).strip()
+    results = [attention_record(),
+               attention_record(impl="flex", status="error", reason=reason),
+               attention_record(impl="xformers", status="unsupported", reason=reason)]
+    words = set(f"{reason} error: ok naive flex".split())
+    for rich in (False, True):
+        if rich and not report.have_rich():
+            continue
+        monkeypatch.setattr(report, "have_rich", lambda rich=rich: rich)
+        out = io.StringIO()
+        report.print_table(results, file=out)
+        text = out.getvalue()
+        assert f"not run: xformers: {reason}" in " ".join(text.split())
+        for line in text.splitlines():
+            status = line.split("│")[-1] if rich else line.partition("flex")[2]
+            if "incompre" in status:
+                assert all(w in words for w in status.replace("…", "").split()[-1:]), line

@@ -39,11 +39,12 @@ def _info(args: argparse.Namespace) -> int:
         for n in ("flash_sdp_enabled", "mem_efficient_sdp_enabled", "cudnn_sdp_enabled", "math_sdp_enabled"):
             if hasattr(bc, n):
                 print(f"SDPA {n.replace('_sdp_enabled', '')}: {'enabled' if getattr(bc, n)() else 'disabled'}")
-    B, H, L, E = args.shape
-    dtype = getattr(torch, args.dtype)
-    q = torch.empty(B, H, L, E, dtype=dtype, device=device)
+    B, H, Lq, Lk, E = args.shape
+    dtype = args.dtype
+    q = torch.empty(B, H, Lq, E, dtype=dtype, device=device)
+    k = torch.empty(B, H, Lk, E, dtype=dtype, device=device)
     print()
-    plan = subquad.explain(q, q, q, is_causal=args.causal, memory_budget=args.budget)
+    plan = subquad.explain(q, k, k, is_causal=args.causal, memory_budget=args.budget)
     print(plan)
     if args.run:
         import time
@@ -51,7 +52,7 @@ def _info(args: argparse.Namespace) -> int:
         from subquad._planner import synchronize  # optional: needs torch
 
         g = torch.Generator(device="cpu").manual_seed(0)
-        q, k, v = (torch.randn(B, H, L, E, generator=g, dtype=dtype).to(device) for _ in range(3))
+        q, k, v = (torch.randn(B, H, L, E, generator=g, dtype=dtype).to(device) for L in (Lq, Lk, Lk))
         # GPU work is queued: wait for the copies before the clock starts and for the call
         # before it stops (CUDA and MPS alike), or the time is the launch's.
         synchronize(device)
@@ -70,15 +71,20 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="subquad", description="Exact attention in bounded memory.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command")
-    p = sub.add_parser("info", help="device, available kernels, and the plan for a sample input")
+    p = info = sub.add_parser("info", help="device, available kernels, and the plan for a sample input")
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     p.add_argument(
         "--shape",
-        type=lambda s: tuple(int(x) for x in s.split(",")),
-        default=(1, 8, 4096, 64),
-        help="B,H,L,E of the sample input (default 1,8,4096,64)",
+        default="1,8,4096,64",
+        metavar="B,H,Lq,Lk,E",
+        help="the sample input's shape, as for subquad bench (B,H,L,E also works; default 1,8,4096,64)",
     )
-    p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16", "float64"])
+    p.add_argument(
+        "--dtype",
+        default="fp32",
+        metavar="{fp16,bf16,fp32,fp64}",
+        help="the sample input's dtype (also float16/half, bfloat16, float32/float, float64/double; default fp32)",
+    )
     p.add_argument("--budget", default=None, help="memory budget, e.g. 64MiB (default: half the free memory)")
     p.add_argument("--causal", action="store_true")
     p.add_argument("--run", action="store_true", help="also run the sample input and time it")
@@ -104,8 +110,13 @@ def main(argv: Optional[List[str]] = None) -> int:
 
         return int(bench_main(argv[1:]) or 0)
     if args.command == "info":
-        if len(args.shape) != 4:
-            parser.error("--shape takes four integers B,H,L,E")
+        # The spellings of subquad bench, which needs torch: required above.
+        from subquad.bench.cases import DTYPES, parse_dtype, parse_shape  # optional: needs torch
+
+        try:
+            args.shape, args.dtype = parse_shape(args.shape), DTYPES[parse_dtype(args.dtype)]
+        except ValueError as e:
+            info.error(str(e))
         return _info(args)
     if args.command in ("install", "uninstall"):
         return _install(args.command, args.host, args.dir)

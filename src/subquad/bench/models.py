@@ -175,10 +175,9 @@ def check_size(spec: ModelSpec, size: int) -> Optional[str]:
     if spec.family == "llama":
         return None if size >= 1 else f"--seq-len must be positive, got {size}"
     if size < 8 or size % 8:
-        return (
-            f"--resolution must be a positive multiple of 8 (the latent is 1/8 of it), got "
-            f"{size}; for example {max(8, size // 8 * 8)} or {(size // 8 + 1) * 8}"
-        )
+        below, above = size // 8 * 8, (size // 8 + 1) * 8
+        example = f"{below} or {above}" if below >= 8 else "8, or 512 for SD 1.5's native size"
+        return f"--resolution must be a positive multiple of 8 (the latent is 1/8 of it), got {size}; for example {example}"
     return None
 
 

@@ -13,6 +13,7 @@ import json
 import math
 import os
 import sys
+import textwrap
 from collections import defaultdict
 from typing import Any, Iterable, Optional, Sequence, TextIO
 
@@ -158,8 +159,8 @@ def table_sections(results: list[Result]) -> tuple[list[tuple[str, list[list[str
         status = f"{r.status}: {r.reason}" if r.reason else r.status
         if r.status == "ok" and r.plan:
             status += f" ({plan_summary(r.plan)})"
-        if len(status) > STATUS_WIDTH:
-            status = status[: STATUS_WIDTH - 1] + "…"  # results.json has it in full
+        if len(status) > STATUS_WIDTH:  # cut at a word (results.json has it in full)
+            status = textwrap.shorten(status, STATUS_WIDTH, placeholder=" …")
         err = _format_err(r.rel_err)
         if r.rel_err_grad is not None:
             err += f" / {_format_err(r.rel_err_grad)}"
@@ -207,13 +208,16 @@ def print_table(results: list[Result], *, plain: bool = False, file: Optional[Te
     from rich.table import Table
 
     # Piped output has no terminal width; 80 columns would squeeze the table for nothing.
-    console = Console(file=file, width=None if file.isatty() else 160)
+    tty = file.isatty()
+    console = Console(file=file, width=None if tty else 160)
     sections, footer = table_sections(results)
     for title, rows in sections:
         table = Table(title=title, title_justify="left", show_edge=False, pad_edge=False)
         for i, name in enumerate(COLUMNS):
-            if i == len(COLUMNS) - 1:  # the status takes what is left, cut with an ellipsis
-                table.add_column(name, no_wrap=True, overflow="ellipsis")
+            if i == len(COLUMNS) - 1:
+                # The status takes what is left: on a terminal cut with an ellipsis; piped (a log,
+                # a file) wrapped at words, since a reason cut there cannot be scrolled back to.
+                table.add_column(name, no_wrap=tty, overflow="ellipsis" if tty else "fold")
             else:
                 width = max(len(name), *(len(row[i]) for row in rows))
                 table.add_column(name, justify="left" if i == 0 else "right", no_wrap=True, min_width=width)
@@ -223,7 +227,7 @@ def print_table(results: list[Result], *, plain: bool = False, file: Optional[Te
         console.print(table)
         console.print()
     for impl, reason in footer.items():
-        console.print(f"[dim]not run: {impl}: {reason}[/dim]", highlight=False)
+        console.print(f"[dim]not run: {impl}: {reason}[/dim]", highlight=False, soft_wrap=not tty)
     found = verdicts(results)
     if found:
         console.print("\nverdict:", highlight=False)
