@@ -11,11 +11,15 @@ How, for one case:
    ``/proc/self/clear_refs``) minus its RSS before. The number includes the output (and, with
    backward, the three input gradients). That call's output is checked against a float64
    reference computed for a sample of query rows only (with backward, so are those rows of dQ).
-4. Time (``run_all``): the implementations of one case run interleaved, in rounds in which each
-   runs once in an order that rotates (``timing.interleaved``), each call with the device
-   synchronized before and after; each result keeps its per-round times, median and quartiles,
-   and the verdict compares implementations by their per-round ratios (``timing``). A single
-   ``run_case`` times one implementation alone, until the timing target is met.
+4. Time (``run_all``): the implementations of one case are prepared again in the parent and each
+   warmed up with the very call that is timed (at least one call, however slow the memory call
+   was: masks built, plans cached, the allocator in its steady state); then one untimed round
+   runs them all in each other's company, and the timed rounds follow, each implementation once
+   per round in balanced orders (``timing.run_rounds``), each call with the device synchronized
+   before and after. Rounds are added while a verdict is unsettled, up to 3x the timing target
+   (``Result.rounds_stopped`` says why they stopped). Each result keeps its per-round times,
+   median and quartiles, and the verdict compares implementations by their per-round ratios
+   (``timing``). A single ``run_case`` times one implementation alone, until the target is met.
 
 On CPU the memory phase runs in a worker process started with ``MALLOC_MMAP_THRESHOLD_=131072``:
 glibc then serves every block over 128 KiB with mmap and returns it on free, so RSS falls when a
@@ -47,7 +51,8 @@ import torch
 from subquad._tiles import TILES
 
 from . import timing as timing_mod
-from .cases import SOFTCAP, WINDOW, BenchInputs, Case, Timing, make_inputs
+from .accuracy import sampled_errors
+from .cases import BenchInputs, Case, Timing, make_inputs
 from .environment import device_name, environment  # noqa: F401 (device_name: for the CLI)
 from .impls import IMPLS, Impl, is_out_of_memory, refusal_reason
 from .meters import CudaPeak, RssPeak, memory_meter, synchronize  # noqa: F401 (RssPeak, CudaPeak: the meters)
@@ -70,6 +75,7 @@ class Result:
     q3_ms: Optional[float] = None
     times_ms: list = field(default_factory=list)  # per round, interleaved with the case's others
     reps: int = 0
+    rounds_stopped: Optional[str] = None  # why the rounds stopped (timing.STOPS)
     memory_call_ms: Optional[float] = None  # the memory-measured call (not in the median)
     first_call_ms: Optional[float] = None  # the very first call in the process (compiling, tracing)
     tflops: Optional[float] = None
@@ -107,78 +113,6 @@ class Result:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
-
-
-def _sample(n: int, k: int, gen: torch.Generator) -> list[int]:
-    """Up to ``k`` distinct indices in [0, n), always including the first and the last."""
-    picks = {0, n - 1}
-    if n > 2:
-        picks.update(torch.randperm(n - 2, generator=gen)[: max(0, k - 2)].add(1).tolist())
-    return sorted(picks)
-
-
-def _host64(t: torch.Tensor) -> torch.Tensor:
-    """``t`` in float64 on the CPU, moved there first: MPS has no float64 (``.double()`` on an
-    MPS tensor raises)."""
-    return t.detach().cpu().double()
-
-
-def sampled_errors(
-    inputs: BenchInputs,
-    out: torch.Tensor,
-    grad_query: Optional[torch.Tensor] = None,
-    *,
-    heads: int = 4,
-    rows: int = 8,
-    seed: int = 0,
-) -> tuple[float, Optional[float]]:
-    """Relative error ‖out − ref‖ / ‖ref‖ over a sample of (batch, head) pairs and query rows,
-    with ``ref`` computed in float64 on the CPU for those rows only (a row of attention needs
-    only its own query, so this costs rows·Lk·E instead of Lq·Lk·E). With ``grad_query`` the
-    same for dQ, whose row i likewise depends only on query row i and dO row i."""
-    case = inputs.case
-    gen = torch.Generator().manual_seed(seed)
-    flat = _sample(case.batch * case.heads, heads, gen)
-    row_idx = torch.tensor(_sample(case.q_len, rows, gen))
-    j = torch.arange(case.kv_len).view(1, -1)
-    i = row_idx.view(-1, 1)
-    err = [0.0, 0.0]
-    ref_norm = [0.0, 0.0]
-    for bh in flat:
-        b, h = divmod(bh, case.heads)
-        q = _host64(inputs.query[b, h, row_idx.to(inputs.query.device)])
-        k = _host64(inputs.key[b, h])
-        v = _host64(inputs.value[b, h])
-        q.requires_grad_(grad_query is not None)
-        scores = q @ k.T * inputs.scale
-        if case.mask == "softcap":
-            scores = SOFTCAP * torch.tanh(scores / SOFTCAP)
-        if case.causal:
-            scores = scores.masked_fill(j > i, float("-inf"))
-        if case.mask == "window":
-            scores = scores.masked_fill(j < i - WINDOW, float("-inf"))
-        if case.mask == "document":
-            ids = inputs.doc_ids.cpu()
-            scores = scores.masked_fill(ids[row_idx].view(-1, 1) != ids[: case.kv_len].view(1, -1), float("-inf"))
-        if case.mask == "key-padding":
-            scores = scores.masked_fill(j >= int(inputs.kv_lengths[b]), float("-inf"))
-        if case.mask == "alibi":
-            scores = scores + float(inputs.slopes[h]) * (j - i).double()
-        ref = scores.softmax(dim=-1) @ v
-        got = _host64(out[b, h, row_idx.to(out.device)])
-        err[0] += float((got - ref.detach()).square().sum())
-        ref_norm[0] += float(ref.detach().square().sum())
-        if grad_query is not None:
-            d_out = _host64(inputs.grad_out[b, h, row_idx.to(out.device)])
-            (ref_dq,) = torch.autograd.grad(ref, q, d_out)
-            got_dq = _host64(grad_query[b, h, row_idx.to(grad_query.device)])
-            err[1] += float((got_dq - ref_dq).square().sum())
-            ref_norm[1] += float(ref_dq.square().sum())
-
-    def rel(e, r):
-        return math.sqrt(e / r) if r > 0 else math.sqrt(e)
-
-    return rel(err[0], ref_norm[0]), rel(err[1], ref_norm[1]) if grad_query is not None else None
 
 
 # ----------------------------------------------------------------------------- running
@@ -247,17 +181,13 @@ def run_case(
             # Keep what the worker's memory call recorded (the tiles it ran) next to the plan.
             result.plan = {**plan, **{k: v for k, v in result.plan.items() if k == "tiles"}}
             step = _step(forward, inputs)
-            # A call already seen to take longer than the target needs no warm-up to be timed
-            # (the worker's memory call showed it); one-time costs are noise at that length.
-            slow = (result.memory_call_ms or 0.0) / 1e3 >= timing.target_s
             if "memory" in phases:
                 # The first call of this implementation and case in this process: what a user pays
                 # once (compiling a kernel, tracing a callback), not part of the timed median.
                 first_s, out = _timed(step, device)
                 result.first_call_ms = first_s * 1e3
                 del out
-            if "memory" in phases or not slow:
-                _warm_up(step, device, timing)
+            _warm_up(step, device, timing)
             if "memory" in phases:
                 _memory_phase(step, inputs, device, result, seed)
             if "time" in phases:
@@ -313,6 +243,9 @@ def _first_line(exc: BaseException, limit: int = 400) -> str:
 
 
 def _warm_up(step, device: torch.device, timing: Timing) -> None:
+    """Calls of the timed ``step`` itself, at least one however slow: a first call builds what the
+    timed ones reuse (masks, plans, kernels, the allocator's free blocks), and skipping it because
+    the memory call was slow left the first timed round 2-9x the median."""
     total = 0.0
     for _ in range(1000):
         dt, out = _timed(step, device)
@@ -374,10 +307,24 @@ def _record_times(result: Result, case: Case, times: list[float]) -> None:
     result.tflops = case.flops / s.median / 1e12 if s.median > 0 else None
 
 
-def time_interleaved(rows: list[tuple[Impl, Result]], case: Case, timing: Timing, *, seed: int = 0) -> None:
-    """Time the implementations of one case together, in rounds (``timing.interleaved``), and
+# Rounds are added while a verdict is unsettled until the timed calls took this many times the
+# target (or this many times the most rounds).
+CAP = 3
+
+
+def time_interleaved(
+    rows: list[tuple[Impl, Result]],
+    case: Case,
+    timing: Timing,
+    *,
+    seed: int = 0,
+    clock: Callable[[], float] = time.perf_counter,
+) -> None:
+    """Time the implementations of one case together, in rounds (``timing.run_rounds``: each
+    warmed up, one untimed round, balanced orders, rounds added while a verdict is unsettled), and
     record each one's per-round times in its Result. An implementation that fails while being
-    prepared, warmed up or timed gets that status, and the others are timed again without it."""
+    prepared, warmed up or timed gets that status, and the others are timed again without it.
+    ``clock`` times the rounds (tests pass a virtual one)."""
     device = torch.device(case.device)
     inputs = _inputs(case, seed)
     steps: dict = {}
@@ -392,16 +339,23 @@ def time_interleaved(rows: list[tuple[Impl, Result]], case: Case, timing: Timing
                     try:
                         forward, _ = impl.prepare(inputs)
                         steps[name] = _step(forward, inputs)
-                        if (result.memory_call_ms or 0.0) / 1e3 < timing.target_s:
-                            _warm_up(steps[name], device, timing)
+                        _warm_up(steps[name], device, timing)
                     except Exception as exc:  # recorded: the others are still timed
                         _record_failure(result, impl, exc, caught)
                         del live[name]
                         steps.pop(name, None)
             calls = {name: _synchronized(name, steps[name], device) for name in live}
             try:
-                times = timing_mod.interleaved(
-                    calls, min_rounds=timing.min_reps, max_rounds=timing.max_reps, target_s=timing.target_s
+                rounds = timing_mod.run_rounds(
+                    calls,
+                    min_rounds=timing.min_reps,
+                    max_rounds=timing.max_reps,
+                    target_s=timing.target_s,
+                    warm_rounds=1,
+                    cap_s=CAP * timing.target_s,
+                    cap_rounds=CAP * timing.max_reps,
+                    seed=seed,
+                    clock=clock,
                 )
             except _CallFailed as failed:
                 impl, result = live.pop(failed.name)
@@ -409,7 +363,8 @@ def time_interleaved(rows: list[tuple[Impl, Result]], case: Case, timing: Timing
                 steps.pop(failed.name)
                 continue
             for name, (_impl, result) in live.items():
-                _record_times(result, case, times[name])
+                _record_times(result, case, rounds.times[name])
+                result.rounds_stopped = rounds.stopped
             break
     finally:
         steps.clear()

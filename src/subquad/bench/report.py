@@ -17,7 +17,7 @@ import textwrap
 from collections import defaultdict
 from typing import Any, Iterable, Optional, Sequence, TextIO
 
-from . import timing
+from . import comparison, timing
 from .measure import Result
 
 REQUIRED_FIELDS = (
@@ -129,6 +129,9 @@ def verdicts(results: list[Result]) -> list[str]:
             found = timing.verdict_lines({r.impl: [t / 1e3 for t in r.times_ms] for r in ok})
             line = f"{title}: {found[0]}, peak {format_bytes(best.peak_bytes)}"
             more = found[1:]
+            note = timing.stop_note(ok[0].rounds_stopped, len(ok[0].times_ms))
+            if note:
+                more.append(f"  ({note})")
         else:
             line = f"{title}: fastest {best.impl} {format_ms(best.median_ms)} ms, peak {format_bytes(best.peak_bytes)}"
             if len(ok) > 1:
@@ -420,64 +423,11 @@ def save(results: list[Result], out_dir: str) -> list[str]:
 
 # ---------------------------------------------------------------------------- compare
 
-# Differences below these are noise, not regressions (page granularity of RSS, timer jitter).
-MEMORY_FLOOR_BYTES = 1 << 20
-TIME_FLOOR_MS = 0.05
 
-
-def _time_cell(r: Result, o: Result) -> tuple[str, Optional[timing.Comparison]]:
-    """new/old time ratio with its spread where both runs have quartiles (else the bare ratio)."""
-    if r.q1_ms is None or o.q1_ms is None or r.reps < 2 or o.reps < 2:
-        return f"{r.median_ms / o.median_ms:.2f}x", None
-    c = timing.compare_unpaired(
-        r.impl,
-        timing.Spread(r.median_ms, r.q1_ms, r.q3_ms, r.reps),
-        o.impl,
-        timing.Spread(o.median_ms, o.q1_ms, o.q3_ms, o.reps),
-    )
-    word = "same" if c.verdict == timing.SAME else c.verdict
-    return f"{c.ratio:.2f}x [{c.low:.2f}-{c.high:.2f}] {word}", c
-
-
-def compare(new: list[Result], old: list[Result], fail_pct: Optional[float] = None) -> tuple[str, list[str]]:
-    """A text table of new/old ratios for records matched on (impl, case, mode), and the list of
-    regressions: time or peak memory up by more than ``fail_pct`` percent, or a case that ran
-    before and now runs out of memory or fails. Where both runs have quartiles, a time ratio
-    comes with the range their IQRs allow and counts as a regression only when that whole range
-    is above the limit ("same" when it includes 1 ± 3%): two runs are not interleaved, so
-    nothing cancels the drift between them."""
-    old_by_key = {(r.impl, r.case, r.mode): r for r in old}
-    lines = [f"{'impl':<16} {'case':<34} {'mode':<7} {'time new/old':>28} {'peak new/old':>13}"]
-    regressions = []
-    for r in new:
-        o = old_by_key.get((r.impl, r.case, r.mode))
-        if o is None:
-            continue
-        label = f"{r.impl} {r.case} {r.mode}"
-        if o.status == "ok" and r.status in ("oom", "error"):
-            regressions.append(f"{label}: was ok, now {r.status} ({r.reason})")
-        if o.status != "ok" or r.status != "ok":
-            lines.append(f"{r.impl:<16} {r.case:<34} {r.mode:<7} {o.status + ' → ' + r.status:>28}")
-            continue
-        cells = []
-        for new_v, old_v, floor, what in (
-            (r.median_ms, o.median_ms, TIME_FLOOR_MS, "time"),
-            (r.peak_bytes, o.peak_bytes, MEMORY_FLOOR_BYTES, "peak memory"),
-        ):
-            if new_v is None or old_v is None or old_v <= 0:
-                cells.append("-")
-                continue
-            ratio = new_v / old_v
-            spread = None
-            if what == "time":
-                text, spread = _time_cell(r, o)
-                cells.append(text)
-            else:
-                cells.append(f"{ratio:.2f}x")
-            sure = spread is None or spread.low > 1 + fail_pct / 100 if fail_pct is not None else False
-            if fail_pct is not None and ratio > 1 + fail_pct / 100 and new_v - old_v > floor and sure:
-                regressions.append(f"{label}: {what} {ratio:.2f}x the old run (limit +{fail_pct:g}%)")
-        lines.append(f"{r.impl:<16} {r.case:<34} {r.mode:<7} {cells[0]:>28} {cells[1]:>13}")
-    if len(lines) == 1:
-        lines.append("(no (impl, case, mode) in common with the old run)")
-    return "\n".join(lines) + "\n", regressions
+def compare(
+    new: list[Result], old: list[Result], fail_pct: Optional[float] = None, *, allow_nothing: bool = False
+) -> tuple[str, list[str]]:
+    """The ``--compare`` table (new/old ratios matched on (impl, case, mode), with a summary) and
+    the problems that fail ``--fail-if-regression fail_pct``, a gate that compared nothing among
+    them unless ``allow_nothing``: see ``comparison.compare``."""
+    return comparison.compare(new, old, fail_pct, allow_nothing=allow_nothing)

@@ -4,35 +4,54 @@ support one.
 Why interleaved: on a shared machine the speed of the CPU drifts (other processes, frequency,
 caches), so timing implementation A for a stretch and then B for the next stretch reads that drift
 as a difference between A and B. Here the implementations of one case run in *rounds*: each runs
-once per round, in an order that rotates from round to round (A B C, B C A, C A B, ...), so every
-implementation sees every position and the same stretch of time.
+once per round. The orders are balanced (``balanced_orders``: a Williams design, relabelled by a
+seeded shuffle every cycle): every implementation takes every position, and is preceded by every
+other one equally often, so none always runs right after the same heavy, cache-trashing neighbour.
+A first, untimed round (``warm_rounds``) runs each call once in the rounds' own company, so no
+timed round is a cold one.
 
 Why paired ratios: within a round the implementations run back to back, so the ratio of their
 times in that round cancels the drift that moves both. The verdict between A and B is read from
 the per-round ratios A/B: their median, their interquartile range, and a distribution-free
 confidence interval for the median (order statistics; with n rounds the interval
-[r_(k), r_(n+1-k)] covers the median with probability 1 - 2·P(Binomial(n, 1/2) < k)). A winner is
-named only when that whole interval lies beyond a practical threshold (3%): "A 1.31x slower
-than B (99% CI 1.27-1.35)". Otherwise the verdict is "same within noise". With 3 rounds the
-widest interval (min to max) covers the median with 75% only, so a winner needs every round to
-agree by more than 3%.
+[r_(k), r_(n+1-k)] covers the median with probability 1 - 2·P(Binomial(n, 1/2) < k)). One cold or
+disturbed round moves such an interval by at most one order statistic: it cannot drag the bound
+of a clear 2x difference down to 1x, as a t interval on the log ratios did. A winner is named only
+when that whole interval lies beyond a practical threshold (3%) and covers the median with at
+least 95% (6 rounds or more; with 3 rounds min..max is only 75% sure, and the verdict says so):
+"A 1.31x slower than B (99% CI 1.27-1.35)". Otherwise the verdict is "same within noise". When
+the median ratio is beyond the threshold but the interval is not yet (too few rounds, or a
+disturbed one), ``run_rounds`` adds rounds until it is or a time cap is reached, and says which.
 
-Used by ``measure.run_all`` (attention cases) and ``model_measure`` (whole models); nothing here
-needs torch. What the rest of the package uses: ``Timed``, ``interleaved``, ``sequential``,
-``Spread``, ``spread``, ``Comparison``, ``compare_paired``, ``compare_unpaired``,
-``verdict_lines``, ``PRACTICAL``, ``CONFIDENCE``.
+``compare_runs`` compares two runs made at different times (``--compare``): nothing pairs their
+calls, so each run's per-round ratios to a reference implementation (paired within that run,
+which cancels a shift of the whole machine between the runs) are compared as two samples: the
+Hodges-Lehmann shift between their logs, with its distribution-free (Mann-Whitney) interval.
+
+Used by ``measure.run_all`` (attention cases), ``model_measure`` (whole models) and the reports;
+nothing here needs torch. What the rest of the package uses: ``Timed``, ``Rounds``,
+``run_rounds``, ``interleaved``, ``sequential``, ``balanced_orders``, ``round_orders``, ``Spread``,
+``spread``, ``median_interval``, ``shift_interval``, ``Comparison``, ``compare_paired``, ``compare_runs``,
+``compare_unpaired``, ``unsettled``, ``verdict_lines``, ``stop_note``, ``PRACTICAL``,
+``CONFIDENCE``, ``MIN_COVERAGE``, ``SAME``.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
+import random
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Callable, Mapping, NamedTuple, Optional, Sequence
+from typing import Callable, Iterator, Mapping, NamedTuple, Optional, Sequence
 
 PRACTICAL = 0.03  # a difference under 3% is not worth naming, however sure
 CONFIDENCE = 0.99
+# An interval less sure than this names no winner: min..max of 3 rounds is 75% sure, of 5 93.75%,
+# of 6 96.9%; a real difference is then found by adding rounds (``run_rounds``). At 0.9, 5 rounds
+# of two identical implementations named a winner in 1.6% of simulated seeds.
+MIN_COVERAGE = 0.95
 SAME = "same within noise"
 
 
@@ -48,11 +67,121 @@ def _as_timed(call) -> Timed:
     return call if isinstance(call, Timed) else Timed(call)
 
 
-def round_orders(names: Sequence[str], rounds: int) -> list[list[str]]:
-    """The order of each round: the names rotated by one position per round."""
+def _williams(n: int) -> list[list[int]]:
+    """A Williams design: rows that are orders of 0..n-1 in which every index takes every
+    position and follows every other index equally often (once for even n; n odd needs the
+    mirrored rows too, and then twice)."""
+    first, low, high = [0], 1, n - 1
+    while low <= high:
+        first.append(low)
+        if low != high:
+            first.append(high)
+        low, high = low + 1, high - 1
+    rows = [[(x + shift) % n for x in first[:n]] for shift in range(n)]
+    return rows + [row[::-1] for row in rows] if n % 2 else rows
+
+
+def balanced_orders(names: Sequence[str], seed: int = 0) -> Iterator[list[str]]:
+    """The order of each round, endlessly: cycles of a Williams design (n rounds for n names, 2n
+    when n is odd), each cycle with the names shuffled anew by a generator seeded with ``seed``.
+    Over every complete cycle each name takes each position and is preceded by each other name
+    equally often; the same names and seed give the same orders."""
     names = list(names)
-    n = len(names)
-    return [names[r % n :] + names[: r % n] for r in range(rounds)] if n else []
+    if not names:
+        return
+    rng = random.Random(seed)
+    design = _williams(len(names))
+    while True:
+        labels = names[:]
+        rng.shuffle(labels)
+        for row in design:
+            yield [labels[i] for i in row]
+
+
+def round_orders(names: Sequence[str], rounds: int, seed: int = 0) -> list[list[str]]:
+    """The first ``rounds`` orders of ``balanced_orders``."""
+    return list(itertools.islice(balanced_orders(names, seed), rounds))
+
+
+class Rounds(NamedTuple):
+    """What ``run_rounds`` measured: seconds per call of each implementation, one entry per timed
+    round (index r is round r for all of them), and why the rounds stopped (``STOPS``)."""
+
+    times: dict[str, list[float]]
+    stopped: str
+
+
+STOPS = {
+    "target": "the target time was spent",
+    "max rounds": "the most rounds were run",
+    "decided": "rounds were added until every verdict was decided",
+    "time cap": "rounds were added until the time cap; a verdict is still undecided",
+    "round cap": "rounds were added until the round cap; a verdict is still undecided",
+}
+
+
+def stop_note(stopped: Optional[str], rounds: int) -> str:
+    """Why ``rounds`` rounds were run, in words, where that is news (the rounds were extended):
+    empty for a plain stop at the target or at the most rounds."""
+    if stopped in ("decided", "time cap", "round cap"):
+        return f"{rounds} rounds: {STOPS[stopped]}"
+    return ""
+
+
+def run_rounds(
+    calls: Mapping[str, Callable[[], object] | Timed],
+    *,
+    min_rounds: int = 5,
+    max_rounds: int = 100,
+    target_s: float = 1.0,
+    warm_rounds: int = 0,
+    cap_s: Optional[float] = None,
+    cap_rounds: Optional[int] = None,
+    seed: int = 0,
+    threshold: float = PRACTICAL,
+    clock: Callable[[], float] = time.perf_counter,
+) -> Rounds:
+    """Time ``calls`` in interleaved rounds with balanced orders (``balanced_orders``).
+
+    First ``warm_rounds`` untimed rounds (each call once, as it will be timed). Then rounds until
+    at least ``min_rounds`` are done and the timed calls together took ``target_s`` per
+    implementation, or ``max_rounds`` are done. With ``cap_s``, rounds go on while a verdict is
+    unsettled (``unsettled``: a median ratio beyond the threshold whose interval is not), until the
+    timed calls took ``cap_s`` per implementation or ``cap_rounds`` rounds are done (default
+    ``4 * max_rounds``). An exception from a call propagates (the caller records it and times the
+    others again without it)."""
+    timed = {name: _as_timed(call) for name, call in calls.items()}
+    times: dict[str, list[float]] = {name: [] for name in timed}
+    if not timed:
+        return Rounds(times, "target")
+    for _ in range(warm_rounds):
+        for call in timed.values():
+            if call.setup is not None:
+                call.setup()
+            call.run()
+    orders = balanced_orders(list(timed), seed)
+    cap_rounds = 4 * max_rounds if cap_rounds is None else cap_rounds
+    spent, rounds, extended = 0.0, 0, False
+    while True:
+        if rounds >= max(1, min_rounds) and (spent >= target_s * len(timed) or rounds >= max_rounds):
+            done = "target" if spent >= target_s * len(timed) else "max rounds"
+            if cap_s is None or not unsettled(times, threshold=threshold):
+                return Rounds(times, "decided" if extended else done)
+            if spent >= cap_s * len(timed):
+                return Rounds(times, "time cap")
+            if rounds >= cap_rounds:
+                return Rounds(times, "round cap")
+            extended = True
+        for name in next(orders):
+            call = timed[name]
+            if call.setup is not None:
+                call.setup()
+            start = clock()
+            call.run()
+            dt = clock() - start
+            times[name].append(dt)
+            spent += dt
+        rounds += 1
 
 
 def interleaved(
@@ -63,27 +192,9 @@ def interleaved(
     target_s: float = 1.0,
     clock: Callable[[], float] = time.perf_counter,
 ) -> dict[str, list[float]]:
-    """Seconds per call of each implementation, one entry per round (index r is round r for all
-    of them). Rounds repeat until at least ``min_rounds`` are done and the timed calls together
-    took ``target_s`` per implementation, or ``max_rounds`` are done. An exception from a call
-    propagates (the caller records it and times the others again without it)."""
-    timed = {name: _as_timed(call) for name, call in calls.items()}
-    times: dict[str, list[float]] = {name: [] for name in timed}
-    spent = 0.0
-    r = 0
-    while r < max(1, min_rounds) or (spent < target_s * len(timed) and r < max_rounds):
-        names = list(timed)
-        for name in names[r % len(names) :] + names[: r % len(names)]:
-            call = timed[name]
-            if call.setup is not None:
-                call.setup()
-            start = clock()
-            call.run()
-            dt = clock() - start
-            times[name].append(dt)
-            spent += dt
-        r += 1
-    return times
+    """``run_rounds`` without warm rounds or a cap: seconds per call of each implementation, one
+    entry per round."""
+    return run_rounds(calls, min_rounds=min_rounds, max_rounds=max_rounds, target_s=target_s, clock=clock).times
 
 
 def sequential(
@@ -156,44 +267,13 @@ def median_interval(values: Sequence[float], confidence: float = CONFIDENCE) -> 
     return best
 
 
-# Two-sided 99% quantiles of Student's t by degrees of freedom; between entries the smaller df
-# is used (a wider interval).
-_T99 = {
-    1: 63.657,
-    2: 9.925,
-    3: 5.841,
-    4: 4.604,
-    5: 4.032,
-    6: 3.707,
-    7: 3.499,
-    8: 3.355,
-    9: 3.250,
-    10: 3.169,
-    12: 3.055,
-    15: 2.947,
-    20: 2.845,
-    30: 2.750,
-    60: 2.660,
-}
-
-
-def _t99(df: int) -> float:
-    return _T99[max(k for k in _T99 if k <= df)] if df < 120 else 2.576
-
-
 def ratio_interval(ratios: Sequence[float], confidence: float = CONFIDENCE) -> tuple[float, float, float]:
-    """The interval a verdict is read from: the union of the order-statistic interval of the
-    median (distribution-free, but only 75% sure with 3 rounds) and a 99% t interval on the log
-    ratios (wide with few rounds unless the rounds agree). Taking the wider keeps a noisy round
-    from producing a winner. Returns ``(low, high, coverage)``; the t part, and so the union,
-    is computed at 99% (the ``confidence`` argument sets the order-statistic part)."""
-    low, high, coverage = median_interval(ratios, confidence)
-    logs = [math.log(r) for r in ratios if r > 0]
-    if len(logs) >= 2:
-        half = _t99(len(logs) - 1) * statistics.stdev(logs) / math.sqrt(len(logs))
-        mean = statistics.fmean(logs)
-        low, high = min(low, math.exp(mean - half)), max(high, math.exp(mean + half))
-    return low, high, max(coverage, confidence if len(logs) >= 2 else 0.0)
+    """The interval a verdict is read from: the order-statistic interval of the median ratio
+    (``median_interval``), ``(low, high, coverage)``. Distribution-free, and one outlying round
+    shifts each bound by one order statistic at most (with 12 rounds or more the 99% interval
+    leaves out at least the smallest and the largest ratio, so one cold round cannot be a bound).
+    With too few rounds the coverage is below ``confidence`` and says so."""
+    return median_interval(ratios, confidence)
 
 
 # ------------------------------------------------------------------------- comparison
@@ -202,7 +282,8 @@ def ratio_interval(ratios: Sequence[float], confidence: float = CONFIDENCE) -> t
 @dataclass(frozen=True)
 class Comparison:
     """``name`` against ``other``: time ratio name/other with its spread and the verdict
-    (``"faster"``, ``"slower"`` or ``SAME``)."""
+    (``"faster"``, ``"slower"`` or ``SAME``). ``reference``: for two runs compared through a
+    reference implementation (``compare_runs``), its name."""
 
     name: str
     other: str
@@ -215,20 +296,29 @@ class Comparison:
     rounds: int
     verdict: str
     paired: bool = True
+    reference: Optional[str] = None
+
+    @property
+    def too_few(self) -> bool:
+        """True when the interval is too unsure to name a winner (``MIN_COVERAGE``)."""
+        return self.coverage < MIN_COVERAGE
 
     def describe(self) -> str:
         """``1.31x (IQR 1.29-1.33; 99% CI 1.27-1.35, 9 rounds)``."""
         if self.rounds < 2:
             return f"{self.ratio:.2f}x (one round: no spread)"
+        ci = f"{math.floor(self.coverage * 100)}% CI {self.low:.2f}-{self.high:.2f}"
+        if self.reference is not None:
+            return f"{self.ratio:.2f}x ({ci}, per round against {self.reference})"
         if not self.paired:
             return f"{self.ratio:.2f}x (from the IQRs: {self.low:.2f}-{self.high:.2f})"
-        return (
-            f"{self.ratio:.2f}x (IQR {self.q1:.2f}-{self.q3:.2f}; {math.floor(self.coverage * 100)}% CI "
-            f"{self.low:.2f}-{self.high:.2f}, {self.rounds} rounds)"
-        )
+        few = ": too few rounds to name a winner" if self.too_few else ""
+        return f"{self.ratio:.2f}x (IQR {self.q1:.2f}-{self.q3:.2f}; {ci}, {self.rounds} rounds{few})"
 
 
-def _verdict(low: float, high: float, threshold: float) -> str:
+def _verdict(low: float, high: float, threshold: float, coverage: float = 1.0) -> str:
+    if coverage < MIN_COVERAGE:
+        return SAME
     if low > 1.0 + threshold:
         return "slower"
     if high < 1.0 / (1.0 + threshold):
@@ -254,15 +344,95 @@ def compare_paired(
     if len(ratios) < 2:
         return Comparison(name, other, s.median, s.q1, s.q3, s.median, s.median, 0.0, len(ratios), SAME)
     low, high, coverage = ratio_interval(ratios, confidence)
-    return Comparison(
-        name, other, s.median, s.q1, s.q3, low, high, coverage, len(ratios), _verdict(low, high, threshold)
-    )
+    verdict = _verdict(low, high, threshold, coverage)
+    return Comparison(name, other, s.median, s.q1, s.q3, low, high, coverage, len(ratios), verdict)
+
+
+def _per_round(times: Sequence[float], reference: Optional[Sequence[float]]) -> list[float]:
+    if reference is None:
+        return [t for t in times if t > 0]
+    if len(reference) != len(times):
+        raise ValueError(f"a reference needs the same rounds: {len(times)} against {len(reference)}")
+    return [t / r for t, r in zip(times, reference) if t > 0 and r > 0]
+
+
+def _rank_sum_cdf(n: int, m: int) -> Callable[[int], float]:
+    """P(U <= u) for the Mann-Whitney count U of two samples of n and m values from one continuous
+    distribution: exact (the coefficients of the Gaussian binomial [n+m choose n]) up to 2,500
+    pairs, then the normal approximation with a continuity correction."""
+    if n * m > 2500:
+        mean, sd = n * m / 2, math.sqrt(n * m * (n + m + 1) / 12)
+        return lambda u: 0.5 * (1.0 + math.erf((u + 0.5 - mean) / (sd * math.sqrt(2.0))))
+    counts = [1]
+    for i in range(1, n + 1):  # times (1 - q^(m+i)) / (1 - q^i)
+        grown = counts + [0] * (m + i)
+        for j, c in enumerate(counts):
+            grown[j + m + i] -= c
+        for j in range(i, len(grown)):
+            grown[j] += grown[j - i]
+        counts = grown[: n * m + 1]
+    cumulative = list(itertools.accumulate(counts))
+    total = cumulative[-1]
+    return lambda u: cumulative[u] / total if u >= 0 else 0.0
+
+
+def shift_interval(
+    new: Sequence[float], old: Sequence[float], confidence: float = CONFIDENCE
+) -> tuple[float, float, float, float]:
+    """How much ``new`` lies above ``old``: the Hodges-Lehmann estimate (the median of all n·m
+    differences new_i - old_j) and the distribution-free interval of those differences' order
+    statistics [d_(k), d_(nm+1-k)] (Mann-Whitney), ``(estimate, low, high, coverage)``. It assumes
+    only that the two samples differ by a shift; one outlying value moves m of the n·m differences,
+    all at one end, and a 99% interval of 20 against 20 leaves out 104 at each end."""
+    diffs = sorted(a - b for a in new for b in old)
+    n, m = len(new), len(old)
+    cdf = _rank_sum_cdf(n, m)
+    k, coverage = 1, 1.0 - 2.0 * cdf(0)
+    while k < len(diffs) // 2 and 1.0 - 2.0 * cdf(k) >= confidence:  # widen k while still sure
+        k += 1
+        coverage = 1.0 - 2.0 * cdf(k - 1)
+    return statistics.median(diffs), diffs[k - 1], diffs[len(diffs) - k], max(0.0, coverage)
+
+
+def compare_runs(
+    name: str,
+    new: Sequence[float],
+    old: Sequence[float],
+    *,
+    new_reference: Optional[Sequence[float]] = None,
+    old_reference: Optional[Sequence[float]] = None,
+    reference: Optional[str] = None,
+    threshold: float = PRACTICAL,
+    confidence: float = CONFIDENCE,
+) -> Comparison:
+    """``name`` in a new run against an old one, from each run's per-round times (``new``,
+    ``old``). With the per-round times of a ``reference`` implementation in each run (the same
+    rounds), each run is first reduced to its per-round ratios name/reference, paired within the
+    run, so that a machine faster or slower as a whole in one of the runs cancels out; without,
+    the raw times are compared. The ratio new/old and its interval are the shift between the
+    runs' log values (``shift_interval``: Hodges-Lehmann, with the distribution-free Mann-Whitney
+    interval at ``confidence``); a verdict is named only when that whole interval lies beyond
+    ``threshold``."""
+    a, b = _per_round(new, new_reference), _per_round(old, old_reference)
+    if not a or not b:
+        raise ValueError(f"compare_runs() of {name} needs times in both runs")
+    if len(a) < 2 or len(b) < 2:
+        ratio = statistics.median(a) / statistics.median(b)
+        verdict = "slower" if ratio > 1 + threshold else "faster" if ratio < 1 / (1 + threshold) else SAME
+        return Comparison(name, name, ratio, ratio, ratio, ratio, ratio, 0.0, min(len(a), len(b)), verdict, False)
+    shift, low, high, coverage = shift_interval([math.log(x) for x in a], [math.log(x) for x in b], confidence)
+    ratio, low, high = math.exp(shift), math.exp(low), math.exp(high)
+    # Two runs of 3 rounds are only 90% sure by this interval, yet every new round would have to
+    # beat every old one by the threshold: the gate takes that, and the table says how sure.
+    verdict = _verdict(low, high, threshold)
+    rounds = min(len(a), len(b))
+    return Comparison(name, name, ratio, low, high, low, high, coverage, rounds, verdict, False, reference)
 
 
 def compare_unpaired(name: str, new: Spread, other: str, old: Spread, *, threshold: float = PRACTICAL) -> Comparison:
-    """Two runs made at different times (``--compare``): nothing pairs their calls, so the
-    ratio of medians is given with the range its IQRs allow, [q1/q3', q3/q1'] (new over old); a
-    difference is named only when that whole range lies beyond the threshold."""
+    """Two runs known only by their spreads (a results.json without per-round times): the ratio
+    of medians with the range its IQRs allow, [q1/q3', q3/q1'] (new over old); a difference is
+    named only when that whole range lies beyond the threshold."""
     ratio = new.median / old.median
     if new.n < 2 or old.n < 2:
         return Comparison(
@@ -282,6 +452,27 @@ def compare_unpaired(name: str, new: Spread, other: str, old: Spread, *, thresho
     return Comparison(
         name, other, ratio, low, high, low, high, 0.0, min(new.n, old.n), _verdict(low, high, threshold), paired=False
     )
+
+
+def unsettled(
+    samples: Mapping[str, Sequence[float]], *, threshold: float = PRACTICAL, confidence: float = CONFIDENCE
+) -> list[str]:
+    """The implementations whose verdict against the fastest (by median) more rounds could still
+    change: a median ratio beyond ``threshold`` whose interval is not (yet) beyond it, or is too
+    unsure to name anyone. Twins (median ratio within the threshold) are settled as the same."""
+    samples = {k: list(v) for k, v in samples.items() if v}
+    if len(samples) < 2 or len({len(v) for v in samples.values()}) != 1:
+        return []
+    medians = {k: statistics.median(v) for k, v in samples.items()}
+    best = min(medians, key=medians.__getitem__)
+    out = []
+    for name, times in samples.items():
+        if name == best:
+            continue
+        c = compare_paired(name, times, best, samples[best], threshold=threshold, confidence=confidence)
+        if c.verdict == SAME and c.ratio > 1.0 + threshold:
+            out.append(name)
+    return out
 
 
 def _ms(seconds: float) -> str:
@@ -307,7 +498,9 @@ def verdict_lines(
         for name in sorted(samples, key=medians.__getitem__)
         if name != best
     ]
-    same = [c for c in comparisons if c.verdict == SAME]
+    # A median ratio beyond the threshold whose interval is not: undecided, not "the same".
+    undecided = [c for c in comparisons if c.verdict == SAME and c.ratio > 1.0 + threshold]
+    same = [c for c in comparisons if c.verdict == SAME and c not in undecided]
     slower = [c for c in comparisons if c.verdict == "slower"]
     s = spread(samples[best])
     head = f"{best} {_ms(s.median)} ms (IQR {_ms(s.q1)}-{_ms(s.q3)})"
@@ -318,4 +511,5 @@ def verdict_lines(
     else:
         lines = [f"fastest {head}"]
     lines += [f"  {c.name} / {best}: {c.describe()}: {c.name} slower" for c in slower]
+    lines += [f"  {c.name} / {best}: {c.describe()}: undecided, more rounds needed" for c in undecided]
     return lines

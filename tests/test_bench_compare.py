@@ -1,0 +1,159 @@
+"""Tests of ``--compare`` (``subquad.bench.comparison``): a gate that fires on real regressions and
+not on the noise between two runs of the same code, with made-up per-round times (nothing here
+times anything real).
+
+A simulated run: each implementation's call takes ``base × machine × drift(round) × noise``, where
+``machine`` is the speed of the whole machine in that run (it moves between runs), ``drift`` moves
+all calls of a round together, and ``noise`` is each call's own (log-normal, 5% by default).
+"""
+
+import json
+import math
+import random
+import statistics
+
+import pytest
+
+from subquad.bench import cli, report, timing
+from subquad.bench.measure import Result
+
+BASES = {"naive": 8.0, "sdpa-math": 4.0, "sdpa": 1.0, "subquad": 1.2, "subquad-fused": 1.2}
+CASES = ("1x4x512x512x64 fp32 none", "1x4x512x512x64 fp32 causal")
+
+
+def simulated_run(seed, *, rounds=20, machine=1.0, noise=0.05, slower=None, peak=50 << 20, env=None):
+    """Records of one run of every implementation in BASES on every case in CASES; ``slower``
+    maps implementations to a factor on their time (a real regression)."""
+    rng = random.Random(seed)
+    records = []
+    for case in CASES:
+        drift = [machine * (1 + 0.2 * rng.uniform(-1, 1)) for _ in range(rounds)]
+        for impl, base in BASES.items():
+            factor = (slower or {}).get(impl, 1.0)
+            times = [base * factor * d * rng.lognormvariate(0, noise) for d in drift]
+            s = timing.spread(times)
+            facts = {"device_name": "AMD EPYC, 2 CPUs", "torch_version": "2.13.0+cpu", "threads": 2, **(env or {})}
+            records.append(Result(impl=impl, case=case, mode="fwd", median_ms=s.median, q1_ms=s.q1,
+                                  q3_ms=s.q3, times_ms=times, reps=rounds, peak_bytes=peak, **facts))
+    return records
+
+
+@pytest.mark.parametrize("rounds", [5, 20])
+def test_two_runs_of_the_same_code_pass_the_gate(rounds):
+    """The same code twice, on a machine up to 15% faster or slower as a whole in the second
+    run: no regression at 10%, in 100 of 100 seeds."""
+    for seed in range(100):
+        shift = random.Random(seed).uniform(0.85, 1.15)
+        old = simulated_run(2 * seed, rounds=rounds)
+        new = simulated_run(2 * seed + 1, rounds=rounds, machine=shift)
+        text, problems = report.compare(new, old, 10)
+        assert problems == [], (seed, problems)
+        assert f"{len(BASES) * len(CASES)} compared" in text
+
+
+def test_a_real_30_percent_slowdown_is_caught_even_on_a_faster_machine():
+    caught = 0
+    for seed in range(50):
+        old = simulated_run(2 * seed)
+        # subquad sleeps 30% more, while the machine as a whole is 20% faster in the new run: the
+        # raw times barely move, the ratios to the other implementations of the same rounds do.
+        new = simulated_run(2 * seed + 1, slower={"subquad": 1.3}, machine=0.8)
+        _, problems = report.compare(new, old, 10)
+        assert all(p.startswith("subquad ") for p in problems), problems
+        caught += len(problems) == len(CASES)
+    assert caught >= 49
+    text, problems = report.compare(simulated_run(1, slower={"subquad": 1.3}), simulated_run(0), 10)
+    assert "time 1.3" in problems[0] and "per round against" in problems[0]
+    assert "0 faster, 2 slower, 8 same" in text and "subquad-fused" in text
+
+
+def test_a_gate_that_compares_nothing_fails_unless_told_otherwise():
+    old = [Result(impl="x", case="c", mode="fwd", median_ms=1.0)]
+    new = [Result(impl="y", case="c", mode="fwd", median_ms=1.0)]
+    text, problems = report.compare(new, old, 10)
+    assert len(problems) == 1 and problems[0].startswith("nothing compared")
+    assert "no (impl, case, mode) in common" in text and "1 only in the new run, 1 only in the old run" in text
+    assert report.compare(new, old, 10, allow_nothing=True)[1] == []
+    assert report.compare(new, old)[1] == []  # no gate, nothing to fail
+    # Rows in common that never ran in either run compare nothing either.
+    unsupported = [Result(impl="x", case="c", mode="fwd", status="unsupported", reason="not installed")]
+    text, problems = report.compare(unsupported, unsupported, 10)
+    assert problems[0].startswith("nothing compared") and "unsupported in both runs" in text
+
+
+def test_the_cli_fails_a_gate_that_compares_nothing(tmp_path, capsys):
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps([Result(impl="sdpa-flash", case="elsewhere", mode="fwd", median_ms=1.0).to_dict()]))
+    args = ["--shape", "1,2,32,16", "--impl", "sdpa-math", "--in-process", "--plain", "--seconds", "0.01",
+            "--compare", str(old), "--fail-if-regression", "10"]
+    assert cli.main(args) == 1
+    assert "nothing compared" in capsys.readouterr().out
+
+
+def test_memory_under_the_floor_is_the_same():
+    def r(peak, impl="x", status="ok"):
+        return Result(impl=impl, case="c", mode="fwd", status=status, median_ms=1.0, peak_bytes=peak)
+
+    # 0.9 MiB against 0.7 MiB: 27% more, as sub-MiB RSS moves between runs: the same.
+    text, problems = report.compare([r(900 << 10)], [r(700 << 10)], 10)
+    assert problems == [] and "same (<1 MiB)" in text
+    _, problems = report.compare([r(200 << 20)], [r(100 << 20)], 10)
+    assert problems == ["x c fwd: peak memory 2.00x the old run (limit +10%)"]
+    _, problems = report.compare([r(105 << 20)], [r(100 << 20)], 10)
+    assert problems == []  # 5 MiB more, but under the 10% limit
+
+
+def test_the_table_summarizes_and_leaves_out_rows_unsupported_in_both_runs():
+    old = simulated_run(0, rounds=8)
+    new = simulated_run(1, rounds=8)
+    for run in (old, new):
+        run += [Result(impl=f"xformers-{i}", case=CASES[0], mode="fwd", status="unsupported",
+                       reason="xformers is not installed") for i in range(40)]
+    new.append(Result(impl="flex", case=CASES[0], mode="fwd", median_ms=1.0))
+    old.append(Result(impl="flex", case=CASES[1], mode="fwd", median_ms=1.0))
+    new.append(Result(impl="naive", case="big", mode="fwd", status="oom", reason="out of memory"))
+    old.append(Result(impl="naive", case="big", mode="fwd", median_ms=1.0))
+    text, problems = report.compare(new, old, 10)
+    assert "xformers-0" not in text and "(40 (impl, case, mode) unsupported in both runs: not listed)" in text
+    assert problems == ["naive big fwd: was ok, now oom (out of memory)"]
+    summary = next(line for line in text.splitlines() if " compared: " in line)
+    assert summary.startswith("10 compared: ") and "1 changed status; 1 only in the new run, 1 only in the old run" in summary
+    counts = [int(summary.split(f" {word}")[0].split()[-1]) for word in ("faster", "slower", "same;")]
+    assert sum(counts) == 10
+    assert "ok → oom" in text and "the two runs differ" not in text
+
+
+def test_the_table_says_when_the_runs_come_from_different_machines():
+    old = simulated_run(0)
+    new = simulated_run(1, env={"device_name": "Intel Xeon, 8 CPUs", "torch_version": "2.12.0+cpu"})
+    text, _ = report.compare(new, old)
+    note = next(line for line in text.splitlines() if line.startswith("the two runs differ"))
+    assert "device Intel Xeon, 8 CPUs (new) vs AMD EPYC, 2 CPUs (old)" in note
+    assert "torch 2.12.0+cpu (new) vs 2.13.0+cpu (old)" in note and "threads" not in note
+
+
+def test_compare_runs_interval_and_reference():
+    old = [10.0, 10.2, 9.9, 10.1, 10.0, 9.8, 10.3, 10.0, 10.1, 9.9, 10.0, 10.2]
+    ref_old = [5.0] * 12
+    # The whole machine 30% slower: raw times say slower, per round against the reference the same.
+    new = [t * 1.3 for t in old]
+    ref_new = [5.0 * 1.3] * 12
+    assert timing.compare_runs("x", new, old).verdict == "slower"
+    c = timing.compare_runs("x", new, old, new_reference=ref_new, old_reference=ref_old, reference="sdpa")
+    assert c.verdict == timing.SAME and c.ratio == pytest.approx(1.0) and c.coverage >= 0.98
+    assert "per round against sdpa" in c.describe()
+    # The ratio and interval are the Hodges-Lehmann shift of the logs and its Mann-Whitney interval.
+    c = timing.compare_runs("x", [t * 2 for t in old], old)
+    shift, low, high, coverage = timing.shift_interval([math.log(2 * t) for t in old], [math.log(t) for t in old])
+    assert (c.ratio, c.low, c.high, c.coverage) == pytest.approx((math.exp(shift), math.exp(low), math.exp(high), coverage))
+    assert c.ratio == pytest.approx(2.0) and c.low < 2.0 < c.high and c.verdict == "slower"
+    # One cold round in the new run hardly moves the interval: no false regression at 10%.
+    cold = [t * 1.02 for t in old]
+    cold[0] *= 10
+    c = timing.compare_runs("x", cold, old)
+    assert c.verdict == timing.SAME and c.high < 1.1 and c.ratio == pytest.approx(1.02, abs=0.01)
+    # Two runs of 3 rounds: every new round 2x every old one, and the interval says 90% sure.
+    c = timing.compare_runs("x", [2.0, 2.1, 1.9], [1.0, 1.05, 0.95])
+    assert c.verdict == "slower" and c.coverage == pytest.approx(0.9)
+    with pytest.raises(ValueError, match="the same rounds"):
+        timing.compare_runs("x", new, old, new_reference=[1.0], old_reference=ref_old)
