@@ -1,5 +1,6 @@
 """Showing and saving results: the terminal table and progress (rich when installed, plain text
-otherwise), results.json / results.csv, the PNG plots (matplotlib), and ``--compare``.
+otherwise), results.json / results.csv, and ``--compare``; the PNG figures are drawn by
+``plots``.
 
 rich and matplotlib are imported inside the functions that use them: ``pip install
 'subquad[bench]'`` installs both, and nothing else in subquad needs them.
@@ -10,14 +11,13 @@ from __future__ import annotations
 import csv
 import importlib.util
 import json
-import math
 import os
 import sys
 import textwrap
 from collections import defaultdict
-from typing import Any, Iterable, Optional, Sequence, TextIO
+from typing import Any, Optional, Sequence, TextIO
 
-from . import comparison, timing
+from . import comparison, plots, timing
 from .measure import Result
 
 REQUIRED_FIELDS = (
@@ -327,98 +327,13 @@ def write_csv(results: list[Result], path: str) -> None:
             )
 
 
-def _groups(results: Iterable[Result]) -> dict[str, dict[str, list[tuple[int, Result]]]]:
-    """ok results by plot panel (everything but the sequence length) → impl → [(Lq, result)]."""
-    panels: dict = defaultdict(lambda: defaultdict(list))
-    for r in results:
-        if r.status != "ok" or len(r.shape) != 5:
-            continue
-        b, h, lq, lk, e = r.shape
-        kv = "Lk=Lq" if lq == lk else f"Lk={lk}"
-        title = f"B={b} H={h} E={e} {kv} {r.dtype} {r.mask} {r.mode}"
-        if r.budget:
-            title += f" budget={r.budget}"
-        panels[title][r.impl].append((lq, r))
-    return panels
-
-
-def plot(results: list[Result], out_dir: str) -> list[str]:
-    """time.png and memory.png in ``out_dir``: median time and peak extra memory against the
-    query length, log-log, one line per implementation, one panel per other setting (a setting
-    measured at a single length gets bars instead). Returns the paths written (none when
-    matplotlib is missing or nothing ran)."""
-    if importlib.util.find_spec("matplotlib") is None:
-        return []
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    panels = _groups(results)
-    if not panels:
-        return []
-    device = next(r.device_name for r in results if r.status == "ok")
-    impl_order = list(dict.fromkeys(r.impl for r in results if r.status == "ok"))
-    cmap = plt.get_cmap("tab10" if len(impl_order) <= 10 else "tab20")
-    style = {name: (cmap(i), "osD^v<>ph*"[i % 10]) for i, name in enumerate(impl_order)}
-    # Sweeps first: the panels with the most lengths carry the most information.
-    order = sorted(panels.items(), key=lambda kv: (-len({lq for pts in kv[1].values() for lq, _ in pts}), kv[0]))
-    written = []
-    for filename, metric, label in (
-        ("time.png", lambda r: r.median_ms, "median time (ms)"),
-        ("memory.png", lambda r: r.peak_bytes / 2**20 if r.peak_bytes else None, "peak extra memory (MiB)"),
-    ):
-        ncols = min(3, len(panels))
-        nrows = math.ceil(len(panels) / ncols)
-        fig, axes = plt.subplots(nrows, ncols, figsize=(5.4 * ncols, 4.0 * nrows), squeeze=False)
-        for ax, (title, by_impl) in zip(axes.flat, order):
-            series = {}
-            for impl in impl_order:
-                points = sorted((lq, metric(r)) for lq, r in by_impl.get(impl, []))
-                points = [(x, y) for x, y in points if y is not None and y > 0]
-                if points:
-                    series[impl] = points
-            lengths = sorted({x for pts in series.values() for x, _ in pts})
-            if len(lengths) == 1:
-                names = list(series)
-                values = [series[n][0][1] for n in names]
-                bars = ax.bar(range(len(names)), values, color=[style[n][0] for n in names])
-                ax.bar_label(bars, labels=[f"{v:.3g}" for v in values], fontsize=7)
-                # Bars on a log axis start at the decade below the smallest, not at an
-                # arbitrary bottom that would exaggerate the differences.
-                ax.set_ylim(bottom=10 ** math.floor(math.log10(min(values))), top=max(values) * 2)
-                ax.set_xticks(range(len(names)), names, rotation=35, ha="right", fontsize=8)
-                ax.set_xlabel(f"Lq = {lengths[0]}")
-            else:
-                for impl, points in series.items():
-                    color, marker = style[impl]
-                    ax.plot(*zip(*points), marker=marker, label=impl, color=color)
-                ax.set_xscale("log", base=2)
-                ax.set_xticks(lengths, [str(n) for n in lengths])
-                ax.set_xlabel("sequence length Lq")
-                ax.legend(fontsize=7)
-            ax.set_yscale("log")
-            ax.set_ylabel(label)
-            ax.set_title(title, fontsize=9)
-            ax.grid(True, which="both", alpha=0.3)
-        for ax in list(axes.flat)[len(panels) :]:
-            ax.set_visible(False)
-        fig.suptitle(f"subquad bench: {label} on {device}", fontsize=10)
-        fig.tight_layout()
-        path = os.path.join(out_dir, filename)
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
-        written.append(path)
-    return written
-
-
 def save(results: list[Result], out_dir: str) -> list[str]:
     """results.json, results.csv and the plots in ``out_dir`` (created). Returns the paths."""
     os.makedirs(out_dir, exist_ok=True)
     paths = [os.path.join(out_dir, "results.json"), os.path.join(out_dir, "results.csv")]
     write_json(results, paths[0])
     write_csv(results, paths[1])
-    return paths + plot(results, out_dir)
+    return paths + plots.plot(results, out_dir)
 
 
 # ---------------------------------------------------------------------------- compare
