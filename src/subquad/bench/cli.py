@@ -153,7 +153,9 @@ def _main_attention(args: argparse.Namespace, checked: Checked) -> int:
         print("(pass --out DIR to save results.json, results.csv and plots)")
 
     if checked.old is not None:
-        text, regressions = report.compare(results, checked.old, args.fail_if_regression)
+        text, regressions = report.compare(
+            results, checked.old, args.fail_if_regression, allow_nothing=args.allow_empty_compare
+        )
         both = _ok_in_both(results, checked.old, lambda r: (r.impl, r.case, r.mode))
         if _print_comparison(args, text, regressions, both, "(impl, case, mode)"):
             return 1
