@@ -9,6 +9,7 @@ nothing asserts a real timing.
 import collections
 import math
 import random
+import statistics
 
 import pytest
 
@@ -397,3 +398,18 @@ def test_compare_counts_a_regression_only_beyond_the_spread():
     assert regs == [] and "same" in text  # 10% slower by median, but inside the spreads
     text, regs = report.compare([r(20.0, 19.0, 21.0)], [r(10.0, 9.5, 10.5)], 5)
     assert len(regs) == 1 and "slower" in text
+
+
+def test_the_planner_line_reads_the_paired_verdict_not_a_ratio_of_medians():
+    """Twins whose medians differ by 12% from the noise of the rounds: the planner's line says
+    "same within noise", not that the planner cost 12%."""
+    rng = random.Random(5)
+    rows = []
+    machine = [rng.choice([1.0, 1.25]) for _ in range(12)]  # rounds at two speeds
+    for impl in ("subquad-fused", "subquad"):
+        times = [10.0 * m * rng.uniform(0.99, 1.01) for m in machine]
+        rows.append(Result(impl=impl, case="c", mode="fwd", times_ms=times, median_ms=statistics.median(times),
+                           plan={"backend": "fused"} if impl == "subquad" else {}))
+    rows[0].median_ms, rows[1].median_ms = 10.0, 11.2  # what a ratio of medians would have blamed
+    line = report.verdicts(rows)[0]
+    assert "subquad's planner picked fused: 11.20 ms (1.00x, same within noise)" in line, line

@@ -184,7 +184,8 @@ def compare(
         lines.append(note)
     if compared == 0 and fail_pct is not None and not allow_nothing:
         problems.append(
-            "nothing compared: no (impl, case, mode) was timed in both runs, so the gate has nothing to pass"
+            "nothing compared: no (impl, case, mode) was timed in both runs, so the gate has nothing to pass "
+            "(--allow-empty-compare lets that pass)"
         )
     return "\n".join(line for line in lines if line) + "\n", problems
 

@@ -139,9 +139,16 @@ def verdicts(results: list[Result]) -> list[str]:
             more = []
         planner = next((r for r in ok if r.impl == "subquad"), None)
         if planner is not None:
+            against = f"{planner.median_ms / best.median_ms:.2f}x"
+            if planner is not best and len(planner.times_ms) == len(best.times_ms) > 1:
+                # The per-round ratio and its verdict: a ratio of medians reads noise as the
+                # planner's cost.
+                c = timing.compare_paired("subquad", planner.times_ms, best.impl, best.times_ms)
+                unsure = c.verdict == timing.SAME and c.ratio > 1 + timing.PRACTICAL
+                against = f"{c.ratio:.2f}x, {'undecided' if unsure else c.verdict}"
             line += (
                 f"; subquad's planner picked {planner.plan.get('backend', '?')}: "
-                f"{format_ms(planner.median_ms)} ms ({planner.median_ms / best.median_ms:.2f}x), "
+                f"{format_ms(planner.median_ms)} ms ({against}), "
                 f"peak {format_bytes(planner.peak_bytes)}"
             )
             if planner.first_call_ms is not None and planner.first_call_ms > 2 * planner.median_ms:

@@ -33,7 +33,7 @@ nothing here needs torch. What the rest of the package uses: ``Timed``, ``Rounds
 ``run_rounds``, ``interleaved``, ``sequential``, ``balanced_orders``, ``round_orders``, ``Spread``,
 ``spread``, ``median_interval``, ``shift_interval``, ``Comparison``, ``compare_paired``, ``compare_runs``,
 ``compare_unpaired``, ``unsettled``, ``verdict_lines``, ``stop_note``, ``PRACTICAL``,
-``CONFIDENCE``, ``MIN_COVERAGE``, ``SAME``.
+``CONFIDENCE``, ``MIN_COVERAGE``, ``ROUNDS_TO_NAME``, ``SAME``.
 """
 
 from __future__ import annotations
@@ -52,6 +52,9 @@ CONFIDENCE = 0.99
 # of 6 96.9%; a real difference is then found by adding rounds (``run_rounds``). At 0.9, 5 rounds
 # of two identical implementations named a winner in 1.6% of simulated seeds.
 MIN_COVERAGE = 0.95
+# The fewest rounds whose widest interval (min..max, 1 - 2^(1-n)) reaches MIN_COVERAGE: an unsettled
+# verdict gets them even past the time cap, since fewer rounds can name no one.
+ROUNDS_TO_NAME = next(n for n in range(2, 64) if 1.0 - 2.0 ** (1 - n) >= MIN_COVERAGE)
 SAME = "same within noise"
 
 
@@ -147,9 +150,9 @@ def run_rounds(
     at least ``min_rounds`` are done and the timed calls together took ``target_s`` per
     implementation, or ``max_rounds`` are done. With ``cap_s``, rounds go on while a verdict is
     unsettled (``unsettled``: a median ratio beyond the threshold whose interval is not), until the
-    timed calls took ``cap_s`` per implementation or ``cap_rounds`` rounds are done (default
-    ``4 * max_rounds``). An exception from a call propagates (the caller records it and times the
-    others again without it)."""
+    timed calls took ``cap_s`` per implementation (but never before ``ROUNDS_TO_NAME`` rounds) or
+    ``cap_rounds`` rounds are done (default ``4 * max_rounds``). An exception from a call
+    propagates (the caller records it and times the others again without it)."""
     timed = {name: _as_timed(call) for name, call in calls.items()}
     times: dict[str, list[float]] = {name: [] for name in timed}
     if not timed:
@@ -160,14 +163,14 @@ def run_rounds(
                 call.setup()
             call.run()
     orders = balanced_orders(list(timed), seed)
-    cap_rounds = 4 * max_rounds if cap_rounds is None else cap_rounds
+    cap_rounds = max(ROUNDS_TO_NAME, 4 * max_rounds if cap_rounds is None else cap_rounds)
     spent, rounds, extended = 0.0, 0, False
     while True:
         if rounds >= max(1, min_rounds) and (spent >= target_s * len(timed) or rounds >= max_rounds):
             done = "target" if spent >= target_s * len(timed) else "max rounds"
             if cap_s is None or not unsettled(times, threshold=threshold):
                 return Rounds(times, "decided" if extended else done)
-            if spent >= cap_s * len(timed):
+            if spent >= cap_s * len(timed) and rounds >= ROUNDS_TO_NAME:
                 return Rounds(times, "time cap")
             if rounds >= cap_rounds:
                 return Rounds(times, "round cap")
