@@ -2,7 +2,7 @@
 timed): files written, titles in words, linear bars from zero with IQR whiskers, the fastest and
 the planner's pick marked, absent implementations listed with why, the memory panel's
 definition and budget, and the length sweep's log-log axes, plain ticks and out-of-memory
-marks. Skipped without matplotlib."""
+marks; and the ``--model`` figures in the same look. Skipped without matplotlib."""
 
 from __future__ import annotations
 
@@ -15,8 +15,9 @@ import pytest
 
 pytest.importorskip("matplotlib")
 
-from subquad.bench import plots, report  # noqa: E402
+from subquad.bench import model_report, plots, report  # noqa: E402
 from subquad.bench.measure import Result  # noqa: E402
+from subquad.bench.model_measure import ModelResult  # noqa: E402
 
 MiB = 2**20
 DEVICE = {"device": "cpu", "device_name": "Test CPU, 2 CPUs", "torch_version": "2.0", "memory_method": "cpu VmHWM - VmRSS"}
@@ -206,3 +207,55 @@ def test_importing_report_and_plots_does_not_import_matplotlib():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
     assert out.stdout.strip() == "False"
+
+
+# ---------------------------------------------------------------------------- --model figures
+
+
+def model_records():
+    """sd-vae-decoder at 256…1024 px under a 4 GiB cap: classic out of memory at 1024, sdpa over
+    the cap there, subquad fits; xformers has no operator on this device."""
+    out = []
+    for size in (256, 512, 1024):
+        for impl in ("classic", "sdpa", "subquad", "xformers"):
+            r = ModelResult("sd-vae-decoder", impl, "infer", "infer", size, "px", cap_bytes=4 << 30,
+                            weights_bytes=190 * MiB, device_name="Test CPU", torch_version="2.0",
+                            memory_method="cpu VmHWM - VmRSS")
+            if impl == "xformers":
+                r.status, r.reason = "unsupported", "xformers has no operator on cpu"
+            elif impl == "classic" and size == 1024:
+                r.status, r.reason, r.over_cap = "oom", "killed at the cap (SIGKILL)", True
+            else:
+                r.median_ms = size * (2.0 if impl == "classic" else 1.0)
+                r.q1_ms, r.q3_ms, r.rounds = r.median_ms * 0.95, r.median_ms * 1.05, 3
+                r.peak_bytes = size * size * (6000 if impl == "sdpa" else 1000)
+                r.over_cap = r.total_bytes > r.cap_bytes
+            out.append(r)
+    return out
+
+
+def test_model_figures_share_the_look():
+    import matplotlib.pyplot as plt
+
+    drawn = model_report.figures(model_records())
+    try:
+        assert set(drawn) == {"memory.png", "time.png"}
+        fig = drawn["memory.png"]
+        fig.canvas.draw()
+        ax = panel(fig, "sd-vae-decoder: inference (one forward, no grad), batch 1 fp32")
+        assert ax.get_xscale() == "log" and ax.get_yscale() == "log"
+        ticks = [t.get_text() for t in ax.get_yticklabels() if t.get_text()]
+        assert ticks and all(re.fullmatch(r"[\d,.]+", t) for t in ticks), ticks
+        crosses = sorted(float(x) for line in ax.lines if line.get_marker() == "X" for x in line.get_xdata())
+        assert crosses == [1024, 1024]  # classic out of memory, sdpa over the cap
+        notes = flat(ax.get_xlabel())
+        assert "✕ classic at 1024: out of memory (killed at the cap (SIGKILL))" in notes
+        assert "✕ sdpa at 1024: over the cap" in notes
+        assert "not run: xformers: xformers has no operator on cpu" in notes
+        assert "cap 4.0 GiB" in [t.get_text() for t in ax.get_legend().get_texts()]
+        assert "it is what the cap of 4.0 GiB limits" in flat(fig._supxlabel.get_text())
+        time_ax = panel(drawn["time.png"], "sd-vae-decoder")
+        assert any(c.has_yerr for c in time_ax.containers)  # IQR whiskers
+    finally:
+        for fig in drawn.values():
+            plt.close(fig)

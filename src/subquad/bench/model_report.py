@@ -1,7 +1,8 @@
 """Showing and saving ``subquad bench --model`` results: the table, the verdicts (from the
 interleaved rounds), the ``--max-memory`` summary, results.json / results.csv, the plots
 (memory.png and time.png against the resolution or sequence length, the cap drawn), and
-``--compare``. matplotlib is imported only to plot (``pip install 'subquad[bench]'``).
+``--compare``. matplotlib is imported only to plot (``pip install 'subquad[bench]'``); the
+figures share the look of ``plots.py``.
 
 What the rest of the package uses: ``render``, ``markdown``, ``max_memory_lines``, ``save``, ``load_json``,
 ``compare``, ``REQUIRED_FIELDS``.
@@ -12,10 +13,11 @@ from __future__ import annotations
 import csv
 import importlib.util
 import os
+import textwrap
 from collections import defaultdict
-from typing import Optional
+from typing import Any, Optional
 
-from . import timing
+from . import plots, timing
 from .model_measure import ModelResult
 from .report import csv_cell, format_bytes, format_ms, read_records, write_json
 
@@ -167,67 +169,148 @@ def write_csv(results: list[ModelResult], path: str) -> None:
             writer.writerow([csv_cell(getattr(r, name)) for name in names] + [csv_cell(r.total_bytes)])
 
 
-def plot(results: list[ModelResult], out_dir: str) -> list[str]:
-    """memory.png (the step's peak; with a cap, plus the weights, the cap dashed) and time.png (median with
-    its IQR as error bars; the worker's single step where no rounds ran), against the size, one
-    panel per mode, one line per implementation. Returns the paths written (none without
-    matplotlib or results)."""
+MODE_WORDS = {
+    "infer": "inference (one forward, no grad)",
+    "prefill": "prefill (the prompt)",
+    "decode": "decode (8 tokens on the prefill's cache)",
+    "train": "training step (forward + backward)",
+    "train-lora": "LoRA-style training step (attention projections trained)",
+    "train-full": "full training step (forward + backward)",
+}
+
+
+def _not_fitting(r: ModelResult) -> Optional[str]:
+    """``out of memory`` / ``over the cap`` / ``skipped`` where the step did not fit, else None."""
+    if r.status == "oom":
+        return "out of memory"
+    if r.over_cap:
+        return "over the cap"
+    if r.status == "skipped":
+        return "skipped"
+    return None
+
+
+def figures(results: list[ModelResult]) -> dict[str, Any]:
+    """memory.png (the step's peak; with a cap, plus the weights, the cap dashed) and time.png
+    (median with its IQR as whiskers; the worker's single step where no rounds ran) against the
+    size, log-log with plain ticks, one panel per mode, one marker and dash per implementation,
+    an ✕ where a step did not fit, and under each panel what did not run and why (the look of
+    ``plots.py``), as matplotlib Figures by file name; empty without matplotlib or results."""
     if importlib.util.find_spec("matplotlib") is None:
-        return []
+        return {}
     import matplotlib  # optional dependency (subquad[bench])
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # optional dependency (subquad[bench])
 
     ok = [r for r in results if r.status == "ok"]
     if not ok:
-        return []
-    modes = list(dict.fromkeys(r.mode for r in ok))
-    impls = list(dict.fromkeys(r.impl for r in results))
-    cmap = plt.get_cmap("tab10")
+        return {}
+    modes = list(dict.fromkeys(r.mode for r in results))
+    style = plots.styles(list(dict.fromkeys(r.impl for r in results)), plt)
     cap = next((r.cap_bytes for r in results if r.cap_bytes), None)
     # With a cap, what it is compared with (the step and the weights); without one, the step
     # alone, which is what the attention changes.
     memory = (lambda r: r.total_bytes) if cap else (lambda r: r.peak_bytes)
-    written = []
+    first = ok[0]
+    weights = next((r.weights_bytes for r in ok if r.weights_bytes), None)
+    definition = (
+        "peak memory of the step: the highest memory in use during one step minus what was in use before it "
+        f"(the weights and the inputs are not counted) [{first.memory_method or '?'}]"
+    )
+    if cap:
+        definition += f"; plus the weights ({format_bytes(weights)}), it is what the cap of {format_bytes(cap)} limits"
+    timing_line = "median time of one step over interleaved rounds; whiskers: interquartile range"
+    footer = []
+    if any(r.budget for r in results):
+        footer.append(f"subquad's memory budget: {', '.join(sorted({r.budget for r in results if r.budget}))}")
+    footer.append(f"{first.device_name}, torch {first.torch_version}, subquad {first.subquad_version or '?'}")
+    out = {}
     for filename, label in (
         ("memory.png", "peak memory of the step + weights (MiB)" if cap else "peak memory of the step (MiB)"),
-        ("time.png", "step time (ms)"),
+        ("time.png", "step time (ms), IQR whiskers"),
     ):
-        fig, axes = plt.subplots(1, len(modes), figsize=(5.6 * len(modes), 4.2), squeeze=False)
+        width = max(9.0, 7.0 * len(modes))
+        fig, axes = plt.subplots(1, len(modes), figsize=(width, 5.4), squeeze=False, layout="constrained")
         for ax, mode in zip(axes.flat, modes):
-            for i, impl in enumerate(impls):
-                rows = sorted((r for r in ok if r.mode == mode and r.impl == impl), key=lambda r: r.size)
+            rows = [r for r in results if r.mode == mode]
+            sizes = sorted({r.size for r in rows})
+            ends: list[tuple[float, float, str]] = []
+            for impl in dict.fromkeys(r.impl for r in rows):
+                mine = sorted((r for r in rows if r.impl == impl and r.status == "ok"), key=lambda r: r.size)
                 if filename == "memory.png":
-                    pts = [(r.size, memory(r) / 2**20) for r in rows if memory(r)]
-                    if pts:
-                        ax.plot(*zip(*pts), marker="osD^v<>"[i % 7], color=cmap(i), label=impl)
+                    pts = [(r.size, (memory(r) or 0) / 2**20, None, None) for r in mine if memory(r)]
                 else:
                     pts = [
-                        (r.size, r.median_ms if r.median_ms is not None else r.memory_step_ms, r.q1_ms, r.q3_ms)
-                        for r in rows
-                        if (r.median_ms or r.memory_step_ms)
+                        (r.size, r.median_ms or r.memory_step_ms or 0.0, r.q1_ms, r.q3_ms)
+                        for r in mine
+                        if r.median_ms or r.memory_step_ms
                     ]
-                    if pts:
-                        xs, ys = [p[0] for p in pts], [p[1] for p in pts]
-                        err = [
-                            [max(0.0, y - (p[2] if p[2] is not None else y)) for p, y in zip(pts, ys)],
-                            [max(0.0, (p[3] if p[3] is not None else y) - y) for p, y in zip(pts, ys)],
-                        ]
-                        ax.errorbar(xs, ys, yerr=err, marker="osD^v<>"[i % 7], color=cmap(i), label=impl, capsize=3)
+                if not pts:
+                    continue
+                ys = [p[1] for p in pts]
+                err = [
+                    [max(0.0, y - (p[2] if p[2] is not None else y)) for p, y in zip(pts, ys)],
+                    [max(0.0, (p[3] if p[3] is not None else y) - y) for p, y in zip(pts, ys)],
+                ]
+                s = style[impl]
+                ax.errorbar(
+                    [p[0] for p in pts],
+                    ys,
+                    yerr=err if any(err[0]) or any(err[1]) else None,
+                    label=impl,
+                    color=s.color,
+                    marker=s.marker,
+                    linestyle=s.linestyle,
+                    markerfacecolor="none",
+                    markersize=7,
+                    linewidth=1.4,
+                    capsize=3,
+                )
+                ends.append((pts[-1][0], ys[-1], impl))
             if filename == "memory.png" and cap:
                 ax.axhline(cap / 2**20, color="red", linestyle="--", linewidth=1, label=f"cap {format_bytes(cap)}")
-            sizes = sorted({r.size for r in ok if r.mode == mode})
-            ax.set_xscale("log", base=2)
-            ax.set_yscale("log")
-            ax.set_xticks(sizes, [str(s) for s in sizes])
-            ax.set_xlabel(f"{ok[0].size_unit}")
-            ax.set_ylabel(label)
-            ax.set_title(f"{ok[0].model} {mode}", fontsize=9)
-            ax.grid(True, which="both", alpha=0.3)
-            ax.legend(fontsize=7)
-        fig.suptitle(f"subquad bench --model: {label}\n{ok[0].device_name}, torch {ok[0].torch_version}", fontsize=9)
-        fig.tight_layout()
+            plots.log_axes(ax, sizes)
+            plots.end_labels(ax, ends)
+            failed: dict[str, list[tuple[float, str]]] = defaultdict(list)
+            for r in sorted(rows, key=lambda r: r.size):
+                word = _not_fitting(r)
+                if word is not None:
+                    failed[r.impl].append((r.size, word))
+            plots.cross_marks(ax, dict(failed), style)
+            notes = [f"size ({rows[0].size_unit})"]
+            for impl, pts in failed.items():
+                r = next(r for r in rows if r.impl == impl and r.size == pts[0][0])
+                why = f" ({r.reason})" if r.reason else ""
+                notes.append(f"✕ {impl} at {', '.join(str(x) for x, _ in pts)}: {pts[0][1]}{why}")
+            absent: dict[str, list[str]] = defaultdict(list)
+            for impl in dict.fromkeys(r.impl for r in rows):
+                mine = [r for r in rows if r.impl == impl]
+                if all(r.status in ("unsupported", "error") for r in mine):
+                    absent[textwrap.shorten(mine[0].reason or mine[0].status, 110, placeholder="…")].append(impl)
+            notes += [f"not run: {', '.join(names)}: {reason}" for reason, names in absent.items()]
+            ax.set_xlabel(plots.wrap(notes), loc="left", fontsize=8)
+            ax.set_ylabel(label, fontsize=8.5)
+            title = f"{first.model}: {MODE_WORDS.get(mode, mode)}, batch {first.batch} {first.dtype}"
+            ax.set_title(title, fontsize=9.5, loc="left")
+            ax.legend(fontsize=7.5, loc="upper left")
+        what = "peak memory" if filename == "memory.png" else "step time"
+        fig.suptitle(f"subquad bench --model {first.model}: {what} against the size", fontsize=12, weight="bold")
+        lines = [definition if filename == "memory.png" else timing_line, *footer]
+        fig.supxlabel(plots.wrap(lines, int(width * 16)), fontsize=8, x=0.01, ha="left", multialignment="left")
+        out[filename] = fig
+    return out
+
+
+def plot(results: list[ModelResult], out_dir: str) -> list[str]:
+    """Write :func:`figures` into ``out_dir``. Returns the paths written."""
+    drawn = figures(results)
+    if not drawn:
+        return []
+    import matplotlib.pyplot as plt  # optional dependency (subquad[bench])
+
+    written = []
+    for filename, fig in drawn.items():
         path = os.path.join(out_dir, filename)
         fig.savefig(path, dpi=100)
         plt.close(fig)

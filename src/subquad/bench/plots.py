@@ -14,7 +14,9 @@
   as slopes; where an implementation ran out of memory or was skipped as too big, an ✕ at the top.
 
 matplotlib is imported inside :func:`figures` (``pip install 'subquad[bench]'``): importing this
-module costs nothing. What the rest of the package uses: ``plot``, ``figures``, ``case_title``.
+module costs nothing. What the rest of the package uses: ``plot``, ``figures``, ``case_title``, and
+for the ``--model`` figures the same look: ``Style``, ``styles``, ``log_axes``, ``end_labels``,
+``cross_marks``, ``wrap``, ``NOTE_WIDTH``, ``FOOTER_WIDTH``.
 """
 
 from __future__ import annotations
@@ -75,7 +77,7 @@ def _ms(ms: float) -> str:
     return f"{ms:.3f} ms" if ms < 1 else f"{ms:.2f} ms" if ms < 100 else f"{ms:.0f} ms"
 
 
-def _plain(value: float) -> str:
+def plain(value: float) -> str:
     """A tick label as a plain number: 0.5, 20, 1000 (never 2×10¹)."""
     return f"{value:,.0f}" if value >= 1 else f"{value:.3g}"
 
@@ -126,7 +128,7 @@ def returned_bytes(r: Result) -> Optional[int]:
     return int(r.output_bytes * 2 + 2 * r.output_bytes * lk // lq)
 
 
-def _wrap(lines: list[str], width: int = NOTE_WIDTH) -> str:
+def wrap(lines: list[str], width: int = NOTE_WIDTH) -> str:
     return "\n".join(textwrap.fill(line, width, subsequent_indent="   ") for line in lines)
 
 
@@ -184,7 +186,7 @@ def _footer(results: list[Result], common: dict[str, str], *, memory: bool) -> s
     lines += _grouped_lines("not run anywhere: ", sorted(common.items()))
     device = next((r for r in results if r.status == "ok"), results[0])
     lines.append(f"{device.device_name}, torch {device.torch_version}, subquad {device.subquad_version or '?'}")
-    return _wrap(lines, FOOTER_WIDTH)
+    return wrap(lines, FOOTER_WIDTH)
 
 
 # ---------------------------------------------------------------------------- marks
@@ -313,13 +315,13 @@ def _bar_panel(ax, rows: list[Result], common: dict[str, str], style: dict[str, 
             "",
             [(n, f"the peak includes the {b.what} ({b.layout}), built inside the call") for n, b in built if b],
         )
-    ax.set_xlabel(_wrap([label] + notes), loc="left", fontsize=8)
+    ax.set_xlabel(wrap([label] + notes), loc="left", fontsize=8)
     ax.set_title(case_title(rows[0]), fontsize=9.5, loc="left")
 
 
-def _failure_marks(ax, failed: dict[str, list[tuple[int, Result]]], style: dict[str, Style]) -> None:
-    """✕ in a band at the top of the panel (made room for), at each length where an
-    implementation ran out of memory or was skipped as too big, with its name."""
+def cross_marks(ax, failed: dict[str, list[tuple[float, str]]], style: dict[str, Style]) -> None:
+    """✕ in a band at the top of the panel (made room for) at each x where an implementation
+    did not fit, and its name with ``word`` (``out of memory``, ``skipped``) after the last."""
     if not failed:
         return
     low, high = ax.get_ylim()
@@ -327,7 +329,7 @@ def _failure_marks(ax, failed: dict[str, list[tuple[int, Result]]], style: dict[
     for k, (impl, points) in enumerate(failed.items()):
         y = 0.965 - 0.05 * k
         ax.plot(
-            [n for n, _ in points],
+            [x for x, _ in points],
             [y] * len(points),
             marker="X",
             markersize=8,
@@ -335,8 +337,8 @@ def _failure_marks(ax, failed: dict[str, list[tuple[int, Result]]], style: dict[
             transform=ax.get_xaxis_transform(),
             linestyle="none",
         )
-        word = "out of memory" if points[0][1].status == "oom" else "skipped"
-        ax.text(points[-1][0] * 1.1, y, f"{impl}: {word}", fontsize=7, va="center", transform=ax.get_xaxis_transform())
+        text = f"{impl}: {points[0][1]}"
+        ax.text(points[-1][0] * 1.1, y, text, fontsize=7, va="center", transform=ax.get_xaxis_transform())
 
 
 def _reference_slopes(ax, lengths: list[int], lowest: float) -> None:
@@ -350,7 +352,7 @@ def _reference_slopes(ax, lengths: list[int], lowest: float) -> None:
         ax.text(x, y0 * (x / x0) ** power, f"{label}  ", color="0.45", fontsize=8, ha="right", va="bottom")
 
 
-def _end_labels(ax, ends: list[tuple[float, float, str]]) -> None:
+def end_labels(ax, ends: list[tuple[float, float, str]]) -> None:
     """Each line's name at its right end; lines that end at the same length within 15% of each
     other share one label, so that lines drawn on top of each other are still named."""
     clusters: list[list[tuple[float, float, str]]] = []
@@ -366,7 +368,9 @@ def _end_labels(ax, ends: list[tuple[float, float, str]]) -> None:
         ax.text(cluster[0][0] * 1.08, y, names, fontsize=7.5, va="center", color="0.2")
 
 
-def _log_axes(ax, lengths: list[int]) -> None:
+def log_axes(ax, lengths: list[int]) -> None:
+    """Log-log axes with the measured lengths as x ticks and plain numbers on y (10, 20, 50),
+    and room on the right for the lines' names."""
     from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter  # optional dependency (subquad[bench])
 
     ax.set_xscale("log", base=2)
@@ -374,7 +378,7 @@ def _log_axes(ax, lengths: list[int]) -> None:
     ax.set_xticks(lengths, [str(n) for n in lengths])
     ax.xaxis.set_minor_formatter(NullFormatter())
     ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
-    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: _plain(v)))
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: plain(v)))
     ax.yaxis.set_minor_formatter(NullFormatter())
     ax.grid(True, which="major", alpha=0.3)
     ax.set_xlim(lengths[0] / 1.25, lengths[-1] * 3.2)  # room for the names at the lines' ends
@@ -438,11 +442,18 @@ def _sweep_row(ax_time, ax_mem, rows: list[Result], common: dict[str, str], styl
                 linewidth=1.4,
                 capsize=3,
             )
-        _log_axes(ax, lengths)
+        log_axes(ax, lengths)
         if lowest is not None:
             _reference_slopes(ax, lengths, lowest)
-            _end_labels(ax, ends)
-        _failure_marks(ax, failed, style)
+            end_labels(ax, ends)
+        cross_marks(
+            ax,
+            {
+                i: [(n, "out of memory" if r.status == "oom" else "skipped") for n, r in pts]
+                for i, pts in failed.items()
+            },
+            style,
+        )
         notes = []
         for impl, pts in failed.items():
             where = ", ".join(str(n) for n, _ in pts)
@@ -454,7 +465,7 @@ def _sweep_row(ax_time, ax_mem, rows: list[Result], common: dict[str, str], styl
             if impl not in failed and all(q.status != "ok" for _, q in pts)
         ]
         notes += _grouped_lines("not run: ", other)
-        ax.set_xlabel(_wrap(["sequence length L (queries = keys)", *notes]), loc="left", fontsize=8)
+        ax.set_xlabel(wrap(["sequence length L (queries = keys)", *notes]), loc="left", fontsize=8)
         ax.set_ylabel(label, fontsize=8.5)
         ax.set_title(f"{label.split(' (')[0]}: {case_title(rows[0], sweep=True)}", fontsize=9.5, loc="left")
     ax_time.legend(fontsize=7.5, loc="upper left")
@@ -483,8 +494,8 @@ def sweeps(results: list[Result]) -> list[list[Result]]:
     return [rows for rows in groups.values() if len({r.shape[2] for r in rows}) >= SWEEP_MIN_LENGTHS]
 
 
-def _styles(results: list[Result], skip: dict[str, str], plt) -> dict[str, Style]:
-    names = list(dict.fromkeys(r.impl for r in results if r.impl not in skip))
+def styles(names: list[str], plt) -> dict[str, Style]:
+    """A colour, a marker and a dash per implementation, the same in every panel."""
     cmap = plt.get_cmap("tab10" if len(names) <= 10 else "tab20")
     return {
         name: Style(cmap(i % cmap.N), MARKERS[i % len(MARKERS)], LINESTYLES[i % len(LINESTYLES)])
@@ -507,7 +518,7 @@ def figures(results: list[Result]) -> dict[str, Any]:
     if not cases:
         return {}
     common = _common_absent(results)
-    style = _styles(results, common, plt)
+    style = styles(list(dict.fromkeys(r.impl for r in results if r.impl not in common)), plt)
     device = next(r.device_name for r in results if r.status == "ok")
     out = {}
     n_impls = len({r.impl for r in results} - set(common))
