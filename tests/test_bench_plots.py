@@ -154,6 +154,22 @@ def test_time_marks_the_fastest_the_ties_and_the_planners_pick(figs):
     assert "≈ fastest" in fused + planner
 
 
+def test_a_ratio_too_few_rounds_can_tell_is_undecided_not_the_same():
+    import matplotlib.pyplot as plt
+
+    best, other = record("sdpa-flash", 1024, rounds=5), record("naive", 1024, rounds=5)
+    best.times_ms, best.median_ms = [10.0] * 5, 10.0
+    other.times_ms, other.median_ms = [10.2, 12.0, 9.5, 11.0, 13.0], 11.0  # ratios 0.95…1.3
+    drawn = plots.figures([best, other])
+    try:
+        labels = texts(panel(drawn["time.png"], "1×4×1024×64 fp32, no mask, forward"))
+        assert any("★ fastest" in t for t in labels) and any("? undecided" in t for t in labels)
+        assert not any("≈ fastest" in t for t in labels)
+    finally:
+        for fig in drawn.values():
+            plt.close(fig)
+
+
 def test_absent_implementations_are_listed_with_why(figs):
     fig = figs["time.png"]
     ax = panel(fig, "causal + ALiBi bias")

@@ -179,7 +179,8 @@ def _footer(results: list[Result], common: dict[str, str], *, memory: bool) -> s
     else:
         lines.append(
             "median time of one call over interleaved rounds; whiskers: interquartile range; "
-            "★ fastest; ≈ the same as the fastest within noise (99% interval of per-round ratios)."
+            "★ fastest; ≈ the same as the fastest within noise (99% interval of per-round ratios); "
+            "? too few rounds to tell it from the fastest."
         )
         if any(r.status == "ok" and r.median_ms and len(r.times_ms) < 2 for r in results):
             lines.append("some records have no per-round times (an older results.json): their spread is unknown.")
@@ -192,22 +193,26 @@ def _footer(results: list[Result], common: dict[str, str], *, memory: bool) -> s
 # ---------------------------------------------------------------------------- marks
 
 
-def _fastest(ok: list[Result]) -> tuple[Optional[str], set[str]]:
-    """The fastest implementation by median, and those the same as it within noise by their
-    paired per-round ratios (``timing.compare_paired``); without per-round times, none."""
+def _fastest(ok: list[Result]) -> tuple[Optional[str], dict[str, str]]:
+    """The fastest implementation by median, and the verdict of each other one against it by
+    their paired per-round ratios, read as ``timing.verdict_lines`` reads them: ``same`` (within
+    noise), ``undecided`` (a median ratio past the threshold whose interval is not), or
+    ``slower``. Without per-round times, no verdicts."""
     timed = [r for r in ok if r.median_ms]
     if not timed:
-        return None, set()
+        return None, {}
     best = min(timed, key=lambda r: r.median_ms or 0.0)
     rounds = {len(r.times_ms) for r in timed}
-    same = set()
+    verdicts = {}
     if len(rounds) == 1 and min(rounds) >= 2:
         for r in timed:
             if r is not best:
                 c = timing.compare_paired(r.impl, r.times_ms, best.impl, best.times_ms)
-                if c.verdict == timing.SAME:
-                    same.add(r.impl)
-    return best.impl, same
+                if c.verdict != timing.SAME:
+                    verdicts[r.impl] = c.verdict
+                else:
+                    verdicts[r.impl] = "undecided" if c.ratio > 1.0 + timing.PRACTICAL else "same"
+    return best.impl, verdicts
 
 
 def _planner_pick(rows: list[Result]) -> Optional[str]:
@@ -218,11 +223,14 @@ def _planner_pick(rows: list[Result]) -> Optional[str]:
 
 def _time_marks(ok: list[Result]) -> dict[str, list[str]]:
     marks: dict[str, list[str]] = defaultdict(list)
-    best, same = _fastest(ok)
+    best, verdicts = _fastest(ok)
     if best is not None:
         marks[best].append("★ fastest")
-    for name in same:
-        marks[name].append("≈ fastest")
+    for name, verdict in verdicts.items():
+        if verdict == "same":
+            marks[name].append("≈ fastest")
+        elif verdict == "undecided":
+            marks[name].append("? undecided")
     pick = _planner_pick(ok)
     if pick is not None:
         marks["subquad"].append(f"planner picked {pick}")
