@@ -180,6 +180,21 @@ def test_absent_implementations_are_listed_with_why(figs):
     assert "xformers" not in flat(ax.get_xlabel())
 
 
+def test_a_case_where_nothing_ran_keeps_its_panel_and_says_why():
+    import matplotlib.pyplot as plt
+
+    rows = [record("naive", 1024), record("naive", 65536, status="unsupported",
+                                          reason="skipped: too slow on CPU (--no-skip runs it)")]
+    drawn = plots.figures(rows)
+    try:
+        ax = panel(drawn["time.png"], "1×4×65536×64")
+        assert "nothing ran in this case" in texts(ax)
+        assert "not run: naive: skipped: too slow on CPU (--no-skip runs it)" in flat(ax.get_xlabel())
+    finally:
+        for fig in drawn.values():
+            plt.close(fig)
+
+
 def test_memory_panel_defines_peak_names_the_budget_and_the_bias(figs):
     fig = figs["memory.png"]
     footer = flat(fig._supxlabel.get_text())

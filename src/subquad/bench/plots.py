@@ -284,6 +284,10 @@ def _bar_panel(ax, rows: list[Result], common: dict[str, str], style: dict[str, 
                 low[i], high[i] = max(0.0, values[i] - r.q1_ms), max(0.0, r.q3_ms - values[i])
     whiskers = any(low) or any(high)
     ys = list(range(len(ok)))
+    if not ok:
+        ax.text(0.5, 0.5, "nothing ran in this case", ha="center", va="center", transform=ax.transAxes)
+        ax.set_yticks([])
+        ax.set_xticks([])
     ax.barh(
         ys,
         values,
@@ -301,13 +305,13 @@ def _bar_panel(ax, rows: list[Result], common: dict[str, str], style: dict[str, 
         bold = any(m.startswith("★") for m in marks.get(r.impl, []))
         ax.text(v + hi + right * 0.02, y, text, va="center", fontsize=7.5, weight="bold" if bold else "normal")
     ax.set_yticks(ys, [r.impl for r in ok], fontsize=8)
-    ax.set_ylim(len(ok) - 0.5, -0.5)  # the run's order, top to bottom
+    ax.set_ylim(max(len(ok), 1) - 0.5, -0.5)  # the run's order, top to bottom
     ax.set_xlim(0, right * 1.75)
     ax.grid(True, axis="x", alpha=0.3)
     ax.set_axisbelow(True)
     if memory:
         floor = returned_bytes(rows[0])
-        if floor:
+        if floor and ok:
             ax.axvline(floor / 2**20, color="0.35", linestyle=":", linewidth=1)
     label = (
         "peak extra memory (MiB)" if memory else "median time per call (ms)" + (", IQR whiskers" if whiskers else "")
@@ -315,7 +319,7 @@ def _bar_panel(ax, rows: list[Result], common: dict[str, str], style: dict[str, 
     notes = _grouped_lines("not run: ", [(r.impl, absent_reason(r)) for r in shown if r.status != "ok"])
     if memory:
         floor = returned_bytes(rows[0])
-        if floor:
+        if floor and ok:
             what = "the output and the input gradients" if rows[0].mode == "fwd+bwd" else "the output"
             notes.insert(0, f"dotted line: {what} ({format_bytes(floor)}), which every implementation allocates")
         built = [(r.impl, built_in_call(r)) for r in ok]
@@ -522,8 +526,8 @@ def figures(results: list[Result]) -> dict[str, Any]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # optional dependency (subquad[bench])
 
-    cases = {k: rows for k, rows in _cases(results).items() if any(r.status == "ok" for r in rows)}
-    if not cases:
+    cases = _cases(results)
+    if not any(r.status == "ok" for rows in cases.values() for r in rows):
         return {}
     common = _common_absent(results)
     style = styles(list(dict.fromkeys(r.impl for r in results if r.impl not in common)), plt)
