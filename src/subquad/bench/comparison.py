@@ -4,10 +4,13 @@ and the problems a ``--fail-if-regression`` gate fails on.
 Time: two runs are made at different times, so nothing pairs their calls, and a machine can be
 faster or slower as a whole from one run to the next. Each run is therefore reduced to its
 per-round ratios to a *reference*: another implementation of the same case that ran in the same
-rounds (the steadiest one that ran in both runs), and the two runs' medians of those ratios are
-compared with the interval their median intervals allow (``timing.compare_runs``). A regression is
-a ratio whose whole interval lies above 1 + PCT/100 (and by more than ``TIME_FLOOR_MS``). Records
-without per-round times (an older results.json) fall back to the range their IQRs allow.
+rounds, in both runs (``_reference``: of another family, the closest in time), and the two runs'
+log ratios are compared as two samples (``timing.compare_runs``: the Hodges-Lehmann shift and its
+Mann-Whitney interval). A regression is a ratio whose whole interval lies above 1 + PCT/100, with
+the raw times up by more than that too (a reference can move on its own between runs: under load,
+a kernel that materializes its scores slows far more than a tiled one) and by more than
+``TIME_FLOOR_MS``. Records without per-round times (an older results.json) fall back to the range
+their IQRs allow.
 
 Memory: a difference under ``MEMORY_FLOOR_BYTES`` (1 MiB) is no difference: the RSS of a sub-MiB
 call moves by 20-27% between runs. A regression is a ratio above 1 + PCT/100 that is also over the
@@ -21,8 +24,9 @@ What the rest of the package uses: ``compare``, ``MEMORY_FLOOR_BYTES``, ``TIME_F
 
 from __future__ import annotations
 
+import math
 import statistics
-from typing import Optional
+from typing import NamedTuple, Optional
 
 from . import timing
 from .measure import Result
@@ -54,22 +58,22 @@ def _timed(r: Optional[Result]) -> bool:
     return r is not None and r.status == "ok" and bool(r.median_ms)
 
 
-def _steadiness(r: Result, o: Result) -> float:
-    def rel_iqr(x: Result) -> float:
-        s = timing.spread(_rounds(x) or [1.0])
-        return s.iqr / s.median if s.median > 0 else float("inf")
-
-    return rel_iqr(r) + rel_iqr(o)
+def _family(impl: str) -> str:
+    return impl.split("-")[0]
 
 
 def _reference(key: Key, new: dict[Key, Result], old: dict[Key, Result]) -> Optional[str]:
-    """The implementation that ``key``'s time is divided by, round by round, in each run: ok in
-    both runs, with usable per-round times of the same rounds as ``key``'s, the steadiest (the
-    smallest relative IQRs) of those, by name on a tie."""
+    """The implementation that ``key``'s time is divided by, round by round, in each run: one ok in
+    both runs with usable per-round times of the same rounds as ``key``'s; of another family if
+    there is one (the name before its first '-': subquad and subquad-fused run the same kernel, and
+    a change shared by a family must not be divided away), then the closest in time (similar work
+    feels the machine's state alike: a 2 ms kernel and a 60 ms one that materializes its scores
+    did not), then by name."""
     impl, case, mode = key
     mine_new, mine_old = _rounds(new[key]), _rounds(old[key])
     if mine_new is None or mine_old is None:
         return None
+    mine = statistics.median(mine_old)
     candidates = []
     for (other, c, m), r in new.items():
         o = old.get((other, c, m))
@@ -77,30 +81,78 @@ def _reference(key: Key, new: dict[Key, Result], old: dict[Key, Result]) -> Opti
             continue
         rn, ro = _rounds(r), _rounds(o)
         if rn is not None and ro is not None and len(rn) == len(mine_new) and len(ro) == len(mine_old):
-            candidates.append((_steadiness(r, o), other))
-    return min(candidates)[1] if candidates else None
+            distance = abs(math.log(statistics.median(ro) / mine)) if mine > 0 else math.inf
+            candidates.append((_family(other) == _family(impl), distance, other))
+    return min(candidates)[2] if candidates else None
 
 
-def _time(key: Key, new: dict[Key, Result], old: dict[Key, Result]) -> tuple[float, Optional[timing.Comparison]]:
-    """new/old time ratio, with its comparison where the records allow one."""
+class _Change(NamedTuple):
+    """A time new/old as the table and the gate read it."""
+
+    ratio: float  # per round against the reference where there is one, else of the raw times
+    low: float  # what the gate reads: the interval's lower bound, or the raw ratio if that is lower
+    verdict: str  # "slower" or "faster" only when the raw ratio points the same way
+    cell: str
+    reference: str
+    raw: float  # the ratio of the raw times
+    how: str
+
+
+def _word(verdict: str) -> str:
+    return "same" if verdict == timing.SAME else verdict
+
+
+def _time(key: Key, new: dict[Key, Result], old: dict[Key, Result]) -> _Change:
+    """new/old time of ``key``: per round against a reference where both runs have per-round
+    times, its interval deciding, and a change counts only where the raw times moved the same way
+    beyond the threshold (the reference cancels a machine that is slower as a whole; the raw
+    ratio keeps a reference that moved on its own from making a change); else from the IQRs;
+    else the bare ratio of medians."""
     r, o = new[key], old[key]
-    ref = _reference(key, new, old)
     rn, ro = _rounds(r), _rounds(o)
     if rn is not None and ro is not None:
+        raw = timing.compare_runs(r.impl, rn, ro)
+        ref = _reference(key, new, old)
         if ref is None:
-            c = timing.compare_runs(r.impl, rn, ro)
-        else:
-            ref_key = (ref, key[1], key[2])
-            new_ref, old_ref = _rounds(new[ref_key]), _rounds(old[ref_key])
-            c = timing.compare_runs(r.impl, rn, ro, new_reference=new_ref, old_reference=old_ref, reference=ref)
-        return c.ratio, c
+            cell = f"{raw.ratio:.2f}x [{raw.low:.2f}-{raw.high:.2f}] {_word(raw.verdict)}"
+            return _Change(raw.ratio, raw.low, raw.verdict, cell, "-", raw.ratio, raw.describe())
+        ref_key = (ref, key[1], key[2])
+        new_ref, old_ref = _rounds(new[ref_key]), _rounds(old[ref_key])
+        c = timing.compare_runs(r.impl, rn, ro, new_reference=new_ref, old_reference=old_ref, reference=ref)
+        limit = 1 + timing.PRACTICAL
+        agrees = raw.ratio > limit if c.verdict == "slower" else raw.ratio < 1 / limit
+        verdict = c.verdict if agrees else timing.SAME
+        cell = f"{c.ratio:.2f}x [{c.low:.2f}-{c.high:.2f}] {_word(verdict)}"
+        how = f"{c.describe()}; raw times {raw.ratio:.2f}x"
+        return _Change(c.ratio, min(c.low, raw.ratio), verdict, cell, ref, raw.ratio, how)
+    bare = (r.median_ms or 0.0) / (o.median_ms or 1.0)
     quartiles = (r.q1_ms, r.q3_ms, o.q1_ms, o.q3_ms)
     if all(q is not None for q in quartiles) and r.reps >= 2 and o.reps >= 2:
         new_spread = timing.Spread(r.median_ms or 0.0, r.q1_ms or 0.0, r.q3_ms or 0.0, r.reps)
         old_spread = timing.Spread(o.median_ms or 1.0, o.q1_ms or 1.0, o.q3_ms or 1.0, o.reps)
         c = timing.compare_unpaired(r.impl, new_spread, o.impl, old_spread)
-        return c.ratio, c
-    return (r.median_ms or 0.0) / (o.median_ms or 1.0), None
+        cell = f"{c.ratio:.2f}x [{c.low:.2f}-{c.high:.2f}] {_word(c.verdict)}"
+        return _Change(c.ratio, c.low, c.verdict, cell, "-", bare, c.describe())
+    # No spread in one of the runs: the bare ratio against the threshold.
+    limit = 1 + timing.PRACTICAL
+    verdict = "slower" if bare > limit else "faster" if bare < 1 / limit else timing.SAME
+    return _Change(bare, bare, verdict, f"{bare:.2f}x (no spread)", "-", bare, "no spread")
+
+
+def _machine_note(raw: list[float]) -> Optional[str]:
+    """When the raw times of most rows moved together by more than 25%, say so: the machine was
+    in another state (load, clock, threads), which per-round ratios only partly cancel."""
+    if len(raw) < 2:
+        return None
+    shift = statistics.median(raw)
+    if 1 / 1.25 <= shift <= 1.25:
+        return None
+    how = f"{shift:.2f}x the old ones" if shift > 1 else f"{1 / shift:.2f}x faster than the old ones"
+    return (
+        f"the new run's raw times are {how} in the median row: the machine was in another state "
+        "(load, clock); a change counts only where the raw times and the per-round ratios to the "
+        "reference agree"
+    )
 
 
 def _environment_note(new: list[Result], old: list[Result]) -> Optional[str]:
@@ -127,11 +179,15 @@ def compare(
     all. Rows unsupported in both runs are counted, not listed; a summary line ends the table."""
     new_by = {(r.impl, r.case, r.mode): r for r in new}
     old_by = {(r.impl, r.case, r.mode): r for r in old}
-    header = f"{'impl':<16} {'case':<34} {'mode':<7} {'time new/old':>30} {'per round vs':<16} {'peak new/old':>13}"
+    header = (
+        f"{'impl':<16} {'case':<34} {'mode':<7} {'time new/old':>30} {'per round vs':<16} {'raw':>7} "
+        f"{'peak new/old':>13}"
+    )
     lines = [header]
     problems: list[str] = []
     counts = {"faster": 0, "slower": 0, timing.SAME: 0}
     both_unsupported = changed = 0
+    raws: list[float] = []
     for key, r in new_by.items():
         o = old_by.get(key)
         if o is None:
@@ -147,26 +203,15 @@ def compare(
                 changed += 1
                 lines.append(f"{row} {o.status + ' → ' + r.status:>30}")
             continue
-        ratio, c = _time(key, new_by, old_by)
-        if c is None:  # no spread in one of the runs: the bare ratio against the threshold
-            verdict = (
-                "slower"
-                if ratio > 1 + timing.PRACTICAL
-                else "faster"
-                if ratio < 1 / (1 + timing.PRACTICAL)
-                else timing.SAME
-            )
-            time_cell, low, ref = f"{ratio:.2f}x (no spread)", ratio, "-"
-        else:
-            verdict, low, ref = c.verdict, c.low, c.reference or "-"
-            time_cell = f"{ratio:.2f}x [{c.low:.2f}-{c.high:.2f}] {'same' if verdict == timing.SAME else verdict}"
-        counts[verdict] += 1
+        change = _time(key, new_by, old_by)
+        counts[change.verdict] += 1
+        raws.append(change.raw)
         # The change the ratio means at the old run's time: a few µs of timer jitter is none.
-        grew_ms = (o.median_ms or 0.0) * (ratio - 1.0)
-        if fail_pct is not None and low > 1 + fail_pct / 100 and grew_ms > TIME_FLOOR_MS:
-            how = f"{c.describe()}" if c is not None else "no spread"
-            problems.append(f"{label}: time {ratio:.2f}x the old run ({how}; limit +{fail_pct:g}%)")
-        lines.append(f"{row} {time_cell:>30} {ref:<16} {_memory(r, o, fail_pct, label, problems):>13}")
+        grew_ms = (o.median_ms or 0.0) * (min(change.ratio, change.raw) - 1.0)
+        if fail_pct is not None and change.low > 1 + fail_pct / 100 and grew_ms > TIME_FLOOR_MS:
+            problems.append(f"{label}: time {change.ratio:.2f}x the old run ({change.how}; limit +{fail_pct:g}%)")
+        memory = _memory(r, o, fail_pct, label, problems)
+        lines.append(f"{row} {change.cell:>30} {change.reference:<16} {change.raw:>6.2f}x {memory:>13}")
     compared = sum(counts.values())
     only_new = sum(1 for k in new_by if k not in old_by)
     only_old = sum(1 for k in old_by if k not in new_by)
@@ -179,9 +224,9 @@ def compare(
         f"{changed} changed status; {only_new} only in the new run, {only_old} only in the old run"
     )
     lines.append(summary)
-    note = _environment_note(new, old)
-    if note:
-        lines.append(note)
+    for note in (_environment_note(new, old), _machine_note(raws)):
+        if note:
+            lines.append(note)
     if compared == 0 and fail_pct is not None and not allow_nothing:
         problems.append(
             "nothing compared: no (impl, case, mode) was timed in both runs, so the gate has nothing to pass "
