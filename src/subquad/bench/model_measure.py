@@ -15,7 +15,7 @@ For each size (resolution or sequence length, smallest first) and mode (``models
    difference.
 3. Time, in this process (normal malloc): the model is built once, each implementation is
    applied to it in turn, warmed up, and the implementations are timed interleaved in
-   ``--rounds`` rounds with a rotating order (``timing.interleaved``); each result keeps its
+   ``--rounds`` rounds with balanced orders (``timing.interleaved``); each result keeps its
    per-round times, median and quartiles.
 
 ``--max-memory CAP``: an implementation whose step plus weights passes the cap at one size (or

@@ -15,8 +15,10 @@ times in that round cancels the drift that moves both. The verdict between A and
 the per-round ratios A/B: their median, their interquartile range, and a distribution-free
 confidence interval for the median (order statistics; with n rounds the interval
 [r_(k), r_(n+1-k)] covers the median with probability 1 - 2·P(Binomial(n, 1/2) < k)). One cold or
-disturbed round moves such an interval by at most one order statistic: it cannot drag the bound
-of a clear 2x difference down to 1x, as a t interval on the log ratios did. A winner is named only
+disturbed round moves such an interval by at most one order statistic, and from 12 rounds on the
+99% interval leaves out the most extreme ratio on each side: it cannot drag the bound of a clear
+2x difference down to 1x, as a t interval on the log ratios did (with fewer rounds it can widen
+min..max, and the verdict is then "undecided", never "the same"). A winner is named only
 when that whole interval lies beyond a practical threshold (3%) and covers the median with at
 least 95% (6 rounds or more; with 3 rounds min..max is only 75% sure, and the verdict says so):
 "A 1.31x slower than B (99% CI 1.27-1.35)". Otherwise the verdict is "same within noise". When
