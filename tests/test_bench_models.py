@@ -179,3 +179,37 @@ def test_every_model_has_a_small_variant_with_its_block_structure():
             assert spec.config["down_block_types"] == big.config["down_block_types"]
     assert models.modes(models.spec("sd15-unet"), "train") == ("train-lora", "train-full")
     assert models.modes(models.spec("llama-1b"), "infer") == ("prefill", "decode")
+
+
+def _model_rows(times: dict, machine: float = 1.0, seed: int = 0) -> list:
+    """Fake --model results: per-round times (ms) of each implementation, with 5% noise per call
+    and a shared per-round drift, scaled by ``machine`` (a run on a slower or faster machine)."""
+    import random
+    import statistics
+
+    rng = random.Random(seed)
+    drift = [rng.uniform(0.8, 1.2) for _ in range(8)]
+    rows = []
+    for impl, ms in times.items():
+        ts = [ms * machine * d * rng.uniform(0.95, 1.05) for d in drift]
+        q1, _, q3 = statistics.quantiles(ts, n=4, method="inclusive")
+        rows.append(model_measure.ModelResult(
+            model="sd15-unet-small", impl=impl, task="infer", mode="infer", size=256, size_unit="px",
+            median_ms=statistics.median(ts), q1_ms=q1, q3_ms=q3, times_ms=ts, rounds=len(ts),
+            peak_bytes=10 << 20, weights_bytes=1 << 20))
+    return rows
+
+
+def test_model_compare_passes_noise_and_catches_a_slowdown():
+    base = {"sdpa": 100.0, "subquad": 102.0, "classic": 180.0}
+    caught = 0
+    for seed in range(40):
+        old = _model_rows(base, seed=seed)
+        for machine in (0.85, 1.0, 1.15):  # identical code, the machine faster or slower as a whole
+            _, problems = model_report.compare(_model_rows(base, machine, seed + 100), old, fail_pct=10)
+            assert problems == [], (seed, machine, problems)
+        _, problems = model_report.compare(_model_rows({**base, "subquad": 132.6}, 1.0, seed + 200), old, fail_pct=10)
+        caught += any(p.startswith("subquad infer 256 px: time") for p in problems)
+        assert not any(p.startswith(("sdpa ", "classic ")) for p in problems), problems
+    # A 30% slowdown is missed only where the runs' drifts differ enough to hide it in the raw times.
+    assert caught >= 36, caught

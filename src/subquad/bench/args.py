@@ -194,7 +194,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--rounds",
         type=int,
         metavar="N",
-        help="interleaved timing rounds per size (default 5; 0: no timing, only the worker's one measured step)",
+        help="interleaved timing rounds per size (default 6, the fewest that can name a winner; 0: no timing, only the worker's one measured step)",
     )
     model.add_argument(
         "--max-memory",

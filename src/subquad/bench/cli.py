@@ -29,6 +29,7 @@ from . import cases as cases_mod
 from . import impls as impls_mod
 from . import jax_bench, measure, model_measure, model_report, models, report
 from .args import Checked, build_parser, default_device
+from .timing import ROUNDS_TO_NAME as MODEL_ROUNDS
 
 
 def _busy_warning(sample_s: float = 0.5) -> Optional[str]:
@@ -219,7 +220,7 @@ def _main_model(args: argparse.Namespace, checked: Checked) -> int:
         dtype=dtype,
         batch=1 if args.batch is None else args.batch,
         budget=args.budget,
-        rounds=5 if args.rounds is None else args.rounds,
+        rounds=MODEL_ROUNDS if args.rounds is None else args.rounds,
         cap_bytes=checked.cap,
         seed=args.seed,
         progress=lambda text: print(text, file=sys.stderr, flush=True),

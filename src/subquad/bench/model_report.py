@@ -326,12 +326,44 @@ def save(results: list[ModelResult], out_dir: str) -> list[str]:
     return paths + plot(results, out_dir)
 
 
+def _per_round(r: ModelResult) -> Optional[list[float]]:
+    times = [float(t) for t in r.times_ms or []]
+    return times if len(times) >= 2 else None
+
+
+def _time_change(r: ModelResult, o: ModelResult, new_by: dict, old_by: dict) -> timing.Comparison:
+    """new/old time of one row: per round against the run's reference implementation (the same
+    model, mode and size, timed in the same rounds) where both runs have one, so that a machine
+    slower as a whole in one run cancels out; else the raw per-round times; else from the IQRs
+    (an older results.json)."""
+    rn, ro = _per_round(r), _per_round(o)
+    if rn is None or ro is None:
+        return timing.compare_unpaired(
+            r.impl,
+            timing.Spread(r.median_ms or 0.0, r.q1_ms or 0.0, r.q3_ms or 0.0, r.rounds),
+            o.impl,
+            timing.Spread(o.median_ms or 0.0, o.q1_ms or 0.0, o.q3_ms or 0.0, o.rounds),
+        )
+    ref_key = (r.model, r.reference, r.mode, r.size)
+    nr, orr = new_by.get(ref_key), old_by.get(ref_key)
+    if r.impl != r.reference and nr is not None and orr is not None and nr.status == orr.status == "ok":
+        n_ref, o_ref = _per_round(nr), _per_round(orr)
+        if n_ref is not None and o_ref is not None and len(n_ref) == len(rn) and len(o_ref) == len(ro):
+            return timing.compare_runs(r.impl, rn, ro, new_reference=n_ref, old_reference=o_ref, reference=r.reference)
+    return timing.compare_runs(r.impl, rn, ro)
+
+
 def compare(new: list[ModelResult], old: list[ModelResult], fail_pct: Optional[float] = None) -> tuple[str, list[str]]:
-    """new/old ratios matched on (model, impl, mode, size); times with the range their IQRs
-    allow (``timing.compare_unpaired``: a regression only when that whole range is above the
-    limit), peak memory as a plain ratio (it does not drift)."""
+    """new/old ratios matched on (model, impl, mode, size). Time per round against the reference
+    implementation of the same rounds (``timing.compare_runs``: the Hodges-Lehmann shift of the
+    two runs' log ratios with its Mann-Whitney interval); a regression is a ratio whose whole
+    interval lies above the limit, with the raw median time up by more than the limit too (a
+    reference can move on its own between runs). Peak memory as a plain ratio; a difference
+    under 1 MiB is none."""
     old_by = {(r.model, r.impl, r.mode, r.size): r for r in old}
+    new_by = {(r.model, r.impl, r.mode, r.size): r for r in new}
     lines, regressions = [], []
+    limit = None if fail_pct is None else 1 + fail_pct / 100
     for r in new:
         o = old_by.get((r.model, r.impl, r.mode, r.size))
         if o is None:
@@ -344,19 +376,15 @@ def compare(new: list[ModelResult], old: list[ModelResult], fail_pct: Optional[f
             continue
         cells = []
         if r.median_ms and o.median_ms:
-            c = timing.compare_unpaired(
-                r.impl,
-                timing.Spread(r.median_ms, r.q1_ms, r.q3_ms, r.rounds),
-                o.impl,
-                timing.Spread(o.median_ms, o.q1_ms, o.q3_ms, o.rounds),
-            )
-            cells.append(f"time {c.describe()} {c.verdict}")
-            if fail_pct is not None and c.low > 1 + fail_pct / 100:
+            c = _time_change(r, o, new_by, old_by)
+            raw = r.median_ms / o.median_ms
+            cells.append(f"time {c.describe()} {c.verdict} (raw {raw:.2f}x)")
+            if limit is not None and c.low > limit and raw > limit:
                 regressions.append(f"{label}: time {c.ratio:.2f}x the old run (limit +{fail_pct:g}%)")
         if r.total_bytes and o.total_bytes:
             ratio = r.total_bytes / o.total_bytes
             cells.append(f"peak {ratio:.2f}x")
-            if fail_pct is not None and ratio > 1 + fail_pct / 100 and r.total_bytes - o.total_bytes > 1 << 20:
+            if limit is not None and ratio > limit and r.total_bytes - o.total_bytes > 1 << 20:
                 regressions.append(f"{label}: peak memory {ratio:.2f}x the old run (limit +{fail_pct:g}%)")
         lines.append(f"{label:<32} " + "; ".join(cells))
     if not lines:
