@@ -625,6 +625,13 @@ def test_every_dtype_spelling_works_in_bench_and_info(spellings, name, capsys):
 def test_info_takes_the_five_integers_of_bench(capsys):
     assert subquad_main(["info", "--device", "cpu", "--shape", "1,2,16,40,8", "--run"]) == 0
     assert "output (1, 2, 16, 8)" in capsys.readouterr().out
+    for bad in (["info", "--shape", "1,2,3"], ["info", "--dtype", "int8"], ["info", "--nope"], ["nope"]):
+        with pytest.raises(SystemExit) as exit_:
+            subquad_main(bad)
+        assert exit_.value.code == 2
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1, err  # one line, not argparse's usage
+        assert err.startswith("subquad"), err
     with pytest.raises(SystemExit):
         subquad_main(["info", "--shape", "1,2,3"])
     assert "Expected a shape B,H,Lq,Lk,E" in capsys.readouterr().err

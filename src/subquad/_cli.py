@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-from typing import List, Optional, cast
+from typing import List, NoReturn, Optional, cast
 
 from subquad._budget import format_bytes, free_memory_bytes
 from subquad._requires import require_torch
@@ -66,11 +66,18 @@ def _info(args: argparse.Namespace) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors as one line, ``subquad info: error: ...``, exit status 2 (as ``subquad bench``)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {' '.join(message.split())} (see {self.prog} --help)\n")
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(prog="subquad", description="Exact attention in bounded memory.")
+    parser = _Parser(prog="subquad", description="Exact attention in bounded memory.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    sub = parser.add_subparsers(dest="command")
+    sub = parser.add_subparsers(dest="command", parser_class=_Parser)
     p = info = sub.add_parser("info", help="device, available kernels, and the plan for a sample input")
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     p.add_argument(

@@ -271,13 +271,13 @@ def figures(results: list[ModelResult]) -> dict[str, Any]:
             if filename == "memory.png" and cap:
                 ax.axhline(cap / 2**20, color="red", linestyle="--", linewidth=1, label=f"cap {format_bytes(cap)}")
             plots.log_axes(ax, sizes)
-            plots.end_labels(ax, ends)
             failed: dict[str, list[tuple[float, str]]] = defaultdict(list)
             for r in sorted(rows, key=lambda r: r.size):
                 word = _not_fitting(r)
                 if word is not None:
                     failed[r.impl].append((r.size, word))
             plots.cross_marks(ax, dict(failed), style)
+            plots.end_labels(ax, ends)  # after the marks: they set the final y limits
             notes = [f"size ({rows[0].size_unit})"]
             for impl, pts in failed.items():
                 r = next(r for r in rows if r.impl == impl and r.size == pts[0][0])

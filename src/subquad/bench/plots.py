@@ -4,11 +4,9 @@
   zero: the median time per call with its interquartile range as whiskers, the fastest marked
   (and those the same as it within noise, by their per-round ratios), subquad's planner's pick
   marked, and under the panel which implementations did not run and why.
-- ``memory.png``: the same panels for the peak extra memory of one call: what the call
-  allocated beyond what was in use before it (the inputs are not counted; the output and, with
-  backward, the gradients are), with the output's size drawn as the floor every implementation
-  pays, subquad's budget named, and a note for implementations whose peak includes a mask or
-  bias they build inside the call (as their users' code would).
+- ``memory.png``: the same panels for the peak extra memory of one call (beyond what was in use
+  before it: the output and any gradients count, the inputs do not; the output drawn as a floor),
+  subquad's budget named, and a note where a peak includes a mask or bias built inside the call.
 - ``sweep.png``: for the cases that differ only in sequence length, time and peak memory against
   L on log-log axes with faint ∝L and ∝L² reference slopes, so that O(L²) and O(L) memory show
   as slopes; where an implementation ran out of memory or was skipped as too big, an ✕ at the top.
@@ -365,8 +363,8 @@ def _reference_slopes(ax, lengths: list[int], lowest: float) -> None:
 
 
 def end_labels(ax, ends: list[tuple[float, float, str]]) -> None:
-    """Each line's name at its right end; lines that end at the same length within 15% of each
-    other share one label, so that lines drawn on top of each other are still named."""
+    """Each line's name at its right end, lines ending within 15% of each other under one label,
+    labels moved apart where they would overlap (call it once the y limits are final)."""
     clusters: list[list[tuple[float, float, str]]] = []
     for end in sorted(ends):
         last = clusters[-1][-1] if clusters else None
@@ -374,10 +372,18 @@ def end_labels(ax, ends: list[tuple[float, float, str]]) -> None:
             clusters[-1].append(end)
         else:
             clusters.append([end])
+    low, high = (math.log(v) for v in ax.get_ylim())
+    line = 0.032  # one line of 7.5 pt text, as a fraction of the axes' height
+    labels: list[tuple[float, int, float, str]] = []  # (y in axes fraction, lines, x, text)
     for cluster in clusters:
         y = math.prod(e[1] for e in cluster) ** (1 / len(cluster))
         names = textwrap.fill(", ".join(e[2] for e in cluster), 26, break_on_hyphens=False)
-        ax.text(cluster[0][0] * 1.08, y, names, fontsize=7.5, va="center", color="0.2")
+        labels.append(((math.log(y) - low) / (high - low), names.count("\n") + 1, cluster[0][0], names))
+    top = -math.inf
+    for y, lines, x, names in sorted(labels):  # upward, each above the one below
+        y = max(y, top + lines * line / 2 + 0.005)
+        top = y + lines * line / 2
+        ax.text(x * 1.08, y, names, fontsize=7.5, va="center", color="0.2", transform=ax.get_xaxis_transform())
 
 
 def log_axes(ax, lengths: list[int]) -> None:
@@ -457,7 +463,6 @@ def _sweep_row(ax_time, ax_mem, rows: list[Result], common: dict[str, str], styl
         log_axes(ax, lengths)
         if lowest is not None:
             _reference_slopes(ax, lengths, lowest)
-            end_labels(ax, ends)
         cross_marks(
             ax,
             {
@@ -466,6 +471,8 @@ def _sweep_row(ax_time, ax_mem, rows: list[Result], common: dict[str, str], styl
             },
             style,
         )
+        if lowest is not None:
+            end_labels(ax, ends)  # after the marks: they set the final y limits
         notes = []
         for impl, pts in failed.items():
             where = ", ".join(str(n) for n, _ in pts)
