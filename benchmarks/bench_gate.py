@@ -1,8 +1,9 @@
 """The ``--compare`` gate on this machine: back-to-back runs of the same code must pass
 ``--fail-if-regression 10``, and a real slowdown must still be caught.
 
-Runs ``subquad bench`` (in this process, through ``subquad.bench.cli.main``) ``--runs`` times
-with the same arguments, each run compared with the one before under ``--fail-if-regression
+Runs ``subquad bench`` ``--runs`` times with the same arguments, each in a fresh process as a
+user would (one process for all runs let the allocator's state build up: ``naive`` slowed by 20-26%
+from one run to the next), each run compared with the one before under ``--fail-if-regression
 PCT``; then once more with one implementation made slower by ``--slowdown`` (each of its calls
 sleeps that fraction of its own time), compared with the last run. Prints and records each run's
 exit status and its comparison summary.
@@ -13,11 +14,10 @@ exit status and its comparison summary.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
-import io
 import json
 import os
+import subprocess
 import sys
 import time
 
@@ -39,11 +39,17 @@ def _slowed(impl: impls.Impl, fraction: float) -> impls.Impl:
     return dataclasses.replace(impl, prepare=prepare)
 
 
-def _run(argv: list[str]) -> tuple[int, str]:
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        status = cli.main(argv)
-    return status, out.getvalue()
+def _child(argv: list[str], slow: str, slowdown: float) -> int:
+    """One ``subquad bench`` run in this (fresh) process, ``slow`` made slower when given."""
+    if slow:
+        impls.IMPLS[slow] = _slowed(impls.IMPLS[slow], slowdown)
+    return cli.main(argv)
+
+
+def _run(argv: list[str], slow: str = "", slowdown: float = 0.0) -> tuple[int, str]:
+    command = [sys.executable, __file__, "--child", "--slow", slow, "--slowdown", str(slowdown), "--", *argv]
+    proc = subprocess.run(command, stdout=subprocess.PIPE, text=True)
+    return proc.returncode, proc.stdout
 
 
 def _summary(text: str) -> list[str]:
@@ -57,11 +63,17 @@ def main() -> int:
     p.add_argument("--pct", type=float, default=10.0)
     p.add_argument("--slow", default="subquad-fused", help="the implementation to slow down in the last run")
     p.add_argument("--slowdown", type=float, default=0.3)
-    p.add_argument("--out", required=True)
     p.add_argument("--json")
+    p.add_argument("--out", help="where the runs' results go (required)")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("bench", nargs=argparse.REMAINDER, help="-- then the arguments of subquad bench")
     args = p.parse_args()
-    bench = [a for a in args.bench if a != "--"] + ["--plain"]
+    words = args.bench[1:] if args.bench[:1] == ["--"] else args.bench
+    if args.child:
+        return _child(words, args.slow, args.slowdown)
+    if not args.out:
+        p.error("--out DIR is required")
+    bench = [*words, "--plain"]
     record: dict = {"bench": bench, "pct": args.pct, "runs": []}
     previous = None
     for i in range(args.runs + 1):
@@ -70,14 +82,8 @@ def main() -> int:
         argv = [*bench, "--out", out]
         if previous:
             argv += ["--compare", os.path.join(previous, "results.json"), "--fail-if-regression", f"{args.pct:g}"]
-        original = impls.IMPLS[args.slow]
-        if slowed:
-            impls.IMPLS[args.slow] = _slowed(original, args.slowdown)
-        try:
-            start = time.perf_counter()
-            status, text = _run(argv)
-        finally:
-            impls.IMPLS[args.slow] = original
+        start = time.perf_counter()
+        status, text = _run(argv, args.slow if slowed else "", args.slowdown)
         entry = {
             "run": i,
             "slowed": f"{args.slow} +{args.slowdown:.0%}" if slowed else None,
