@@ -657,3 +657,32 @@ def test_piped_tables_cut_reasons_at_words(monkeypatch):
             status = line.split("│")[-1] if rich else line.partition("flex")[2]
             if "incompre" in status:
                 assert all(w in words for w in status.replace("…", "").split()[-1:]), line
+
+
+def test_the_timing_process_fixes_the_allocators_thresholds(monkeypatch):
+    """glibc's moving mmap threshold made naive and sdpa-math up to 1.4x apart between two fresh
+    identical runs; the timing process pins it (not in the suite's own process: conftest opts out)."""
+    from subquad.bench import meters
+
+    calls = []
+
+    class FakeLibc:
+        def mallopt(self, param, value):
+            calls.append((param, value))
+            return 1
+
+    monkeypatch.setattr(meters.ctypes, "CDLL", lambda name: FakeLibc())
+    assert meters.steady_malloc() is False and calls == []  # SUBQUAD_BENCH_STEADY_MALLOC=0 here
+    monkeypatch.setenv("SUBQUAD_BENCH_STEADY_MALLOC", "1")
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "131072")
+    assert meters.steady_malloc() is False and calls == []  # the user's own setting wins
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_")
+    assert meters.steady_malloc() is True
+    assert calls == [(meters.M_MMAP_THRESHOLD, 32 << 20), (meters.M_TRIM_THRESHOLD, 64 << 20)]
+
+    pinned = []
+    monkeypatch.setattr(measure, "steady_malloc", lambda: pinned.append(True))
+    measure.run_all([], cases.PRESETS["quick"].timing, isolate=False)
+    assert pinned == []  # memory measured in this process: its allocator is left alone
+    measure.run_all([], cases.PRESETS["quick"].timing, isolate=True)
+    assert pinned == [True]

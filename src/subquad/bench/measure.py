@@ -55,7 +55,7 @@ from .accuracy import sampled_errors
 from .cases import BenchInputs, Case, Timing, make_inputs
 from .environment import device_name, environment  # noqa: F401 (device_name: for the CLI)
 from .impls import IMPLS, Impl, is_out_of_memory, refusal_reason
-from .meters import CudaPeak, RssPeak, memory_meter, synchronize  # noqa: F401 (RssPeak, CudaPeak: the meters)
+from .meters import CudaPeak, RssPeak, memory_meter, steady_malloc, synchronize  # noqa: F401 (RssPeak, CudaPeak: the meters)
 
 STATUSES = ("ok", "unsupported", "oom", "error")
 
@@ -507,6 +507,8 @@ def run_all(
     memory phase; the result's times are filled in once its whole case has been timed."""
     results: list[Result] = []
     worker = worker or Worker()
+    if isolate is not False:  # memory is measured in the worker: this process only times
+        steady_malloc()
     by_case: dict = {}
     for index, (impl, case) in enumerate(jobs):
         by_case.setdefault(case, []).append((index, impl))
