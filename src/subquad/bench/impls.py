@@ -147,6 +147,7 @@ def _naive(inputs: BenchInputs) -> Prepared:
             above = torch.ones(case.q_len, case.kv_len, dtype=torch.bool, device=q.device).triu_(1)
             scores = scores.masked_fill(above, float("-inf"))
         elif case.mask == "key-padding":
+            assert inputs.pad_mask is not None, "make_inputs builds pad_mask for key-padding cases"
             scores = scores.masked_fill(~inputs.pad_mask, float("-inf"))
         elif case.mask == "alibi":
             scores = scores + alibi_bias(inputs)
@@ -174,6 +175,7 @@ def _xformers(inputs: BenchInputs) -> Prepared:
         if case.mask == "causal":
             return xops.LowerTriangularMask()
         if case.mask == "key-padding":
+            assert inputs.pad_mask is not None, "make_inputs builds pad_mask for key-padding cases"
             b = torch.zeros(case.batch, 1, 1, case.kv_len, dtype=case.torch_dtype, device=q.device)
             b = b.masked_fill_(~inputs.pad_mask, float("-inf"))
             return b.expand(case.batch, case.heads, case.q_len, case.kv_len)
@@ -196,12 +198,13 @@ def _flash_attn(inputs: BenchInputs) -> Prepared:
 
     case = inputs.case
     q, k, v = (t.transpose(1, 2) for t in (inputs.query, inputs.key, inputs.value))
-    kwargs = {"softmax_scale": inputs.scale, "causal": case.causal}
+    kwargs: dict[str, object] = {"softmax_scale": inputs.scale, "causal": case.causal}
     if case.mask == "alibi":
         # flash-attn adds -slope·|i - j| (bottom-right aligned); with causal and Lq == Lk that is
         # slope·(j - i), the bias the other implementations get.
         if case.q_len != case.kv_len:
             raise Unsupported("ALiBi with Lq != Lk is aligned differently in flash-attn")
+        assert inputs.slopes is not None, "make_inputs builds slopes for ALiBi cases"
         kwargs["alibi_slopes"] = inputs.slopes.float()
     elif case.causal and case.q_len != case.kv_len:
         raise Unsupported("flash-attn aligns causal bottom-right; SDPA's is_causal is top-left")
@@ -277,18 +280,19 @@ def _subquad_call_kwargs(inputs: BenchInputs, backend: str) -> dict:
         kwargs["is_causal"] = True
     if case.mask == "key-padding":
         kwargs["attn_mask"] = inputs.pad_mask
-    mods = getattr(subquad, "mods", None)
-    if case.mask in ("alibi", "window", "document") and mods is None:
-        raise Unsupported("subquad.mods is not available in this subquad")
-    if case.mask == "alibi":
-        kwargs["score_mod"] = mods.alibi(inputs.slopes)
     if case.mask == "softcap":
         kwargs["score_mod"] = _softcap  # no built-in: the user-written callback
-    if case.mask == "window":
-        kwargs.pop("is_causal")
-        kwargs["mask_mod"] = mods.sliding_window(WINDOW, causal=True)
-    if case.mask == "document":
-        kwargs["mask_mod"] = mods.document(inputs.doc_ids)
+    if case.mask in ("alibi", "window", "document"):
+        mods = getattr(subquad, "mods", None)
+        if mods is None:
+            raise Unsupported("subquad.mods is not available in this subquad")
+        if case.mask == "alibi":
+            kwargs["score_mod"] = mods.alibi(inputs.slopes)
+        elif case.mask == "window":
+            kwargs.pop("is_causal")
+            kwargs["mask_mod"] = mods.sliding_window(WINDOW, causal=True)
+        else:
+            kwargs["mask_mod"] = mods.document(inputs.doc_ids)
     return kwargs
 
 
@@ -303,8 +307,9 @@ def user_callbacks(inputs: BenchInputs) -> dict:
     slopes, ids = inputs.slopes, inputs.doc_ids
     causal = lambda b, h, q_idx, kv_idx: kv_idx <= q_idx  # noqa: E731
     if case.mask in ("causal", "alibi", "softcap"):
-        out = {"mask_mod": causal}
+        out: dict[str, Callable[..., torch.Tensor]] = {"mask_mod": causal}
         if case.mask == "alibi":
+            assert slopes is not None, "make_inputs builds slopes for ALiBi cases"
             out["score_mod"] = lambda score, b, h, q_idx, kv_idx: score + slopes[h] * (kv_idx - q_idx)
         if case.mask == "softcap":
             out["score_mod"] = _softcap
@@ -312,8 +317,10 @@ def user_callbacks(inputs: BenchInputs) -> dict:
     if case.mask == "window":
         return {"mask_mod": lambda b, h, q_idx, kv_idx: (kv_idx <= q_idx) & (q_idx - kv_idx <= WINDOW)}
     if case.mask == "document":
+        assert ids is not None, "make_inputs builds doc_ids for document cases"
         return {"mask_mod": lambda b, h, q_idx, kv_idx: ids[q_idx] == ids[kv_idx]}
     if case.mask == "key-padding":
+        assert inputs.kv_lengths is not None, "make_inputs builds kv_lengths for key-padding cases"
         lengths = inputs.kv_lengths.to(inputs.query.device)
         return {"mask_mod": lambda b, h, q_idx, kv_idx: kv_idx < lengths[b]}
     return {}

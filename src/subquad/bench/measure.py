@@ -44,7 +44,7 @@ import tempfile
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import IO, Callable, Optional
 
 import torch
 
@@ -173,6 +173,10 @@ def run_case(
     device = torch.device(case.device)
     caught: list = []
     failed = False
+    # Dropped in `finally`, before the cache is emptied.
+    inputs: Optional[BenchInputs] = None
+    forward: Optional[Callable[[], torch.Tensor]] = None
+    step: Optional[Callable[[], torch.Tensor]] = None
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -221,7 +225,7 @@ def _record_failure(result: Result, impl: Impl, exc: BaseException, caught: list
     result.times_ms, result.reps = [], 0
 
 
-_INPUTS_CACHE: dict = {}
+_INPUTS_CACHE: dict[tuple[Case, int], BenchInputs] = {}
 
 
 def _inputs(case: Case, seed: int) -> BenchInputs:
@@ -368,7 +372,7 @@ def time_interleaved(
             break
     finally:
         steps.clear()
-        inputs = None
+        del inputs
         if device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -424,8 +428,8 @@ class Worker:
 
     def __init__(self, command: Optional[list[str]] = None):
         self.command = command or [sys.executable, "-m", "subquad.bench.worker"]
-        self.proc: Optional[subprocess.Popen] = None
-        self.stderr = None
+        self.proc: Optional[subprocess.Popen[str]] = None
+        self.stderr: Optional[IO[bytes]] = None
 
     def _start(self) -> None:
         env = dict(os.environ)
@@ -447,19 +451,23 @@ class Worker:
         """The job's result dict, or one with status oom/error when the process died."""
         if self.proc is None or self.proc.poll() is not None:
             self._start()
+        proc = self.proc
+        assert proc is not None and proc.stdin is not None and proc.stdout is not None, "_start() opens the pipes"
         line = ""
         try:
-            self.proc.stdin.write(json.dumps(job) + "\n")
-            self.proc.stdin.flush()
-            line = self.proc.stdout.readline()
+            proc.stdin.write(json.dumps(job) + "\n")
+            proc.stdin.flush()
+            line = proc.stdout.readline()
         except (BrokenPipeError, OSError):
             pass
         if line:
-            return json.loads(line)
+            answer: dict = json.loads(line)
+            return answer
         return self._died()
 
     def _died(self) -> dict:
         proc, self.proc = self.proc, None
+        assert proc is not None and self.stderr is not None, "run() started the worker"
         try:
             code = proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
@@ -476,6 +484,7 @@ class Worker:
 
     def close(self) -> None:
         if self.proc is not None:
+            assert self.proc.stdin is not None, "_start() opens the pipes"
             try:
                 self.proc.stdin.close()
                 self.proc.wait(timeout=10)

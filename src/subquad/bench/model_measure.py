@@ -190,13 +190,13 @@ def run_memory_job(job: dict) -> dict:
                     spec, warm, batch=job["batch"], device=job["device"], dtype=dtype, seed=job["seed"] + 1
                 )
                 warm_setup, warm_step = models_mod.make_step(spec, model, small, job["mode"])
+                del small  # freed with the warm-up step, before the measured one
             else:
                 warm_setup, warm_step = setup, step
             if warm_setup is not None:
                 warm_setup()
             out = warm_step()
-            del out
-            warm_setup = warm_step = small = None
+            del out, warm_setup, warm_step
             if setup is not None:
                 setup()
             if guard is not None and job.get("cap_bytes"):
@@ -244,7 +244,7 @@ def _guard_bytes() -> Optional[int]:
     return guard
 
 
-_BUILT: dict = {}
+_BUILT: dict[tuple[str, str, torch.dtype, int], torch.nn.Module] = {}
 
 
 def _built(spec: ModelSpec, device: str, dtype: torch.dtype, seed: int) -> torch.nn.Module:
@@ -272,7 +272,7 @@ def _worker_memory(worker_cls, job: dict) -> dict:
     """One job in a fresh worker process (closed after it)."""
     worker = worker_cls()
     try:
-        answer = worker.run(job)
+        answer: dict = worker.run(job)
     finally:
         worker.close()
     if answer.get("status") == "oom" and "SIGKILL" in (answer.get("reason") or ""):
@@ -363,14 +363,17 @@ def run_model_bench(
                             if key in ModelResult.__dataclass_fields__:
                                 setattr(r, key, value)
                         if cap_bytes is not None:
-                            r.over_cap = r.status == "oom" or (r.status == "ok" and r.total_bytes > cap_bytes)
+                            total = r.total_bytes  # None where the worker had no memory meter
+                            r.over_cap = r.status == "oom" or (
+                                r.status == "ok" and total is not None and total > cap_bytes
+                            )
                             if r.over_cap:
                                 over.setdefault(mode, set()).add(impl.name)
                         say(
                             f"  {impl.name}: {r.status}"
                             + (
                                 f", peak {r.peak_bytes / 2**20:.0f} MiB, {r.memory_step_ms / 1e3:.1f} s"
-                                if r.status == "ok" and r.peak_bytes is not None
+                                if r.status == "ok" and r.peak_bytes is not None and r.memory_step_ms is not None
                                 else f" ({r.reason})"
                                 if r.reason
                                 else ""
@@ -412,7 +415,7 @@ class _Timer:
 
     def __init__(self, spec: ModelSpec, device: str, dtype: str, seed: int):
         self.spec, self.device, self.dtype, self.seed = spec, device, dtype, seed
-        self.model = None
+        self.model: Optional[torch.nn.Module] = None
 
     def time(
         self, rows: list[ModelResult], size: int, mode: str, batch: int, budget: Optional[str], rounds: int
@@ -429,14 +432,15 @@ class _Timer:
         by_name = {impl.name: impl for impl in impls_for(self.spec)}
         dev = torch.device(self.device)
         slow = max(r.memory_step_ms or 0.0 for r in live) > 10e3
-        calls = {}
+        calls: dict[str, timing_mod.Timed] = {}
         try:
             for i, r in enumerate(live):
                 impl = by_name[r.impl]
                 setup, step = models_mod.make_step(self.spec, self.model, inputs, mode)
-                calls[r.impl] = timing_mod.Timed(_synced(step, dev), _applied(impl, self.model, budget, setup))
+                apply = _applied(impl, self.model, budget, setup)
+                calls[r.impl] = timing_mod.Timed(_synced(step, dev), apply)
                 if not slow or i == 0:  # a slow step's one-time costs (the convolutions) are shared
-                    calls[r.impl].setup()
+                    apply()
                     calls[r.impl].run()
             times = timing_mod.interleaved(calls, min_rounds=rounds, max_rounds=rounds, target_s=0.0)
         except Exception as exc:  # the memory phase ran it; report, do not crash
@@ -444,7 +448,7 @@ class _Timer:
                 r.reason = f"timing failed: {type(exc).__name__}: {str(exc)[:200]}"
             return
         finally:
-            inputs = calls = None
+            del inputs, calls
             gc.collect()
         for r in live:
             s = timing_mod.spread(times[r.impl])

@@ -238,6 +238,7 @@ def figures(results: list[ModelResult]) -> dict[str, Any]:
             ends: list[tuple[float, float, str]] = []
             for impl in dict.fromkeys(r.impl for r in rows):
                 mine = sorted((r for r in rows if r.impl == impl and r.status == "ok"), key=lambda r: r.size)
+                pts: list[tuple[int, float, Optional[float], Optional[float]]]  # size, y, q1, q3
                 if filename == "memory.png":
                     pts = [(r.size, (memory(r) or 0) / 2**20, None, None) for r in mine if memory(r)]
                 else:
@@ -279,10 +280,10 @@ def figures(results: list[ModelResult]) -> dict[str, Any]:
             plots.cross_marks(ax, dict(failed), style)
             plots.end_labels(ax, ends)  # after the marks: they set the final y limits
             notes = [f"size ({rows[0].size_unit})"]
-            for impl, pts in failed.items():
-                r = next(r for r in rows if r.impl == impl and r.size == pts[0][0])
+            for impl, marks in failed.items():
+                r = next(r for r in rows if r.impl == impl and r.size == marks[0][0])
                 why = f" ({r.reason})" if r.reason else ""
-                notes.append(f"✕ {impl} at {', '.join(str(x) for x, _ in pts)}: {pts[0][1]}{why}")
+                notes.append(f"✕ {impl} at {', '.join(str(x) for x, _ in marks)}: {marks[0][1]}{why}")
             absent: dict[str, list[str]] = defaultdict(list)
             for impl in dict.fromkeys(r.impl for r in rows):
                 mine = [r for r in rows if r.impl == impl]

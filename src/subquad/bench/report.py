@@ -9,16 +9,22 @@ rich and matplotlib are imported inside the functions that use them: ``pip insta
 from __future__ import annotations
 
 import csv
+import dataclasses
 import importlib.util
 import json
 import os
 import sys
 import textwrap
 from collections import defaultdict
-from typing import Any, Optional, Sequence, TextIO
+from typing import TYPE_CHECKING, Any, Optional, Sequence, TextIO, TypeVar
 
 from . import comparison, plots, timing
 from .measure import Result
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+_Record = TypeVar("_Record", bound="DataclassInstance")
 
 REQUIRED_FIELDS = (
     "impl",
@@ -123,7 +129,7 @@ def verdicts(results: list[Result]) -> list[str]:
         ok = [r for r in rows if r.status == "ok" and r.median_ms]
         if not ok:
             continue
-        best = min(ok, key=lambda r: r.median_ms)
+        best = min(ok, key=_median)
         rounds = {len(r.times_ms) for r in ok}
         if len(ok) > 1 and len(rounds) == 1 and 0 not in rounds:
             found = timing.verdict_lines({r.impl: [t / 1e3 for t in r.times_ms] for r in ok})
@@ -139,7 +145,7 @@ def verdicts(results: list[Result]) -> list[str]:
             more = []
         planner = next((r for r in ok if r.impl == "subquad"), None)
         if planner is not None:
-            against = f"{planner.median_ms / best.median_ms:.2f}x"
+            against = f"{_median(planner) / _median(best):.2f}x"
             if planner is not best and len(planner.times_ms) == len(best.times_ms) > 1:
                 # The per-round ratio and its verdict: a ratio of medians reads noise as the
                 # planner's cost.
@@ -151,11 +157,16 @@ def verdicts(results: list[Result]) -> list[str]:
                 f"{format_ms(planner.median_ms)} ms ({against}), "
                 f"peak {format_bytes(planner.peak_bytes)}"
             )
-            if planner.first_call_ms is not None and planner.first_call_ms > 2 * planner.median_ms:
+            if planner.first_call_ms is not None and planner.first_call_ms > 2 * _median(planner):
                 line += f", first call {format_ms(planner.first_call_ms)} ms"
         lines.append(line)
         lines += more
     return lines
+
+
+def _median(r: Result) -> float:
+    assert r.median_ms is not None, f"{r.impl} {r.case}: verdicts() keeps only records with a median"
+    return r.median_ms
 
 
 def table_sections(results: list[Result]) -> tuple[list[tuple[str, list[list[str]]]], dict]:
@@ -301,14 +312,14 @@ def write_json(results: Sequence[Any], path: str) -> None:
         f.write("\n")
 
 
-def read_records(path: str, record: type, what: str, key: Optional[str] = None) -> list:
+def read_records(path: str, record: type[_Record], what: str, key: Optional[str] = None) -> list[_Record]:
     """The ``record`` dataclasses of a results.json; unknown keys (e.g. from a newer version) are
     ignored. ``key``: a field every record of this kind has (tells the two kinds apart)."""
     with open(path) as f:
         data = json.load(f)
     if not isinstance(data, list) or (key is not None and data and key not in data[0]):
         raise ValueError(f"{path} is not a {what} results.json (expected a list of records)")
-    known = set(record.__dataclass_fields__)
+    known = {f.name for f in dataclasses.fields(record)}
     return [record(**{k: v for k, v in rec.items() if k in known}) for rec in data]
 
 
