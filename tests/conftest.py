@@ -12,12 +12,41 @@ os.environ.setdefault("SUBQUAD_COMPILE", "0")
 # `subquad bench` fixes glibc's allocator thresholds in the process that times (bench/meters.py):
 # the suite's process keeps glibc's defaults, which its RSS measurements assume.
 os.environ.setdefault("SUBQUAD_BENCH_STEADY_MALLOC", "0")
+# The suite runs more threads than cores (`-n auto` workers beside the processes the memory,
+# distributed and bench tests start): OpenMP threads that wait for a descheduled sibling sleep
+# instead of spinning, which cut the memory grid's CPU time by a third. Set before torch loads
+# OpenMP; the processes the tests start inherit it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest
 import torch
 from torch import Tensor
 
 import _machine
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS, Windows
+        return os.cpu_count() or 1
+
+
+def pytest_xdist_auto_num_workers(config) -> int:
+    """``-n auto`` (the README's command): one worker per core this process may use, at most 4.
+
+    Each worker holds torch, JAX and the hosts' modules (about 1 GiB), and the memory tests start
+    their own processes, so a many-core machine gains little from more.
+    """
+    return max(1, min(_cores(), 4))
+
+
+# Workers share the cores: each runs torch on its share, not on all of them at once (which
+# oversubscribes the cores and spins). Processes the tests start keep torch's own default.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    torch.set_num_threads(max(1, _cores() // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+    # JAX's CPU client likewise (read when JAX first computes, after this).
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_cpu_multi_thread_eigen=false".strip()
 
 # Before any test can measure a rate: SUBQUAD_TEST_RATE_FACTOR and SUBQUAD_TEST_RECORD (_machine.py).
 _machine.install()

@@ -165,7 +165,7 @@ def test_learnable_callback_tensors_get_their_gradient():
 
 
 def test_dropout_is_reproducible_and_its_backward_consistent():
-    q, k, v, cu_q, cu_k = packed([5, 8, 3], Hq=2, E=4, grad=True)  # gradcheck: one forward per input element
+    q, k, v, cu_q, cu_k = packed([5, 8, 3], Hq=2, E=4, grad=True)
 
     def f(q, k, v):
         torch.manual_seed(7)
@@ -174,7 +174,9 @@ def test_dropout_is_reproducible_and_its_backward_consistent():
     a, b = f(q, k, v), f(q, k, v)
     assert torch.equal(a, b)
     assert not torch.allclose(a, subquad.varlen_attention(q, k, v, cu_q, cu_k, is_causal=True))
-    assert torch.autograd.gradcheck(f, (q, k, v), atol=1e-8)
+    # fast_mode checks the Jacobian along random directions (a few calls, not one per input
+    # element): a backward that drew another dropout mask than its forward fails it all the same.
+    assert torch.autograd.gradcheck(f, (q, k, v), atol=1e-8, fast_mode=True)
     ones = subquad.varlen_attention(q, k, v, cu_q, cu_k, dropout_p=1.0)
     assert torch.equal(ones, torch.zeros_like(ones))
 
