@@ -300,7 +300,7 @@ def test_short_sequences_share_tiles(monkeypatch, alignment):
     lengths_k = [max(0, n + int(d)) for n, d in zip(lengths_q, torch.randint(-3, 4, (61,), generator=g))]
     q, k, v, cu_q, cu_k = packed(lengths_q, lengths_k, Hq=4, Hk=2, E=16)
     check(q, k, v, cu_q, cu_k, grad=False, is_causal=True, alignment=alignment, enable_gqa=True)
-    short = [s for s, (a, b) in enumerate(zip(lengths_q, lengths_k)) if 0 < a and 4 * a * b <= _buckets.SHORT_SCORES]
+    short = [s for s, (a, b) in enumerate(zip(lengths_q, lengths_k)) if 0 < a and 4 * a * b <= _buckets.SHORT_SCORES and 4 * a <= _buckets.SHORT_ROWS]
     assert sorted(ran) == short and 60 not in ran
 
 
@@ -314,3 +314,70 @@ def test_shared_tiles_stay_within_the_planned_memory(monkeypatch):
     assert_close_to_golden(out, ref.float(), floor=1e-5)
     # 200 sequences of 32 x 32, 2 heads: about 90 KiB each, so a 4 MiB budget takes several batches.
     assert len(batches) > 1 and max(batches) < 200 and sum(batches) == 200, batches
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("alignment", ["top_left", "bottom_right"])
+def test_sequences_of_one_tile_call_the_kernel_directly(monkeypatch, dtype, alignment):
+    # A plain packed call on the fused kernel runs each sequence that fits one planned tile as one
+    # kernel call (issue 29: planning a call per sequence made 8-head packed attention slower than
+    # a per-sequence SDPA loop). It must compute what the per-sequence calls computed, bit for
+    # bit, forward and backward; sequences of no key, a diagonal not top-left (bottom right with
+    # Lq != Lk) and longer than a tile keep their own tiles.
+    lengths_q = [0, 1, 5, 30, 64, 40, 17, 3, 200, 33]
+    lengths_k = [3, 1, 5, 30, 64, 37, 17, 0, 200, 36]
+    took = []
+    real = _engine._one_kernel
+    monkeypatch.setattr(_engine, "_one_kernel", lambda *a: _noted(took, a[2], real(*a)))
+    kw = dict(is_causal=True, alignment=alignment, enable_gqa=True, backend="fused", chunk_size=(64, 64))
+
+    def run():
+        q, k, v, cu_q, cu_k = packed(lengths_q, lengths_k, Hq=8, Hk=2, E=32, dtype=dtype, grad=True)
+        out, lse = subquad.varlen_attention(q, k, v, cu_q, cu_k, return_lse=True, **kw)
+        grads = torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+        return out, lse, grads
+
+    torch.manual_seed(0)
+    new = run()
+    # Equal lengths within a tile (any alignment); with a top-left diagonal, every sequence with
+    # keys within a tile. The forward shares the tiles of sequences 1 and 2 (8 heads of 1 and 5
+    # rows), the backward has no shared tiles.
+    direct = [1, 2, 3, 4, 6] if alignment == "bottom_right" else [1, 2, 3, 4, 5, 6, 9]
+    assert took == direct[2:] + direct, took
+    monkeypatch.setattr(_engine, "_fused_sequences", lambda *a: None)
+    torch.manual_seed(0)
+    old = run()
+    assert torch.equal(new[0], old[0]) and torch.equal(new[1], old[1])
+    for a, b in zip(new[2], old[2]):
+        assert torch.equal(a, b)
+    if dtype == torch.float32:  # and right: float64 through the same path, against the reference
+        monkeypatch.undo()
+        q, k, v, cu_q, cu_k = packed(lengths_q, lengths_k, Hq=8, Hk=2, E=32, grad=True)
+        check(q, k, v, cu_q, cu_k, **kw)
+
+
+def _noted(into, s, causal):
+    if causal is not None:
+        into.append(s)
+    return causal
+
+
+@pytest.mark.parametrize("backend,chunk", [("fused", None), ("fused", (2, 4)), ("matmul", None)])
+def test_gradients_write_every_row_once(monkeypatch, backend, chunk):
+    # A packed backward starts from unfilled accumulators (zero-filling them cost 10% of the time
+    # of 1024 short sequences): every row must be written, including keys past seqused_k, keys of
+    # a sequence without queries and queries of one without keys. Unfilled memory is NaN here.
+    real = torch.empty_like
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **kw: real(*a, **kw).fill_(math.nan))
+    q, k, v, cu_q, cu_k = packed([4, 0, 7, 3, 1], [10, 10, 10, 10, 10], grad=True)
+    used = torch.tensor([10, 5, 3, 0, 6], dtype=torch.int32)
+    out = subquad.varlen_attention(q, k, v, cu_q, cu_k, seqused_k=used, is_causal=True, backend=backend,
+                                   chunk_size=chunk)
+    keep = torch.cat([torch.arange(s * 10, s * 10 + int(n)) for s, n in enumerate(used)])
+    cu_used = torch.tensor([0, *used.cumsum(0).tolist()], dtype=torch.int32)
+    ref, _ = reference(q, k[keep], v[keep], cu_q, cu_used, is_causal=True)
+    g = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), g)
+    want = torch.autograd.grad(ref, (q, k, v), g)
+    for name, a, b in zip("qkv", got, want):
+        assert_close_to_golden(a, b, name=f"d{name}")

@@ -277,10 +277,16 @@ def _zero_grads(
     half = inp.dtype in (torch.float16, torch.bfloat16)
     acc_dtype = torch.float32 if half else inp.dtype
 
+    # A packed call's backward writes each sequence's rows once (Grads.blank): zero-filling them
+    # first cost 10% of the forward and backward of 1024 short sequences.
+    blank = inp.packed is not None
+
     def zeros(t: Optional[Tensor], dtype: torch.dtype, want: bool) -> Optional[Tensor]:
         # In the input's own layout (a transposed (B, L, H, E) caller, packed (total, H, E)
         # sequences): autograd would otherwise copy each gradient into that layout.
-        return torch.zeros_like(t, dtype=dtype) if want and t is not None else None
+        if not want or t is None:
+            return None
+        return torch.empty_like(t, dtype=dtype) if blank else torch.zeros_like(t, dtype=dtype)
 
     return Grads(
         dq=zeros(inp.query, acc_dtype, want_q),
@@ -291,6 +297,7 @@ def _zero_grads(
         else torch.zeros(inp.attn_mask.shape, dtype=inp.stats_dtype, device=inp.attn_mask.device),
         proxies={id(c): c.detach().requires_grad_() for c in captured},
         dcaptured=[torch.zeros_like(c) for c in captured],
+        blank=blank,
     )
 
 

@@ -3,8 +3,9 @@
 A packed call runs its sequences one at a time (:func:`subquad._engine.forward`), which costs
 tens of microseconds of Python and dispatch per sequence: for a thousand sequences of a few
 tokens that is more than the arithmetic, and a per-sequence SDPA loop was faster. Here sequences
-of at most :data:`SHORT_SCORES` scores are grouped by their lengths rounded up to powers of two
-(a bucket pads each sequence at most 2x per side), gathered into a padded batch ``(n, Hq, Lb, E)``
+of at most :data:`SHORT_SCORES` scores and :data:`SHORT_ROWS` rows are grouped by their lengths
+rounded up (:func:`padded`: to a power of two up to 8, then to a multiple of 8), gathered into a
+padded batch ``(n, Hq, Lb, E)``
 with a mask that keeps each sequence's own keys (and its causal alignment), and computed with
 two matmuls and a float32 softmax: the matmul path's arithmetic on a tile holding many sequences.
 A batch takes at most :data:`BATCH_BYTES`, and never more than the budget (the plan's predicted
@@ -28,10 +29,17 @@ from ._inputs import Inputs
 from ._tiles import TILES
 
 SHORT_SCORES = 4096
-"""Sequences of at most this many scores over all heads (``Hq * Lq_s * Lk_s``) share tiles: one
-head of 64 x 64, eight of 22 x 22. Measured on 1024 sequences of 1-64 tokens (one thread): one
-head 120 -> 52 ms; eight heads 278 ms per sequence, 257 ms with sequences up to 16 x 16 shared,
-571 ms with those up to 64 x 64 (gathering and padding them costs more than a call each)."""
+"""Sequences of at most this many scores over all heads (``Hq * Lq_s * Lk_s``) and at most
+:data:`SHORT_ROWS` rows share tiles: one head of 64 x 64, eight of 8 x 8. Measured on 1024
+sequences of 1-64 tokens (one thread): one head 120 -> 52 ms; eight heads 278 ms per sequence,
+257 ms with sequences up to 16 x 16 shared, 571 ms with those up to 64 x 64 (gathering and padding
+them costs more than a call each)."""
+
+SHORT_ROWS = 64
+"""Sequences of more query rows over all heads (``Hq * Lq_s``) keep one kernel call each: 512
+sequences of L tokens, shared / one kernel call each / a per-sequence SDPA loop (one thread,
+lengths that need no padding): 8 heads x 8 tokens 0.82 / 0.87 / 1; 8 x 16 1.24 / 0.91 / 1;
+4 x 16 0.87 / 0.93 / 1; 4 x 32 1.06 / 0.82 / 1; 2 x 32 0.81 / 0.82 / 1; 1 x 64 0.69 / 0.77 / 1."""
 
 BATCH_BYTES = 4 << 20
 """What one batch of a bucket may take (within the budget; the plan's predicted peak counts it)."""
@@ -46,14 +54,16 @@ def buckets(inp: Inputs, tiles: Tuple[int, int]) -> Dict[Tuple[int, int], List[i
     for s in range(p.n):
         qs, qe, ks, ke = p.rows(s)
         lq, lk = qe - qs, ke - ks
-        if lq == 0 or inp.Hq * lq * lk > SHORT_SCORES or lq > tiles[0] or lk > tiles[1]:
+        if lq == 0 or inp.Hq * lq * lk > SHORT_SCORES or inp.Hq * lq > SHORT_ROWS or lq > tiles[0] or lk > tiles[1]:
             continue
-        out.setdefault((_pow2(lq), _pow2(max(lk, 1))), []).append(s)
+        out.setdefault((padded(lq), padded(max(lk, 1))), []).append(s)
     return out
 
 
-def _pow2(n: int) -> int:
-    return 1 << (n - 1).bit_length()
+def padded(n: int) -> int:
+    """The length a bucket pads ``n`` to: a power of two up to 8, then a multiple of 8 (padding
+    to powers of two made 512 sequences of 45 tokens, two heads, 1.5x slower than 64 each)."""
+    return 1 << (n - 1).bit_length() if n <= 8 else -(-n // 8) * 8
 
 
 def sequence_bytes(inp: Inputs, Lb: int, Kb: int) -> int:

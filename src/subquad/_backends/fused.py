@@ -261,6 +261,30 @@ class FusedCPU(Backend):
                 o_t = o_t.masked_fill(empty.unsqueeze(-1), 0.0)
         return o_t, lse_t
 
+    def sequence_forward(self, inp: Inputs, rows: Tuple[int, int, int, int], causal: bool) -> Tuple[Tensor, Tensor]:
+        """``(out, lse)`` of one packed sequence (query rows ``[qs, qe)``, keys ``[ks, ke)``) as one
+        kernel call, causal top-left or not, without a mask: what its single tile computes
+        through :meth:`forward_rows`, less the planning of a call per sequence."""
+        fwd, _ = _cpu_flash_ops()
+        assert fwd is not None
+        qs, qe, ks, ke = rows
+        q, k, v = (_unit_stride(t) for t in (inp.q[:, :, qs:qe], inp.k[:, :, ks:ke], inp.v[:, :, ks:ke]))
+        return call_kernel(fwd, q, k, v, 0.0, causal, attn_mask=None, scale=inp.scale)
+
+    def sequence_backward(
+        self, inp: Inputs, rows: Tuple[int, int, int, int], causal: bool, grad_out: Tensor, out: Tensor, lse: Tensor
+    ) -> Tuple[Tensor, Tensor, Tensor]:
+        """``(dQ, dK, dV)`` of one packed sequence as one kernel call (see :meth:`sequence_forward`)."""
+        qs, qe, ks, ke = rows
+        return self._backward_kernel(
+            inp,
+            (grad_out[:, :, qs:qe], inp.q[:, :, qs:qe], inp.k[:, :, ks:ke], inp.v[:, :, ks:ke], out[:, :, qs:qe]),
+            lse[:, :, qs:qe],
+            causal,
+            None,
+            _tiles_in_float32(inp),
+        )
+
     def notes(self, inp: Inputs) -> List[str]:
         if grouped_call(inp) and not inp.requires_grad:
             return ["grouped query heads, few scores: two grouped matmuls, not the kernel, when the whole call fits"]
@@ -348,33 +372,34 @@ class FusedCPU(Backend):
         partial gradients, summed over the call's tiles, are rounded once at the end (the
         kernel rounds what it returns to its inputs' dtype).
         """
+        keys = slice(seg.ks, seg.ke)
+        return self._backward_kernel(
+            inp,
+            (grad_out[:, :, qs:qe], inp.q[:, :, qs:qe], inp.k[:, :, keys], inp.v[:, :, keys], out[:, :, qs:qe]),
+            lse[:, :, qs:qe],
+            self.causal_in_kernel(inp, seg),
+            _as_kernel_mask(self.bias(inp, qs, qe, seg)),
+            in_float32,
+        )
+
+    @staticmethod
+    def _backward_kernel(
+        inp: Inputs,
+        tiles: Tuple[Tensor, Tensor, Tensor, Tensor, Tensor],
+        lse: Tensor,
+        causal: bool,
+        mask: Optional[Tensor],
+        in_float32: bool,
+    ) -> Tuple[Tensor, Tensor, Tensor]:
+        """The backward kernel on ``tiles`` = (dO, Q, K, V, O) of one tile and its rows' ``lse``."""
         _, bwd = _cpu_flash_ops()
         assert bwd is not None
         # The kernel's own convention for fully masked rows is lse = 0 (their P is 0 either way).
-        lse_t = lse[:, :, qs:qe]
-        lse_t = lse_t.masked_fill(lse_t == NEG_INF, 0.0).to(
-            torch.float64 if inp.dtype == torch.float64 else torch.float32
-        )
-
-        def tile(t: Tensor) -> Tensor:
-            return _unit_stride(t.float() if in_float32 else t)
-
-        mask = _as_kernel_mask(self.bias(inp, qs, qe, seg))
+        lse_t = lse.masked_fill(lse == NEG_INF, 0.0).to(torch.float64 if inp.dtype == torch.float64 else torch.float32)
         if in_float32 and mask is not None and mask.is_floating_point():
             mask = mask.float()
-        return call_kernel(
-            bwd,
-            tile(grad_out[:, :, qs:qe]),
-            tile(inp.q[:, :, qs:qe]),
-            tile(inp.k[:, :, seg.ks : seg.ke]),
-            tile(inp.v[:, :, seg.ks : seg.ke]),
-            tile(out[:, :, qs:qe]),
-            lse_t,
-            0.0,
-            self.causal_in_kernel(inp, seg),
-            attn_mask=mask,
-            scale=inp.scale,
-        )
+        do, q, k, v, o = (_unit_stride(t.float() if in_float32 else t) for t in tiles)
+        return call_kernel(bwd, do, q, k, v, o, lse_t, 0.0, causal, attn_mask=mask, scale=inp.scale)
 
 
 def _tiles_in_float32(inp: Inputs) -> bool:
