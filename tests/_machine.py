@@ -95,11 +95,17 @@ def inject_rates(
     monkeypatch: Any, table: Dict[str, Tuple[float, float]] = FIXED_RATES
 ) -> Dict[str, Tuple[float, float]]:
     """Fill subquad's rate cache with ``table`` for one test (what it would otherwise measure),
-    each device type's row for every dtype."""
+    each device type's row for every dtype; a ``score_mod`` costs :data:`FIXED_SCORE_MOD_S` per
+    score (it would otherwise be timed)."""
     for device, rates in table.items():
         for dtype in RATE_DTYPES:
             monkeypatch.setitem(_planner._RATES, (device, dtype), rates)
+    monkeypatch.setattr(_planner, "score_mod_seconds", lambda inp: 0.0 if inp.score_mod is None else FIXED_SCORE_MOD_S)
     return table
+
+
+FIXED_SCORE_MOD_S = 5e-9
+"""What :func:`inject_rates` makes a ``score_mod`` cost per score."""
 
 
 # ------------------------------------------------------------------------------ the recorder

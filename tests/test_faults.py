@@ -3,6 +3,7 @@ half-done, long calls say how long they will take and show progress."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import warnings
 
@@ -12,7 +13,7 @@ import torch.nn.functional as F
 
 import subquad
 from conftest import assert_close_to_golden, naive_attention
-from subquad import _engine, _planner
+from subquad import _call, _engine, _planner
 from subquad._backends import FusedCPU, fused
 from subquad.integrations.patch import ORIGINAL_SDPA
 
@@ -132,6 +133,50 @@ def test_the_predicted_time_follows_the_measured_rates(monkeypatch):
     # Ten times the rates: a tenth of the work, the same per-tile overhead.
     assert times[1] < times[0] / 5
     assert times[0] - times[1] == pytest.approx(0.9 * (times[0] - tiles * _planner._TILE_OVERHEAD_S["cpu"]), rel=1e-6)
+
+
+def test_the_predicted_time_counts_the_score_mod(fixed_rates):
+    # A hand-written score_mod can cost more than the attention around it (a tanh soft-cap: about
+    # 3 ns per score on the 2-core CPU, 7x the softmax work): once per score forward, twice with
+    # a backward. Its cost per score is injected here (FIXED_SCORE_MOD_S).
+    from _machine import FIXED_SCORE_MOD_S
+
+    def softcap(s, b, h, q_idx, kv_idx):
+        return 30 * torch.tanh(s / 30)
+
+    scores = 2 * 4 * 256 * 512
+    for grad, passes in ((False, 1), (True, _planner.CALLBACK_PASSES_WITH_GRAD)):
+        q = torch.empty(2, 4, 256, 16, requires_grad=grad)
+        k = torch.empty(2, 4, 512, 16, requires_grad=grad)
+        plain = subquad.explain(q, k, k, backend="matmul", chunk_size=(64, 64))
+        with_mod = subquad.explain(q, k, k, backend="matmul", chunk_size=(64, 64), score_mod=softcap)
+        assert plain.tiles == with_mod.tiles and plain.predicted_seconds is not None
+        assert with_mod.predicted_seconds is not None
+        extra = with_mod.predicted_seconds - plain.predicted_seconds
+        assert extra == pytest.approx(scores * FIXED_SCORE_MOD_S * passes, rel=1e-9)
+
+
+def test_the_score_mod_is_timed_once_per_callback(monkeypatch):
+    timed = []
+    monkeypatch.setattr(_planner, "seconds_per_call", lambda fn, *a, **kw: timed.append(fn()) or 1e-3)
+    q = torch.randn(1, 2, 300, 8)
+
+    def shifted(s, b, h, q_idx, kv_idx):
+        return s + 0.5 * (kv_idx - q_idx)
+
+    first = _planner.score_mod_seconds(_call.prepare(q, q, q, score_mod=shifted).inp)
+    again = _planner.score_mod_seconds(_call.prepare(q[:, :, :200], q, q, score_mod=shifted).inp)
+    # One probe tile of 2 heads x 128 rows x 256 keys (at most 64k scores), its own index grids.
+    assert first == again == pytest.approx(1e-3 / (2 * 128 * 256)) and len(timed) == 1
+    assert timed[0].shape == (1, 2, 128, 256)
+
+    def broken(s, b, h, q_idx, kv_idx):
+        raise RuntimeError("a bug in the callback")
+
+    # (the call itself says so, before any estimate: here the probe alone meets it)
+    inp = dataclasses.replace(_call.prepare(q, q, q, score_mod=shifted).inp, score_mod=broken)
+    assert _planner.score_mod_seconds(inp) == 0.0
+    assert _planner.score_mod_seconds(_call.prepare(q, q, q).inp) == 0.0
 
 
 def test_long_calls_warn_and_log_progress(monkeypatch, caplog):

@@ -54,7 +54,11 @@ _STRUCTURE_CACHE_SIZE = 256
 _STRUCTURE_LOCK = threading.Lock()
 
 
-def _cached(kind: str, fn: Callable[..., Any], dtype: torch.dtype, device: torch.device, trace: Callable[[], _T]) -> _T:
+def per_callback(
+    kind: str, fn: Callable[..., Any], dtype: torch.dtype, device: torch.device, trace: Callable[[], _T]
+) -> _T:
+    """``trace()``, computed once per callback ``fn`` (by its code and what it captures), ``kind``,
+    dtype and device type, and cached while what it captures lives."""
     refs: List[weakref.ref] = []
     key = callback_key(fn, refs, 0)
     if key is not None:
@@ -82,7 +86,7 @@ def score_mod_structure(fn: Callable[..., Tensor], dtype: torch.dtype, device: t
     ``"general"`` and runs as is). The result is cached per callback (by its code and what it
     captures, tensors by dtype and rank).
     """
-    return _cached("score", fn, dtype, device, lambda: _trace_structure(fn, dtype, device))
+    return per_callback("score", fn, dtype, device, lambda: _trace_structure(fn, dtype, device))
 
 
 def callback_key(x: Any, refs: List[weakref.ref], depth: int = 0, values: bool = False) -> Any:
@@ -386,7 +390,7 @@ class MaskStructure(NamedTuple):
 
 def mask_mod_structure(fn: Callable[..., Tensor], device: torch.device) -> MaskStructure:
     """Classify a ``mask_mod`` from its traced graph (fake tensors, cached like score_mods)."""
-    return _cached("mask", fn, torch.bool, device, lambda: _trace_mask(fn, device))
+    return per_callback("mask", fn, torch.bool, device, lambda: _trace_mask(fn, device))
 
 
 def _trace_mask(fn: Callable[..., Tensor], device: torch.device) -> MaskStructure:
