@@ -17,7 +17,10 @@ tiles, :class:`Scratch`):
   ``s`` and the offset added back, then the float32 passes above, and one conversion of ``p`` to
   bfloat16 for its product with v (the fused kernels round ``p`` likewise). Three tile-sized
   conversions or fills, two bfloat16 buffers. When a row's maximum moves more than
-  :data:`OFFSET_DRIFT` (a row block's first tile, mostly), the product is computed again.
+  :data:`OFFSET_DRIFT` (a row block's first tile, mostly), that row's product is computed again
+  (the whole tile's when many rows or heads moved: :data:`PARTIAL_REDO_SHARE`). In 1x4x4096x64
+  (one thread, 64 tiles) that is 66 rows in 38 small products, where 16 tiles were computed
+  twice whole.
   Backward: S offset by the lse, ``dP`` by D (the two conversions each), ``p`` and ``dS``
   converted once for the other three products; with a ``score_mod`` or a float mask S's product
   stays in float32.
@@ -190,12 +193,24 @@ class Matmul(Backend):
         moved = m_tile > m_run
         far = moved & ((m_tile - off.squeeze(-1)).abs() > OFFSET_DRIFT)
         target = torch.where(moved, m_tile, off.squeeze(-1))
-        if bool(far.any()):
-            off = q_op.set_offset(target)
+        if not bool(far.any()):
+            return s, m_tile, off, q_op.set_offset(target)
+        new_off = q_op.set_offset(target)
+        batches = far.any(dim=-1).nonzero().squeeze(1).tolist()
+        if len(batches) > PARTIAL_REDO_BATCHES or int(far.sum()) * PARTIAL_REDO_SHARE > far.numel():
             s = self._add_bias(inp, s.copy_(q_op.product(k_t, r, scratch)), qs, qe, seg)
-            m_tile = s.amax(dim=-1).add_(off.squeeze(-1))
-            return s, m_tile, off, off
-        return s, m_tile, off, q_op.set_offset(target)
+            return s, s.amax(dim=-1).add_(new_off.squeeze(-1)), new_off, new_off
+        # Only the rows that moved far are computed again (a tile of 8k rows has one nearly always):
+        # their new products replace the old ones in the biased scores, s += new - old.
+        b_ext = q_op.operand(k_t, scratch)
+        for b in batches:
+            rows = far[b].nonzero().squeeze(1)
+            old = r[b].index_select(0, rows).float()
+            a = q_op.rows[b].index_select(0, rows)
+            redo = torch.addmm(a.new_empty(rows.numel(), r.shape[-1]), a, b_ext[b].t(), beta=0.0, alpha=q_op.alpha)
+            s[b].index_add_(0, rows, redo.float().sub_(old))
+        used = torch.where(far.unsqueeze(-1), new_off, off)
+        return s, s.amax(dim=-1).add_(used.squeeze(-1)), used, new_off
 
     def forward_rows(
         self, inp: Inputs, qs: int, qe: int, segments: Iterable[Segment], out: Optional[Tensor], seed: int
@@ -380,6 +395,11 @@ class Matmul(Backend):
             add_into(grads.dq[:, :, qs:qe], dq_acc.view(B, Hq, qn, inp.E))
 
 
+PARTIAL_REDO_BATCHES = 16
+PARTIAL_REDO_SHARE = 8
+"""A tile whose offsets moved too far in at most this many of its batch entries (heads), and in
+at most 1/``PARTIAL_REDO_SHARE`` of its rows, computes those rows again; otherwise the whole tile."""
+
 OFFSET_DRIFT = 2.0
 """How far (in score units) a row's maximum may lie from the offset of its half-precision
 product before the product is redone with a new offset: within it, the entries the softmax
@@ -430,11 +450,16 @@ class OffsetOperand:
 
     def product(self, b: Tensor, out: Tensor, scratch: "Scratch") -> Tensor:
         """``alpha · a @ bᵀ - offset`` for ``b`` (batch, n, E), rounded once, written to ``out``."""
+        b_ext = self.operand(b, scratch)
+        return torch.baddbmm(out, self.rows, b_ext.transpose(1, 2), beta=0.0, alpha=self.alpha, out=out)
+
+    def operand(self, b: Tensor, scratch: "Scratch") -> Tensor:
+        """``[b, 1]`` (batch, n, E + 1), in a scratch buffer."""
         batch, n, e = b.shape
         b_ext = scratch.get("operand", (batch, n, e + 1), self.rows.dtype)
         b_ext[..., :e].copy_(b)
         b_ext[..., e].fill_(1.0)
-        return torch.baddbmm(out, self.rows, b_ext.transpose(1, 2), beta=0.0, alpha=self.alpha, out=out)
+        return b_ext
 
 
 def _sampled_max(q_op: OffsetOperand, k_t: Tensor) -> Tensor:
