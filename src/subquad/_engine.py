@@ -23,7 +23,7 @@ from ._backends import BACKENDS, FusedCPU
 from ._buckets import buckets, run_bucket
 from ._callbacks import EMPTY, FULL, PARTIAL, UNKNOWN, TileStates, evaluated_state
 from ._inputs import Inputs, MaskMod
-from ._tiles import TILES, Grads, Segment, add_into
+from ._tiles import TILES, Grads, Segment
 
 log = logging.getLogger("subquad")
 
@@ -360,9 +360,9 @@ def _backward_packed(
 ) -> None:
     """:func:`backward` of a packed call, one sequence at a time, into views of the accumulators.
 
-    With ``grads.blank`` (accumulators not yet filled) every row is written once: a sequence of one
-    kernel call (:func:`_one_kernel`) copies its gradients in; the rows of the others, and keys
-    that no query sees (past ``seqused_k``), are zeroed first.
+    The accumulators arrive unfilled (:class:`~subquad._tiles.Grads`) and every row is written
+    once: a sequence of one kernel call (:func:`_one_kernel`) copies its gradients in; the rows of
+    the others, and keys that no query sees (past ``seqused_k``), are zeroed first.
     """
     p = inp.packed
     assert p is not None
@@ -375,7 +375,7 @@ def _backward_packed(
             dk=None if grads.dk is None else grads.dk[keys],
             dv=None if grads.dv is None else grads.dv[keys],
         )
-        if grads.blank and ke < p.cu_k[s + 1]:
+        if ke < p.cu_k[s + 1]:
             for acc in (grads.dk, grads.dv):
                 if acc is not None:
                     acc[:, :, ke : p.cu_k[s + 1]].zero_()
@@ -385,15 +385,12 @@ def _backward_packed(
             for acc, g in zip(
                 (views.dq, views.dk, views.dv), fused.sequence_backward(inp, rows, causal, grad_out, out, lse)
             ):
-                if acc is not None and grads.blank:
-                    acc.copy_(g)
-                elif acc is not None:
-                    add_into(acc, g)
-            continue
-        if grads.blank:
-            for acc in (views.dq, views.dk, views.dv):
                 if acc is not None:
-                    acc.zero_()
+                    acc.copy_(g)
+            continue
+        for acc in (views.dq, views.dk, views.dv):
+            if acc is not None:
+                acc.zero_()
         if qe == qs or ke == ks:
             continue
         backward(

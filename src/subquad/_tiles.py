@@ -123,8 +123,8 @@ class Grads(NamedTuple):
 
     ``proxies`` maps each captured tensor (by ``id``) to the detached leaf that stands for it
     inside ``score_mod`` during the backward; ``dcaptured`` accumulates their gradients, in order.
-    ``blank``: ``dq``, ``dk`` and ``dv`` are new and unfilled (a packed call's: its backward writes
-    or zeroes each sequence's rows once, see :func:`subquad._engine.backward`).
+    A packed call's ``dq``, ``dk`` and ``dv`` arrive unfilled: its backward writes or zeroes each
+    sequence's rows once (:func:`subquad._engine.backward`).
     """
 
     dq: Optional[Tensor]
@@ -133,7 +133,6 @@ class Grads(NamedTuple):
     dmask: Optional[Tensor]
     proxies: Mapping[int, Tensor] = {}
     dcaptured: Sequence[Tensor] = ()
-    blank: bool = False
 
 
 def _hash32(x: Tensor) -> Tensor:
