@@ -8,7 +8,12 @@
   ``explain()``'s predicted time beside each;
 - the bfloat16 tiles in ``--processes`` fresh processes (median of 3 calls each): run-to-run spread;
 - forward + backward with a soft-capping ``score_mod`` (tiles only), bfloat16, 1x4x2048x64, against
-  the fused forward + backward without the callback.
+  the fused forward + backward without the callback;
+- forward + backward 1x4x2048x64 in each dtype through the tiles, the fused kernel and
+  ``F.scaled_dot_product_attention`` (float16 runs torch's kernel emulated where the CPU lacks
+  float16 GEMMs; subquad's on float32 copies);
+- the time model: measured / ``explain().predicted_seconds`` for every dtype and backend, forward
+  (1x8x4096x64) and forward + backward (1x4x2048x64).
 
 Run it with nothing else on the machine. To measure an older checkout, run this file with
 ``PYTHONPATH=<that checkout>/src``.
@@ -82,6 +87,33 @@ def _backward_calls() -> Dict[str, Callable[[], Any]]:
     return {"bf16 softcap fwd+bwd tiles": tiles, "bf16 fwd+bwd fused (no callback)": fused}
 
 
+def _training_calls() -> Dict[str, Callable[[], Any]]:
+    calls: Dict[str, Callable[[], Any]] = {}
+    for name, dt in DTYPES.items():
+        g = torch.Generator().manual_seed(2)
+        q, k, v = (torch.randn(BWD_SHAPE, generator=g).to(dt).requires_grad_() for _ in range(3))
+        d_out = torch.randn(BWD_SHAPE, generator=g).to(dt)
+
+        def run(fn: Callable[..., torch.Tensor], q: Any = q, k: Any = k, v: Any = v, d: Any = d_out) -> None:
+            torch.autograd.grad(fn(q, k, v), (q, k, v), d)
+
+        calls[f"{name} tiles"] = lambda run=run: run(lambda *t: subquad.attention(*t, backend="matmul"))
+        calls[f"{name} fused"] = lambda run=run: run(lambda *t: subquad.attention(*t, backend="fused"))
+        calls[f"{name} F.sdpa"] = lambda run=run: run(F.scaled_dot_product_attention)
+    return calls
+
+
+def _predicted_ms(shape: Any, grad: bool) -> Dict[str, float]:
+    preds = {}
+    for name, dt in DTYPES.items():
+        q = torch.empty(shape, dtype=dt, requires_grad=grad)
+        for backend, label in (("matmul", "tiles"), ("fused", "fused")):
+            p = subquad.explain(q, q, q, backend=backend).predicted_seconds
+            assert p is not None  # explain() always predicts
+            preds[f"{name} {label}"] = p * 1e3
+    return preds
+
+
 def interleaved(calls: Dict[str, Callable[[], Any]], rounds: int, seed: int = 0) -> Dict[str, List[float]]:
     """Seconds per call: every call once per round, in a shuffled order (no fixed neighbour)."""
     rng = random.Random(seed)
@@ -127,12 +159,7 @@ def main() -> None:
     print(f"# {results['machine']}")
     fwd = interleaved(_forward_calls(), args.rounds)
     results["forward"] = {n: _summary(ts) for n, ts in fwd.items()}
-    preds = {}
-    for name, dt in DTYPES.items():
-        q = torch.empty(SHAPE, dtype=dt)
-        for backend, label in (("matmul", "tiles"), ("fused", "fused")):
-            p = subquad.explain(q, q, q, backend=backend).predicted_seconds
-            preds[f"{name} {label}"] = None if p is None else p * 1e3
+    preds = _predicted_ms(SHAPE, False)
     results["predicted_ms"] = preds
     print(f"forward {SHAPE}, {args.rounds} interleaved rounds: median [min-max] ms, explain()'s prediction")
     for n, s in results["forward"].items():
@@ -164,6 +191,23 @@ def main() -> None:
     for n, s in results["backward"].items():
         print(f"  {n:<34} {s['median_ms']:8.1f} [{s['min_ms']:.1f}-{s['max_ms']:.1f}]")
     print(f"bf16 tiles in {args.processes} fresh processes (ms): {', '.join(f'{t:.0f}' for t in per_process)}")
+    train = interleaved(_training_calls(), args.rounds)
+    results["training"] = {n: _summary(ts) for n, ts in train.items()}
+    tpreds = _predicted_ms(BWD_SHAPE, True)
+    results["training_predicted_ms"] = tpreds
+    print(f"fwd+bwd {BWD_SHAPE} per dtype:")
+    for n, s in results["training"].items():
+        pred = tpreds.get(n)
+        extra = f"  predicted {pred:.0f}" if pred is not None else ""
+        print(f"  {n:<18} {s['median_ms']:8.1f} [{s['min_ms']:.1f}-{s['max_ms']:.1f}]{extra}")
+    tmed = {n: s["median_ms"] for n, s in results["training"].items()}
+    ratios["fp16 fwd+bwd F.sdpa / subquad fused"] = tmed["float16 F.sdpa"] / tmed["float16 fused"]
+    model = {f"fwd {n}": med[n] / p for n, p in preds.items()}
+    model.update({f"fwd+bwd {n}": tmed[n] / p for n, p in tpreds.items()})
+    results["measured_over_predicted"] = model
+    print("time model, measured / predicted (bar: within 2x):")
+    for n, r in model.items():
+        print(f"  {n:<28} {r:.2f}")
     results["ratios"] = ratios
     print("ratios:")
     for n, r in ratios.items():

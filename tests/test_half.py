@@ -187,6 +187,7 @@ def test_explain_predicts_bf16_from_its_own_rate(monkeypatch):
     # Rates injected: bfloat16 GEMMs 3x float32's; the prediction follows the call's dtype.
     monkeypatch.setattr(matmul, "_NATIVE_BF16", True)
     monkeypatch.setattr(_planner, "_RATES", {("cpu", torch.float32): (1e11, 1e-9), ("cpu", BF16): (3e11, 1e-9)})
+    monkeypatch.setattr(_planner, "backend_factor", lambda device, dtype, backend: 1.0)
     q32 = torch.empty(1, 8, 4096, 64)
     t32 = subquad.explain(q32, q32, q32, backend="matmul").predicted_seconds
     qb = q32.to(BF16)
@@ -227,3 +228,127 @@ def test_tiled_fused_backward_rounds_its_gradients_once(monkeypatch, dtype):
         once = (r32.to(dtype).float() - r32).abs().max()
         # flash-attn asks for 3x; rounded once, the tiles match PyTorch (before: dV 2.7x in fp16).
         assert err <= 1.5 * torch_err, f"d{n}: {err:.5f} against PyTorch's {torch_err:.5f} ({once:.5f} rounded once)"
+
+
+# ------------------------------------------------------- float16 where the CPU emulates its GEMMs
+def _kernel_dtypes(monkeypatch):
+    """Record the dtype of the query each call of the CPU flash kernels (forward and backward) gets."""
+    from subquad._backends import fused
+
+    fused.cpu_flash_unavailable_reason()  # the kernel's availability probe (float64) runs before the spy
+    real = fused._cpu_flash_ops()
+    seen = []
+
+    def spy(op, position, kind):
+        def run(*args, **kwargs):
+            seen.append((kind, args[position].dtype))
+            return op(*args, **kwargs)
+
+        return run
+
+    monkeypatch.setattr(fused, "_cpu_flash_ops", lambda: (spy(real[0], 0, "fwd"), spy(real[1], 1, "bwd")))
+    return seen
+
+
+def _assert_kernel_dtypes(seen, native):
+    """Emulated float16: every kernel call on float32 copies. Native: the forward in float16 (a
+    tiled backward takes float32 copies either way, so that its gradients are rounded once)."""
+    assert seen, "no kernel call"
+    if native:
+        assert {dt for kind, dt in seen if kind == "fwd"} == {torch.float16}, seen
+    else:
+        assert {dt for _, dt in seen} == {torch.float32}, seen
+
+
+def _fp16_calls():
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 4, 150, 59, generator=g).half()
+    k, v = (torch.randn(2, 2, 170, 59, generator=g).half() for _ in range(2))
+    mask = torch.randn(1, 4, 150, 170, generator=g).half()
+    k4, v4 = (torch.randn(2, 4, 170, 59, generator=g).half() for _ in range(2))
+    lengths = torch.tensor([0, 40, 41, 150], dtype=torch.int32)
+    return {
+        "whole": (q, k4, v4, {}),
+        "whole-gqa": (q, k, v, dict(enable_gqa=True)),
+        "causal-tiles": (q, k, v, dict(enable_gqa=True, is_causal=True, chunk_size=(64, 64))),
+        "float-mask-tiles": (q, k, v, dict(enable_gqa=True, attn_mask=mask, chunk_size=(64, 96))),
+        "packed": (q[0].transpose(0, 1), k[0, :, :150].transpose(0, 1), v[0, :, :150].transpose(0, 1), lengths),
+    }
+
+
+@pytest.mark.parametrize("native", [False, True], ids=["emulated-fp16", "native-fp16"])
+@pytest.mark.parametrize("call", ["whole", "whole-gqa", "causal-tiles", "float-mask-tiles", "packed"])
+@pytest.mark.parametrize("grad", [False, True], ids=["fwd", "fwd+bwd"])
+def test_float16_kernels_run_on_float32_copies_where_the_cpu_emulates_float16(monkeypatch, native, call, grad):
+    # Without AVX512-FP16/AMX-FP16 a float16 GEMM is emulated (26x float32's time on the 2-core
+    # CPU) and torch's flash kernel in float16 ran 1.3-2.3x its float32 forward and 7.6x its
+    # backward; on float32 copies it runs at float32 speed, and rounds once.
+    monkeypatch.setattr(matmul, "_NATIVE_FP16", native)
+    seen = _kernel_dtypes(monkeypatch)
+    q, k, v, kw = _fp16_calls()[call]
+    ts = [t.detach().clone().requires_grad_(grad) for t in (q, k, v)]
+    if call == "packed":
+        out = subquad.varlen_attention(*ts, kw, kw, is_causal=True, enable_gqa=True)
+        golden = torch.cat([
+            naive_attention(*(t[s:e].transpose(0, 1).double() for t in ts), is_causal=True, enable_gqa=True).transpose(0, 1)
+            for s, e in zip(kw[:-1].tolist(), kw[1:].tolist())
+        ])
+    else:
+        out = subquad.attention(*ts, backend="fused", **kw)
+        ref_kw = {n: x for n, x in kw.items() if n != "chunk_size"}
+        golden = naive_attention(*to64(*ts), **{n: (x.double() if isinstance(x, torch.Tensor) else x) for n, x in ref_kw.items()})
+    assert out.dtype == torch.float16
+    assert_close_to_golden(out, golden, golden.to(torch.float16), fudge=2.0)
+    if grad:
+        d_out = torch.randn_like(out)
+        got = torch.autograd.grad(out, ts, d_out)
+        ref = [t.detach().double().requires_grad_() for t in ts]
+        if call == "packed":
+            want = torch.autograd.grad(
+                torch.cat([
+                    naive_attention(*(t[s:e].transpose(0, 1) for t in ref), is_causal=True, enable_gqa=True).transpose(0, 1)
+                    for s, e in zip(kw[:-1].tolist(), kw[1:].tolist())
+                ]), ref, d_out.double())
+        else:
+            want = torch.autograd.grad(naive_attention(*ref, **{
+                n: (x.double() if isinstance(x, torch.Tensor) else x) for n, x in ref_kw.items()}), ref, d_out.double())
+        for n, g_, w in zip("qkv", got, want):
+            assert g_.dtype == torch.float16
+            assert_close_to_golden(g_, w, w.to(torch.float16), fudge=3.0, name=f"d{n}")
+    _assert_kernel_dtypes(seen, native)
+
+
+@pytest.mark.parametrize("native", [False, True], ids=["emulated-fp16", "native-fp16"])
+def test_the_sdpa_fast_path_runs_float16_on_float32_copies_where_emulated(monkeypatch, native):
+    # subquad.sdpa's fast path calls the kernel (and torch's SDPA, for small calls) on the
+    # caller's tensors: in float32 copies where float16 is emulated, the output in float16.
+    monkeypatch.setattr(matmul, "_NATIVE_FP16", native)
+    seen = _kernel_dtypes(monkeypatch)
+    g = torch.Generator().manual_seed(4)
+    for lq, lk in ((300, 700), (16, 16), (1, 512)):
+        q = torch.randn(1, 8, lq, 64, generator=g).half()
+        k, v = (torch.randn(1, 8, lk, 64, generator=g).half() for _ in range(2))
+        golden = naive_attention(*to64(q, k, v))
+        for _ in range(2):  # the second call takes the cached fast path
+            out = subquad.sdpa(q, k, v)
+            assert out.dtype == torch.float16
+            assert_close_to_golden(out, golden, golden.half(), fudge=2.0)
+    _assert_kernel_dtypes(seen, native)
+
+
+def test_float16_gemm_verdict_is_a_wide_gap_timed_on_real_tensors(monkeypatch):
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    from _devices import fake_tensors
+
+    for slowdown, native in ((23.4, False), (1.1, True), (0.4, True)):
+        monkeypatch.setattr(matmul, "_NATIVE_FP16", None)
+        monkeypatch.setattr(matmul, "_fp16_gemm_slowdown", lambda s=slowdown: s)
+        assert matmul.native_fp16_products() is native
+    made = []
+    monkeypatch.setattr(matmul, "_NATIVE_FP16", None)
+    monkeypatch.setattr(matmul, "_fp16_gemm_slowdown", lambda: made.append(torch.ones(1)) or 1.0)
+    with fake_tensors():
+        matmul.native_fp16_products()
+        matmul.native_fp16_products()  # asked once per process
+    assert len(made) == 1 and not isinstance(made[0], FakeTensor)

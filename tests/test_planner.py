@@ -175,6 +175,12 @@ GRID = [
 ] + [
     dict(shape=[2, 2, 1000, 3000, 64], budget="16MiB", dtype="bfloat16"),
     dict(shape=[2, 2, 1000, 3000, 64], budget="16MiB", dtype="bfloat16", backend="matmul"),
+    # Issue 29: float16 through the fused kernel (on float32 copies where the CPU emulates
+    # float16 GEMMs), forward with a float mask and forward + backward.
+    dict(shape=[2, 2, 1000, 3000, 64], budget="16MiB", dtype="float16", mask="float"),
+    dict(shape=[1, 4, 2048, 2048, 64], budget="16MiB", dtype="float16", grad=True),
+    dict(shape=[1, 4, 2048, 2048, 64], budget="64MiB", dtype="float16", grad=True, mask="causal"),
+    dict(shape=[1, 4, 2048, 2048, 64], budget="16MiB", dtype="float16", grad=True, mask="float"),
     dict(shape=[1, 4, 2048, 2048, 64], budget="16MiB", grad=True),
     dict(shape=[1, 4, 2048, 2048, 64], budget="16MiB", grad=True, backend="matmul"),
     dict(shape=[1, 4, 2048, 2048, 64], budget="16MiB", grad=True, mask="causal"),

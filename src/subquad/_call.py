@@ -169,7 +169,7 @@ def prepare(
         need_grad = inp.requires_grad or bool(captured)
         plan.tiles = count_tiles(inp, plan.chunk_size, plan.backward_chunk_size if need_grad else None)
         if estimate_time or plan.tiles >= ESTIMATE_TIME_FROM_TILES:
-            plan.predicted_seconds = predict_seconds(inp, plan.tiles, need_grad)
+            plan.predicted_seconds = predict_seconds(inp, plan, need_grad)
     plan.notes[:0] = notes
     return Prepared(inp, opts, budget, plan, captured)
 

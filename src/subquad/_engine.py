@@ -20,6 +20,7 @@ from torch import Tensor
 
 from . import mods
 from ._backends import BACKENDS, FusedCPU
+from ._backends.fused import emulated_half_kernel
 from ._buckets import buckets, run_bucket
 from ._callbacks import EMPTY, FULL, PARTIAL, UNKNOWN, TileStates, evaluated_state
 from ._inputs import Inputs, MaskMod
@@ -420,4 +421,7 @@ def whole_fused_backward(
     if len(segs) != 1 or (segs[0].ks, segs[0].ke) != (0, inp.Lk):
         return None
     fused = cast(FusedCPU, BACKENDS["fused"])  # segment_backward is the fused kernel's own
-    return fused.segment_backward(inp, 0, inp.Lq, segs[0], grad_out, out, lse)
+    if not emulated_half_kernel(inp):
+        return fused.segment_backward(inp, 0, inp.Lq, segs[0], grad_out, out, lse)
+    grads = fused.segment_backward(inp, 0, inp.Lq, segs[0], grad_out, out, lse, True)
+    return grads[0].to(inp.dtype), grads[1].to(inp.dtype), grads[2].to(inp.dtype)

@@ -30,6 +30,7 @@ from torch import Tensor
 from . import _engine
 from ._backends import BACKENDS, MPS_MAX_MATMUL_ELEMENTS, TORCH_SDPA, cpu_flash_forward
 from ._backends.fused import groupable, grouped_attention, grouped_bytes
+from ._backends.matmul import native_fp16_products
 from ._budget import resolve_budget
 from ._inputs import Inputs
 from ._planner import Plan
@@ -287,6 +288,9 @@ def _run_plain(
         if inp.empty or not _fits(entry, inp, Lq, Lk, return_lse):
             return None
     scores = rows * Lq * Lk
+    dtype = query.dtype
+    if dtype == torch.float16 and not native_fp16_products():  # the kernel's GEMMs on float32 copies
+        query, key_, value = query.float(), key_.float(), value.float()
     try:
         if (
             entry.gqa
@@ -294,15 +298,17 @@ def _run_plain(
             and grouped_bytes(scores, query.element_size()) <= _budget(entry, query.device)
         ):
             out, lse = grouped_attention(query, key_, value, entry.scale, return_lse)
-            return out if lse is None else (out, lse)
+            return out.to(dtype) if lse is None else (out.to(dtype), lse)
         if not return_lse and not entry.gqa and scores <= SMALL_SCORES:
             # torch's SDPA runs this very kernel on such a call (4-D, no mask, no GQA, no batch
             # broadcasting) with less dispatch overhead; the call is small enough that even its
             # math path would fit any budget.
-            return TORCH_SDPA(query, key_, value, None, 0.0, is_causal, scale=scale)  # None: its default scale
+            out = TORCH_SDPA(query, key_, value, None, 0.0, is_causal, scale=scale)  # None: its default scale
+            return out.to(dtype)
         out, lse = cpu_flash_forward()(query, key_, value, 0.0, is_causal, attn_mask=None, scale=entry.scale)
     except Exception:  # the full path recovers (or raises) as it always does
         return None
+    out = out.to(dtype)
     if return_lse:
         return out, lse.to(torch.float64 if out.dtype == torch.float64 else torch.float32)
     return out

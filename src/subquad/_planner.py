@@ -25,6 +25,7 @@ from ._budget import format_bytes, format_seconds
 from ._callbacks import apply_score_mod
 from ._errors import MemoryBudgetError
 from ._inputs import Inputs
+from ._tiles import Segment
 from ._traced import per_callback
 
 
@@ -140,7 +141,7 @@ def make_plan(
             )
         plan.tiles = count_tiles(inp, fwd, bwd_tiles if need_grad else None)
         if estimate_time or plan.tiles >= ESTIMATE_TIME_FROM_TILES:
-            plan.predicted_seconds = predict_seconds(inp, plan.tiles, need_grad)
+            plan.predicted_seconds = predict_seconds(inp, plan, need_grad)
         plan.notes.extend(notes)
         if backend == "auto":
             for later in names[names.index(name) + 1 :]:
@@ -230,12 +231,7 @@ def _device_rates(device: torch.device, dtype: torch.dtype) -> Tuple[float, floa
     The second term dominates at small head dims (E = 8: 0.67 ns per score on the 2-core CPU,
     against 0.2 ns of matmul), the first at large ones.
     """
-    if device.type == "cpu" and dtype in (torch.float16, torch.bfloat16):
-        # The CPU multiplies bfloat16 natively where it has AVX512-BF16 or AMX (the tiles and
-        # torch's CPU flash kernel then run bfloat16 GEMMs); otherwise, and for float16 (emulated:
-        # 100x slower than float32 on the 2-core CPU, so neither path runs it), the products are
-        # float32: timing a half-precision bmm there would mispredict the call and cost 80 ms.
-        dtype = torch.bfloat16 if dtype == torch.bfloat16 and native_bf16_products() else torch.float32
+    dtype = _rates_dtype(device, dtype)
     key = (device.type, dtype)
     if key not in _RATES:
         try:
@@ -243,6 +239,17 @@ def _device_rates(device: torch.device, dtype: torch.dtype) -> Tuple[float, floa
         except Exception:  # a device that cannot run the probe (float64 on MPS): conservative guesses
             _RATES[key] = (5e10, 2e-9)
     return _RATES[key]
+
+
+def _rates_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
+    """The dtype whose GEMMs a call of ``dtype`` runs. The CPU multiplies bfloat16 natively where
+    it has AVX512-BF16 or AMX (the tiles and torch's CPU flash kernel then run bfloat16 GEMMs);
+    otherwise, and for float16 (the tiles never run its GEMMs, the fused kernel runs them on
+    float32 copies where they would be emulated), the products are float32: timing an emulated
+    float16 bmm would mispredict the call and cost 80 ms."""
+    if device.type == "cpu" and dtype in (torch.float16, torch.bfloat16):
+        return torch.bfloat16 if dtype == torch.bfloat16 and native_bf16_products() else torch.float32
+    return dtype
 
 
 # The probe is a tile's two products, (batch, rows, E) x (batch, E, keys) and the result times
@@ -333,18 +340,97 @@ def seconds_per_call(
     return max(best / reps, 1e-12)
 
 
-def predict_seconds(inp: Inputs, tiles: int, need_grad: bool) -> float:
-    """An order-of-magnitude estimate of a call's time: FLOPs at the device's matmul rate, the
-    softmax work per score, and a per-tile overhead."""
+def predict_seconds(inp: Inputs, plan: Plan, need_grad: bool) -> float:
+    """An order-of-magnitude estimate of a call's time: the scores the plan's backends compute,
+    each at the device's matmul rate and softmax work per score times the backend's own factor
+    (:func:`backend_factor`), the backward :data:`BACKWARD_PER_FORWARD` times its forward, a
+    ``score_mod``'s time, and a per-tile overhead."""
     rate, per_score = _device_rates(inp.device, inp.dtype)
-    scores = inp.n_groups * sum(
-        float(inp.B * inp.Hq * Lq * Lk) * visible_fraction(Lq, Lk, inp.is_causal, o) for Lq, Lk, o in _parts(inp)
-    )
-    t = 2.0 * scores * (inp.E + inp.Ev) / rate + scores * per_score
+    per = 2.0 * (inp.E + inp.Ev) / rate + per_score
+    t = per * computed_scores(inp, plan.backend, plan.chunk_size) * backend_factor(inp.device, inp.dtype, plan.backend)
     if need_grad:
-        t *= 3.5
-    t += scores * score_mod_seconds(inp) * (CALLBACK_PASSES_WITH_GRAD if need_grad else 1)
-    return t + tiles * inp.n_groups * _TILE_OVERHEAD_S.get(inp.device_type, 50e-6)
+        bwd = plan.backward_backend or plan.backend
+        tiles = plan.backward_chunk_size if plan.backward_backend else plan.chunk_size
+        factor = backend_factor(inp.device, inp.dtype, bwd)
+        t += BACKWARD_PER_FORWARD * per * computed_scores(inp, bwd, tiles) * factor
+    t += computed_scores(inp, None, None) * score_mod_seconds(inp) * (CALLBACK_PASSES_WITH_GRAD if need_grad else 1)
+    return t + plan.tiles * inp.n_groups * _TILE_OVERHEAD_S.get(inp.device_type, 50e-6)
+
+
+BACKWARD_PER_FORWARD = 2.5
+"""A backward's time over its forward's, same backend: 1x4x2048x64 on the 2-core CPU, the fused
+kernel 2.7 (float32) and 1.95 (bfloat16), the tiles 2.6, 2.3 and 2.6 (float16)."""
+
+
+def computed_scores(inp: Inputs, backend: Optional[str], tiles: Optional[Tuple[int, int]]) -> float:
+    """The scores ``backend`` computes on ``tiles``: every visible one and, under a causal mask,
+    the hidden ones that share a block with a visible one (:meth:`Backend.computed_blocks`);
+    ``backend=None``: the visible ones."""
+    n = 0.0
+    for Lq, Lk, o in _parts(inp):
+        blocks = BACKENDS[backend].computed_blocks(Lq, Lk, tiles) if backend and inp.is_causal else None
+        frac = visible_fraction(Lq, Lk, inp.is_causal, o) if blocks is None else block_fraction(Lq, Lk, o, blocks)
+        n += float(Lq * Lk) * frac
+    return inp.n_groups * inp.B * inp.Hq * n
+
+
+def block_fraction(Lq: int, Lk: int, o: int, blocks: Tuple[int, int]) -> float:
+    """The fraction of the ``Lq x Lk`` scores in ``blocks`` (rows, keys) that hold at least one
+    score a causal mask (query ``i`` sees keys ``<= i + o``) leaves visible."""
+    bq, bk = blocks
+    if Lq == 0 or Lk == 0 or Lq > bq * 4096:  # many small blocks: the visible fraction itself
+        return visible_fraction(Lq, Lk, True, o)
+    seen = 0
+    for qs in range(0, Lq, bq):
+        qe = min(qs + bq, Lq)
+        keys = min(max(qe + o, 0), Lk)  # the block's last row sees keys < qe + o
+        seen += (qe - qs) * min(-(-keys // bk) * bk, Lk)
+    return seen / (Lq * Lk)
+
+
+_FACTORS: Dict[Tuple[str, torch.dtype, str], float] = {}
+"""(device type, dtype, backend) -> :func:`backend_factor`, measured once per process."""
+_FACTOR_BACKENDS = ("fused", "matmul")
+
+
+def backend_factor(device: torch.device, dtype: torch.dtype, backend: str) -> float:
+    """A backend's own time per score over the model's (its GEMMs at the measured rate and the
+    softmax passes of the rate probe), on the CPU for the fused kernel and the tiles (1 on other
+    devices and for other backends): timed once per process, device type, dtype and backend, on
+    one tile of the rate probe's shape, against the raw probe timed alongside (so the factor is
+    a ratio of two timings of this machine, whatever its speed).
+
+    What it captures, 2-core CPU (AVX512-BF16, no AMX): the flash kernel's bfloat16 runs at its
+    float32 speed, where a bfloat16 GEMM runs 2-3x faster; the tiles' half-precision products
+    carry an offset column, a fill and two more conversions per tile (matmul.py's docstring).
+    Without it ``explain()`` predicted bf16 calls 1.4-2.9x short (causal ones the most)."""
+    if device.type != "cpu" or backend not in _FACTOR_BACKENDS:
+        return 1.0
+    key = (device.type, dtype, backend)
+    if key not in _FACTORS:
+        try:
+            with _python_dispatch._disable_current_modes():
+                _FACTORS[key] = _measure_factor(device, dtype, backend)
+        except Exception:  # a backend that cannot run the probe here: the model alone
+            _FACTORS[key] = 1.0
+    return _FACTORS[key]
+
+
+def _measure_factor(device: torch.device, dtype: torch.dtype, backend: str) -> float:
+    bh, nq, nk, e = _CPU_PROBE_SHAPE
+    q = torch.randn(1, bh, nq, e, device=device, dtype=dtype)
+    k, v = (torch.randn(1, bh, nk, e, device=device, dtype=dtype) for _ in range(2))
+    inp = Inputs(q, k, v, (1,), None, False, e**-0.5, 0.0)
+    out = torch.empty_like(q)
+    run, segments = BACKENDS[backend], [Segment(0, nk)]
+
+    def tile() -> None:
+        run.forward_rows(inp, 0, nq, segments, out, 0)
+
+    own = seconds_per_call(tile, lambda: None, min_seconds=0.0)
+    flops, per_score = _probe(device, _rates_dtype(device, dtype))
+    model = bh * nq * nk * (4.0 * e / flops + per_score)
+    return min(max(own / model, 0.25), 8.0)
 
 
 CALLBACK_PASSES_WITH_GRAD = 2

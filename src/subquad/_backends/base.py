@@ -200,6 +200,11 @@ class Backend:
         options = self.tile_options(inp)
         return next((p for p in options if saved + self.backward_bytes(inp, *p, Options()) <= budget), options[-1])
 
+    def computed_blocks(self, Lq: int, Lk: int, tiles: Optional[Tuple[int, int]]) -> Optional[Tuple[int, int]]:
+        """``(rows, keys)`` of the blocks a causal mask is skipped by: a block with one visible
+        score is computed whole (the tiles' own; ``None``: only the visible scores cost)."""
+        return None if tiles is None or not self.tiled else (max(1, min(tiles[0], Lq)), max(1, min(tiles[1], Lk)))
+
     # ------------------------------------------------------------- compute
     def run_whole(self, inp: Inputs, need_lse: bool) -> Tuple[Tensor, Optional[Tensor]]:
         """``(out (B, Hq, Lq, Ev), lse or None)`` of the whole call in one kernel call (whole-input

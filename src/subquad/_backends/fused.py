@@ -17,7 +17,7 @@ from .._inputs import Inputs
 from .._tiles import EMPTY_CHECK_ELEMENTS, NEG_INF, Grads, Segment, add_into, call_kernel, empty_rows, tile_bias
 from .._traced import TracedScoreMod
 from .base import Backend, Options, _bh, _generated_causal, _strided, _threads, candidates
-from .matmul import native_bf16_products
+from .matmul import native_bf16_products, native_fp16_products
 
 _OPS: List[Tuple[Any, Any]] = []
 
@@ -84,6 +84,11 @@ def _as_kernel_mask(bias: Optional[Tensor]) -> Optional[Tensor]:
     return bias
 
 
+def _operands(in_float32: bool, *tiles: Tensor) -> Tuple[Tensor, ...]:
+    """The kernel's operands: ``tiles`` with unit stride, as float32 copies if ``in_float32``."""
+    return tuple(_unit_stride(t.float() if in_float32 else t) for t in tiles)
+
+
 def _unit_stride(t: Tensor) -> Tensor:
     # The fused kernel reads the last dim as contiguous (SDPA checks this before calling it).
     return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
@@ -121,9 +126,18 @@ class FusedCPU(Backend):
         mask_grad = inp.attn_mask is not None and inp.attn_mask.requires_grad
         return "matmul" if mask_grad or opts.captured_requires_grad else "fused"
 
+    def computed_blocks(self, Lq: int, Lk: int, tiles: Optional[Tuple[int, int]]) -> Optional[Tuple[int, int]]:
+        # Each tile is one kernel call, which skips causal blocks of its own: rows split as torch's
+        # CPU flash kernel splits them (by the tile's length), keys by 512.
+        tq, tk = (Lq, Lk) if tiles is None else (min(tiles[0], Lq), min(tiles[1], Lk))
+        rows = 256 if tq >= 768 else 64 if tq >= 192 else 32
+        return max(1, min(rows, tq)), max(1, min(self._KV_SPLIT, tk))
+
     def _kernel_bytes(self, inp: Inputs, qc: int, kc: int) -> int:
         qs, ks = min(self._Q_SPLIT, qc), min(self._KV_SPLIT, kc)
         size, B, E, Ev = inp.itemsize, inp.B, inp.E, inp.Ev
+        if emulated_half_kernel(inp):
+            size = 4  # the kernel runs on float32 copies
         n = _threads() * (qs * ks * (4 + size) + qs * (Ev + 2) * 4)
         if size == 2:
             n += B * inp.Hk * kc * (E + Ev) * size  # packed K/V on CPUs that pack (half precision)
@@ -135,11 +149,12 @@ class FusedCPU(Backend):
                 n += B * inp.Hk * kc * t.shape[-1] * size
         return n
 
-    def _bias_bytes(self, inp: Inputs, qc: int, kc: int, traced_tiles: int = 3) -> int:
+    def _bias_bytes(self, inp: Inputs, qc: int, kc: int, traced_tiles: int = 3, in_float32: bool = False) -> int:
         """The float bias tile fed to the kernel: a converted mask, generated masks, callback biases.
 
         A traced ``score_mod``'s bias counts ``traced_tiles`` full tiles: its intermediates are
         unknown, so the memory model assumes three; the planner's speed preference, one.
+        ``in_float32``: the kernel runs on float32 copies, the bias's among them.
         """
         if inp.attn_mask is None and not inp.is_causal and inp.mask_mod is None and inp.score_mod is None:
             return 0
@@ -155,7 +170,7 @@ class FusedCPU(Backend):
             # intermediates; a built-in declares a (1, Hq, qc, kc) tile.
             traced = isinstance(inp.score_mod, TracedScoreMod)
             parts.append((traced_tiles * inp.B if traced else 1) * inp.Hq * qc * kc)
-        mask_as_is = inp.attn_mask is not None and inp.attn_mask.dtype == inp.bias_dtype
+        mask_as_is = inp.attn_mask is not None and inp.attn_mask.dtype == inp.bias_dtype and not in_float32
         if not parts or (parts == [inp.mask_tile_elements(qc, kc)] and mask_as_is and not inp.is_causal):
             return 0  # no bias, or the caller's float mask passed through as a view
         size = torch.tensor([], dtype=inp.bias_dtype).element_size()
@@ -164,6 +179,8 @@ class FusedCPU(Backend):
             n += inp.B * inp.Hq * qc * kc * size  # their broadcast sum
         if inp.score_mod is not None:
             n += 2 * qc * kc * 8  # int64 distances of the index grids
+        if in_float32 and size < 4:
+            n += (inp.B * inp.Hq * qc * kc if len(parts) > 1 else parts[0]) * 4
         if inp.attn_mask is not None or inp.is_causal or inp.mask_mod is not None:
             # The empty-row check: the rows' maximum, or (diagonal tiles) visibility in blocks of rows.
             n += min(max(parts), EMPTY_CHECK_ELEMENTS) * 2 + inp.B * inp.Hq * qc * 8 * 2
@@ -181,8 +198,10 @@ class FusedCPU(Backend):
     def forward_bytes(self, inp: Inputs, qc: int, kc: int, need_lse: bool) -> int:
         qc, kc = min(qc, max(inp.Lq, 1)), min(kc, max(inp.Lk, 1))
         bh, st = _bh(inp), inp.stats_itemsize
-        n = self._kernel_bytes(inp, qc, kc) + self._bias_bytes(inp, qc, kc)
+        n = self._kernel_bytes(inp, qc, kc) + self._bias_bytes(inp, qc, kc, in_float32=emulated_half_kernel(inp))
         n += bh * qc * 4 * 2  # the kernel's lse rows and their masked copy
+        if emulated_half_kernel(inp):  # float32 copies of the rows, keys and values; float32 output
+            n += (bh * qc * (inp.E + inp.Ev) + inp.B * inp.Hk * kc * (inp.E + inp.Ev)) * 4
         if qc < inp.Lq:
             n += bh * qc * inp.Ev * inp.itemsize  # the block's output before it is copied into place
         split_rows = kc < inp.Lk and (
@@ -199,7 +218,7 @@ class FusedCPU(Backend):
     def backward_bytes(self, inp: Inputs, qc: int, kc: int, opts: Options) -> int:
         qc, kc = min(qc, max(inp.Lq, 1)), min(kc, max(inp.Lk, 1))
         bh = _bh(inp)
-        n = self._kernel_bytes(inp, qc, kc) * 2 + self._bias_bytes(inp, qc, kc)
+        n = self._kernel_bytes(inp, qc, kc) * 2 + self._bias_bytes(inp, qc, kc, in_float32=_tiles_in_float32(inp))
         n += bh * qc * 4  # lse rows
         # The kernel returns dQ, dK, dV for its tile (float32 accumulators inside for half inputs).
         n += (bh * qc * inp.E + inp.B * inp.Hk * kc * (inp.E + inp.Ev)) * (inp.itemsize + 4)
@@ -243,16 +262,14 @@ class FusedCPU(Backend):
         assert fwd is not None
         causal = self.causal_in_kernel(inp, seg)
         bias = self.bias(inp, qs, qe, seg)
-        o_t, lse_t = call_kernel(
-            fwd,
-            _unit_stride(inp.q[:, :, qs:qe]),
-            _unit_stride(inp.k[:, :, seg.ks : seg.ke]),
-            _unit_stride(inp.v[:, :, seg.ks : seg.ke]),
-            0.0,
-            causal,
-            attn_mask=_as_kernel_mask(bias),
-            scale=inp.scale,
-        )
+        in_float32 = emulated_half_kernel(inp)
+        q, k, v = _operands(in_float32, inp.q[:, :, qs:qe], inp.k[:, :, seg.ks : seg.ke], inp.v[:, :, seg.ks : seg.ke])
+        mask = _as_kernel_mask(bias)
+        if in_float32 and mask is not None and mask.is_floating_point():
+            mask = mask.float()
+        o_t, lse_t = call_kernel(fwd, q, k, v, 0.0, causal, attn_mask=mask, scale=inp.scale)
+        if in_float32:
+            o_t = o_t.to(inp.dtype)
         if bias is not None and self._may_mask(inp, seg):
             empty = empty_rows(bias, causal, qe - qs)
             if bool(empty.any()):
@@ -268,8 +285,10 @@ class FusedCPU(Backend):
         fwd, _ = _cpu_flash_ops()
         assert fwd is not None
         qs, qe, ks, ke = rows
-        q, k, v = (_unit_stride(t) for t in (inp.q[:, :, qs:qe], inp.k[:, :, ks:ke], inp.v[:, :, ks:ke]))
-        return call_kernel(fwd, q, k, v, 0.0, causal, attn_mask=None, scale=inp.scale)
+        in_float32 = emulated_half_kernel(inp)
+        q, k, v = _operands(in_float32, inp.q[:, :, qs:qe], inp.k[:, :, ks:ke], inp.v[:, :, ks:ke])
+        out, lse = call_kernel(fwd, q, k, v, 0.0, causal, attn_mask=None, scale=inp.scale)
+        return (out.to(inp.dtype) if in_float32 else out), lse
 
     def sequence_backward(
         self, inp: Inputs, rows: Tuple[int, int, int, int], causal: bool, grad_out: Tensor, out: Tensor, lse: Tensor
@@ -299,7 +318,10 @@ class FusedCPU(Backend):
         """``(out, lse)`` of one kernel call on the whole input: no mask, causal top-left (the fast path)."""
         fwd, _ = _cpu_flash_ops()
         assert fwd is not None
-        return call_kernel(fwd, inp.q, inp.k, inp.v, 0.0, inp.is_causal, attn_mask=None, scale=inp.scale)
+        in_float32 = emulated_half_kernel(inp)
+        q, k, v = _operands(in_float32, inp.q, inp.k, inp.v)
+        out, lse = call_kernel(fwd, q, k, v, 0.0, inp.is_causal, attn_mask=None, scale=inp.scale)
+        return (out.to(inp.dtype) if in_float32 else out), lse
 
     def forward_rows(
         self, inp: Inputs, qs: int, qe: int, segments: Iterable[Segment], out: Optional[Tensor], seed: int
@@ -398,7 +420,7 @@ class FusedCPU(Backend):
         lse_t = lse.masked_fill(lse == NEG_INF, 0.0).to(torch.float64 if inp.dtype == torch.float64 else torch.float32)
         if in_float32 and mask is not None and mask.is_floating_point():
             mask = mask.float()
-        do, q, k, v, o = (_unit_stride(t.float() if in_float32 else t) for t in tiles)
+        do, q, k, v, o = _operands(in_float32, *tiles)
         return call_kernel(bwd, do, q, k, v, o, lse_t, 0.0, causal, attn_mask=mask, scale=inp.scale)
 
 
@@ -411,6 +433,14 @@ def _tiles_in_float32(inp: Inputs) -> bool:
     if inp.dtype == torch.float16:
         return True
     return inp.dtype == torch.bfloat16 and not native_bf16_products()
+
+
+def emulated_half_kernel(inp: Inputs) -> bool:
+    """Whether the CPU flash kernel would run this call's float16 GEMMs emulated (no AVX512-FP16,
+    AMX-FP16 or Arm FP16: :func:`native_fp16_products`); its kernels then run on float32 copies.
+    1x4x2048x64 on the 2-core CPU: the float16 backward took 650 ms, on float32 copies 75 ms
+    (the float32 one 74); torch's SDPA, fp16 forward and backward, 770 ms."""
+    return inp.dtype == torch.float16 and inp.device_type == "cpu" and not native_fp16_products()
 
 
 GROUPED_SCORES = 1 << 18
