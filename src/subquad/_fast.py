@@ -288,8 +288,8 @@ def _run_plain(
         if inp.empty or not _fits(entry, inp, Lq, Lk, return_lse):
             return None
     scores = rows * Lq * Lk
-    dtype = query.dtype
-    if dtype == torch.float16 and not native_fp16_products():  # the kernel's GEMMs on float32 copies
+    half = query.dtype == torch.float16 and not native_fp16_products()
+    if half:  # the kernel's GEMMs on float32 copies
         query, key_, value = query.float(), key_.float(), value.float()
     try:
         if (
@@ -298,17 +298,19 @@ def _run_plain(
             and grouped_bytes(scores, query.element_size()) <= _budget(entry, query.device)
         ):
             out, lse = grouped_attention(query, key_, value, entry.scale, return_lse)
-            return out.to(dtype) if lse is None else (out.to(dtype), lse)
+            out = out.half() if half else out
+            return out if lse is None else (out, lse)
         if not return_lse and not entry.gqa and scores <= SMALL_SCORES:
             # torch's SDPA runs this very kernel on such a call (4-D, no mask, no GQA, no batch
             # broadcasting) with less dispatch overhead; the call is small enough that even its
             # math path would fit any budget.
             out = TORCH_SDPA(query, key_, value, None, 0.0, is_causal, scale=scale)  # None: its default scale
-            return out.to(dtype)
+            return out.half() if half else out
         out, lse = cpu_flash_forward()(query, key_, value, 0.0, is_causal, attn_mask=None, scale=entry.scale)
     except Exception:  # the full path recovers (or raises) as it always does
         return None
-    out = out.to(dtype)
+    if half:
+        out = out.half()
     if return_lse:
         return out, lse.to(torch.float64 if out.dtype == torch.float64 else torch.float32)
     return out
