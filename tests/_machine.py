@@ -87,6 +87,12 @@ def install() -> None:
             return flops * factor, per_score / factor
 
         _planner._measure_rates = scaled
+        own = _planner._measure_backend
+
+        def scaled_own(device: torch.device, dtype: torch.dtype, backend: str) -> float:
+            return own(device, dtype, backend) / factor
+
+        _planner._measure_backend = scaled_own
     if os.environ.get("SUBQUAD_TEST_RECORD"):
         _install_recorder()
 
@@ -96,12 +102,12 @@ def inject_rates(
 ) -> Dict[str, Tuple[float, float]]:
     """Fill subquad's rate cache with ``table`` for one test (what it would otherwise measure),
     each device type's row for every dtype; a ``score_mod`` costs :data:`FIXED_SCORE_MOD_S` per
-    score and every backend runs at the model's rates (factor 1; both would otherwise be timed)."""
+    score and every backend runs at the model's rates (both would otherwise be timed)."""
     for device, rates in table.items():
         for dtype in RATE_DTYPES:
             monkeypatch.setitem(_planner._RATES, (device, dtype), rates)
     monkeypatch.setattr(_planner, "score_mod_seconds", lambda inp: 0.0 if inp.score_mod is None else FIXED_SCORE_MOD_S)
-    monkeypatch.setattr(_planner, "backend_factor", lambda device, dtype, backend: 1.0)
+    monkeypatch.setattr(_planner, "backend_seconds", lambda device, dtype, backend: None)
     return table
 
 
@@ -201,7 +207,7 @@ def _planning(make_plan: Callable[..., Any]) -> Callable[..., Any]:
 
 def _install_recorder() -> None:
     _planner._device_rates = _reading("rates", _planner._device_rates, only_ours=False)
-    _planner.backend_factor = _reading("rates", _planner.backend_factor, only_ours=False)
+    _planner.backend_seconds = _reading("rates", _planner.backend_seconds, only_ours=False)
     plan = _planner.make_plan
     _REPLACED[id(plan)] = _planner.make_plan = _planning(plan)
     free = _budget.free_memory_bytes

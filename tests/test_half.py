@@ -187,7 +187,7 @@ def test_explain_predicts_bf16_from_its_own_rate(monkeypatch):
     # Rates injected: bfloat16 GEMMs 3x float32's; the prediction follows the call's dtype.
     monkeypatch.setattr(matmul, "_NATIVE_BF16", True)
     monkeypatch.setattr(_planner, "_RATES", {("cpu", torch.float32): (1e11, 1e-9), ("cpu", BF16): (3e11, 1e-9)})
-    monkeypatch.setattr(_planner, "backend_factor", lambda device, dtype, backend: 1.0)
+    monkeypatch.setattr(_planner, "backend_seconds", lambda device, dtype, backend: None)
     q32 = torch.empty(1, 8, 4096, 64)
     t32 = subquad.explain(q32, q32, q32, backend="matmul").predicted_seconds
     qb = q32.to(BF16)

@@ -1,8 +1,8 @@
 """The time model (``explain().predicted_seconds``) per backend, dtype and causal blocking (issue 29).
 
-Each backend's own cost per score is a measured factor over the model's (``backend_factor``);
-what a causal mask saves depends on the blocks a backend skips. Rates and factors are injected:
-no verdict here depends on this machine's speed.
+On CPU each backend's own forward time per score is timed on one tile (``backend_seconds``) and
+scaled by the model to the call's head dim; what a causal mask saves depends on the blocks a
+backend skips. Rates and times are injected: no verdict here depends on this machine's speed.
 """
 
 from __future__ import annotations
@@ -50,75 +50,71 @@ def test_a_causal_call_costs_the_blocks_its_backend_computes(fixed_rates):
     assert work(2048, "matmul", True, (512, 512)) == pytest.approx(work(2048, "matmul", False, (512, 512)) * 10 / 16)
 
 
-def test_each_backend_is_predicted_at_its_own_factor(fixed_rates, monkeypatch):
-    factors = {"fused": 2.0, "matmul": 3.0}
-    monkeypatch.setattr(_planner, "backend_factor", lambda device, dtype, backend: factors.get(backend, 1.0))
+def test_each_backend_is_predicted_at_its_own_time(fixed_rates, monkeypatch):
     flops, per_score = fixed_rates["cpu"]
-    q = torch.empty(1, 4, 512, 64)
-    scores = 4 * 512 * 512
-    per = 2 * 128 / flops + per_score
+    e = _planner._CPU_PROBE_SHAPE[3]
+    at_probe = 4 * e / flops + per_score  # the model's time per score at the probe's head dim
+    factors = {"fused": 2.0, "matmul": 3.0}
+    monkeypatch.setattr(
+        _planner, "backend_seconds", lambda device, dtype, backend: factors[backend] * at_probe if backend in factors else None
+    )
 
     def work(plan):
         return plan.predicted_seconds - plan.tiles * _planner._TILE_OVERHEAD_S["cpu"]
 
-    for backend, factor in factors.items():
-        assert work(subquad.explain(q, q, q, backend=backend)) == pytest.approx(scores * per * factor)
-    # A learnable mask sends the fused call's backward to the tiles: the backward at their factor.
-    ts = [torch.empty(1, 4, 512, 64, requires_grad=True) for _ in range(3)]
+    for E in (64, 16, 256):  # the probe's head dim, and others: the model scales the timed tile
+        q = torch.empty(1, 4, 512, E)
+        scores = 4 * 512 * 512
+        per = 2 * 2 * E / flops + per_score
+        for backend, factor in factors.items():
+            assert work(subquad.explain(q, q, q, backend=backend)) == pytest.approx(scores * per * factor)
+    # A learnable mask sends the fused call's backward to the tiles: the backward at their time.
+    ts = [torch.empty(1, 4, 512, e, requires_grad=True) for _ in range(3)]
     mask = torch.zeros(1, 4, 512, 512, requires_grad=True)
     plan = subquad.explain(*ts, attn_mask=mask, backend="fused")
     assert (plan.backend, plan.backward_backend) == ("fused", "matmul")
-    want = scores * per * (2.0 + _planner.BACKWARD_PER_FORWARD * 3.0)
+    want = 4 * 512 * 512 * at_probe * (2.0 + _planner.BACKWARD_PER_FORWARD * 3.0)
     assert work(plan) == pytest.approx(want)
 
 
-def test_the_backend_factor_is_a_ratio_of_two_timings_on_real_tensors(monkeypatch):
+def test_a_backends_own_time_is_timed_once_on_real_tensors(monkeypatch):
     from torch._subclasses.fake_tensor import FakeTensor
 
-    monkeypatch.setattr(_planner, "_FACTORS", {})
+    monkeypatch.setattr(_planner, "_OWN", {})
     made = []
 
     def timed(fn, sync, *, min_seconds, clock=None):
+        made.append(torch.empty(1))
         fn()  # the backend's own tile runs
         return 6e-3
 
     monkeypatch.setattr(_planner, "seconds_per_call", timed)
-    bh, nq, nk, e = _planner._CPU_PROBE_SHAPE
-    model_s = 2e-3
-    flops = 4.0 * e * bh * nq * nk / (model_s / 2)  # half the model in the products ...
-    per_score = (model_s / 2) / (bh * nq * nk)  # ... half in the softmax work
-
-    def probe(device, dtype):
-        made.append(torch.empty(1))
-        return flops, per_score
-
-    monkeypatch.setattr(_planner, "_probe", probe)
+    bh, nq, nk, _ = _planner._CPU_PROBE_SHAPE
     cpu = torch.device("cpu")
     with fake_tensors():
-        assert _planner.backend_factor(cpu, torch.float32, "matmul") == pytest.approx(3.0)
-        assert _planner.backend_factor(cpu, torch.float32, "matmul") == pytest.approx(3.0)  # kept
+        assert _planner.backend_seconds(cpu, torch.float32, "matmul") == pytest.approx(6e-3 / (bh * nq * nk))
+        assert _planner.backend_seconds(cpu, torch.float32, "matmul") == pytest.approx(6e-3 / (bh * nq * nk))  # kept
     assert len(made) == 1 and not isinstance(made[0], FakeTensor)
-    assert _planner.backend_factor(cpu, torch.bfloat16, "fused") == pytest.approx(3.0)
+    assert _planner.backend_seconds(cpu, torch.bfloat16, "fused") is not None
     assert len(made) == 2  # one measurement per dtype and backend
     # Other devices and whole-call backends: the model alone (nothing timed).
-    assert _planner.backend_factor(torch.device("cuda"), torch.float16, "matmul") == 1.0
-    assert _planner.backend_factor(cpu, torch.float32, "sdpa") == 1.0
+    assert _planner.backend_seconds(torch.device("cuda"), torch.float16, "matmul") is None
+    assert _planner.backend_seconds(cpu, torch.float32, "sdpa") is None
     assert len(made) == 2
-    # A factor far off the model is held within [1/4, 8]: a broken probe cannot make a plan absurd.
-    monkeypatch.setattr(_planner, "seconds_per_call", lambda fn, sync, *, min_seconds, clock=None: 1.0)
-    assert _planner.backend_factor(cpu, torch.float64, "matmul") == 8.0
+
+    # A backend whose tile cannot run here: the model alone, not an error in explain().
+    def failing(fn, sync, *, min_seconds, clock=None):
+        raise RuntimeError("no kernel")
+
+    monkeypatch.setattr(_planner, "seconds_per_call", failing)
+    assert _planner.backend_seconds(cpu, torch.float64, "fused") is None
 
 
-def test_the_factor_probe_runs_each_backends_tile():
-    # Measured for real (the verdict does not depend on the times): the probe runs the backend's
-    # own forward on a tile and gives a finite factor for each dtype.
-    saved = dict(_planner._FACTORS)
-    try:
-        _planner._FACTORS.clear()
-        for backend in ("fused", "matmul"):
-            for dtype in (torch.float32, torch.bfloat16, torch.float16):
-                f = _planner._measure_factor(torch.device("cpu"), dtype, backend)
-                assert 0.25 <= f <= 8.0
-    finally:
-        _planner._FACTORS.clear()
-        _planner._FACTORS.update(saved)
+def test_the_probe_runs_each_backends_own_tile(monkeypatch):
+    # For real (the verdict does not depend on the times): the probe runs every backend's
+    # forward in every dtype (backend_seconds would turn an error into "not timed" silently).
+    monkeypatch.setattr(_planner, "_BACKEND_PROBE_S", 0.0)
+    for backend in ("fused", "matmul"):
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            t = _planner._measure_backend(torch.device("cpu"), dtype, backend)
+            assert 0 < t < 1e-3, t  # per score: a second per thousand scores would be absurd

@@ -341,20 +341,30 @@ def seconds_per_call(
 
 
 def predict_seconds(inp: Inputs, plan: Plan, need_grad: bool) -> float:
-    """An order-of-magnitude estimate of a call's time: the scores the plan's backends compute,
-    each at the device's matmul rate and softmax work per score times the backend's own factor
-    (:func:`backend_factor`), the backward :data:`BACKWARD_PER_FORWARD` times its forward, a
-    ``score_mod``'s time, and a per-tile overhead."""
-    rate, per_score = _device_rates(inp.device, inp.dtype)
-    per = 2.0 * (inp.E + inp.Ev) / rate + per_score
-    t = per * computed_scores(inp, plan.backend, plan.chunk_size) * backend_factor(inp.device, inp.dtype, plan.backend)
+    """An estimate of a call's time: the scores the plan's backends compute (:func:`computed_scores`),
+    each at the backend's time per score (:func:`seconds_per_score`), the backward
+    :data:`BACKWARD_PER_FORWARD` times its forward, a ``score_mod``'s time, and a per-tile overhead."""
+    t = seconds_per_score(inp, plan.backend) * computed_scores(inp, plan.backend, plan.chunk_size)
     if need_grad:
         bwd = plan.backward_backend or plan.backend
         tiles = plan.backward_chunk_size if plan.backward_backend else plan.chunk_size
-        factor = backend_factor(inp.device, inp.dtype, bwd)
-        t += BACKWARD_PER_FORWARD * per * computed_scores(inp, bwd, tiles) * factor
+        t += BACKWARD_PER_FORWARD * seconds_per_score(inp, bwd) * computed_scores(inp, bwd, tiles)
     t += computed_scores(inp, None, None) * score_mod_seconds(inp) * (CALLBACK_PASSES_WITH_GRAD if need_grad else 1)
     return t + plan.tiles * inp.n_groups * _TILE_OVERHEAD_S.get(inp.device_type, 50e-6)
+
+
+def seconds_per_score(inp: Inputs, backend: str) -> float:
+    """The forward time per score of ``backend`` on this call: the model's (the call's products at
+    the device's matmul rate for its dtype, and the softmax work per score), or, where the
+    backend's own tile was timed (:func:`backend_seconds`), that time scaled by the model from the
+    probe's head dim to the call's."""
+    rate, per_score = _device_rates(inp.device, inp.dtype)
+    model = 2.0 * (inp.E + inp.Ev) / rate + per_score
+    own = backend_seconds(inp.device, inp.dtype, backend)
+    if own is None:
+        return model
+    e = _CPU_PROBE_SHAPE[3]
+    return own * model / (4.0 * e / rate + per_score)
 
 
 BACKWARD_PER_FORWARD = 2.5
@@ -388,35 +398,39 @@ def block_fraction(Lq: int, Lk: int, o: int, blocks: Tuple[int, int]) -> float:
     return seen / (Lq * Lk)
 
 
-_FACTORS: Dict[Tuple[str, torch.dtype, str], float] = {}
-"""(device type, dtype, backend) -> :func:`backend_factor`, measured once per process."""
-_FACTOR_BACKENDS = ("fused", "matmul")
+_OWN: Dict[Tuple[str, torch.dtype, str], Optional[float]] = {}
+"""(device type, dtype, backend) -> :func:`backend_seconds`, measured once per process."""
+_TIMED_BACKENDS = ("fused", "matmul")
 
 
-def backend_factor(device: torch.device, dtype: torch.dtype, backend: str) -> float:
-    """A backend's own time per score over the model's (its GEMMs at the measured rate and the
-    softmax passes of the rate probe), on the CPU for the fused kernel and the tiles (1 on other
-    devices and for other backends): timed once per process, device type, dtype and backend, on
-    one tile of the rate probe's shape, against the raw probe timed alongside (so the factor is
-    a ratio of two timings of this machine, whatever its speed).
+def backend_seconds(device: torch.device, dtype: torch.dtype, backend: str) -> Optional[float]:
+    """A backend's own forward time per score on one tile of the rate probe's shape, on the CPU
+    for the fused kernel and the tiles (``None`` on other devices and for other backends: the
+    model alone); timed once per process, device type, dtype and backend.
 
-    What it captures, 2-core CPU (AVX512-BF16, no AMX): the flash kernel's bfloat16 runs at its
-    float32 speed, where a bfloat16 GEMM runs 2-3x faster; the tiles' half-precision products
-    carry an offset column, a fill and two more conversions per tile (matmul.py's docstring).
-    Without it ``explain()`` predicted bf16 calls 1.4-2.9x short (causal ones the most)."""
-    if device.type != "cpu" or backend not in _FACTOR_BACKENDS:
-        return 1.0
+    What it captures beyond the model's GEMM rate and softmax passes, 2-core CPU (AVX512-BF16, no
+    AMX): the flash kernel's bfloat16 runs at its float32 speed, where a bfloat16 GEMM runs 2-3x
+    faster; the tiles' half-precision products carry an offset column, a fill and two more
+    conversions per tile (matmul.py's docstring). Without it ``explain()`` predicted bfloat16
+    calls 1.4-2.9x short (causal ones the most)."""
+    if device.type != "cpu" or backend not in _TIMED_BACKENDS:
+        return None
     key = (device.type, dtype, backend)
-    if key not in _FACTORS:
+    if key not in _OWN:
         try:
             with _python_dispatch._disable_current_modes():
-                _FACTORS[key] = _measure_factor(device, dtype, backend)
+                _OWN[key] = _measure_backend(device, dtype, backend)
         except Exception:  # a backend that cannot run the probe here: the model alone
-            _FACTORS[key] = 1.0
-    return _FACTORS[key]
+            _OWN[key] = None
+    return _OWN[key]
 
 
-def _measure_factor(device: torch.device, dtype: torch.dtype, backend: str) -> float:
+_BACKEND_PROBE_S = 0.02
+"""Each of the three timed runs of a backend's tile repeats it until it takes this long (a single
+tile's time varied 20-30% between processes; 60-150 ms per backend and dtype in all)."""
+
+
+def _measure_backend(device: torch.device, dtype: torch.dtype, backend: str) -> float:
     bh, nq, nk, e = _CPU_PROBE_SHAPE
     q = torch.randn(1, bh, nq, e, device=device, dtype=dtype)
     k, v = (torch.randn(1, bh, nk, e, device=device, dtype=dtype) for _ in range(2))
@@ -427,10 +441,7 @@ def _measure_factor(device: torch.device, dtype: torch.dtype, backend: str) -> f
     def tile() -> None:
         run.forward_rows(inp, 0, nq, segments, out, 0)
 
-    own = seconds_per_call(tile, lambda: None, min_seconds=0.0)
-    flops, per_score = _probe(device, _rates_dtype(device, dtype))
-    model = bh * nq * nk * (4.0 * e / flops + per_score)
-    return min(max(own / model, 0.25), 8.0)
+    return seconds_per_call(tile, lambda: None, min_seconds=_BACKEND_PROBE_S) / (bh * nq * nk)
 
 
 CALLBACK_PASSES_WITH_GRAD = 2
