@@ -2,7 +2,8 @@
 
 ``aten._scaled_dot_product_flash_attention_for_cpu`` (a private op, probed once at run time)
 returns each tile's lse, so tiles over disjoint key segments merge exactly. Masks, the causal part
-it cannot express and additive ``score_mod``s reach it as a float bias tile.
+it cannot express and additive ``score_mod``s reach it as a float bias tile. On a CPU that
+emulates float16 GEMMs (:func:`emulated_half_kernel`) float16 tiles run on float32 copies.
 """
 
 from __future__ import annotations
