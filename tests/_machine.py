@@ -89,8 +89,9 @@ def install() -> None:
         _planner._measure_rates = scaled
         own = _planner._measure_backend
 
-        def scaled_own(device: torch.device, dtype: torch.dtype, backend: str) -> float:
-            return own(device, dtype, backend) / factor
+        def scaled_own(device: torch.device, dtype: torch.dtype, backend: str) -> Tuple[float, float]:
+            per_score, per_row = own(device, dtype, backend)
+            return per_score / factor, per_row / factor
 
         _planner._measure_backend = scaled_own
     if os.environ.get("SUBQUAD_TEST_RECORD"):

@@ -53,68 +53,81 @@ def test_a_causal_call_costs_the_blocks_its_backend_computes(fixed_rates):
 def test_each_backend_is_predicted_at_its_own_time(fixed_rates, monkeypatch):
     flops, per_score = fixed_rates["cpu"]
     e = _planner._CPU_PROBE_SHAPE[3]
-    at_probe = 4 * e / flops + per_score  # the model's time per score at the probe's head dim
+    at_probe = 4 * e / flops + per_score  # the model's time per score at the probes' head dim
     factors = {"fused": 2.0, "matmul": 3.0}
+    per_row = {"fused": 1e-6, "matmul": 3e-6}
     monkeypatch.setattr(
-        _planner, "backend_seconds", lambda device, dtype, backend: factors[backend] * at_probe if backend in factors else None
+        _planner,
+        "backend_seconds",
+        lambda device, dtype, backend: (factors[backend] * at_probe, per_row[backend]) if backend in factors else None,
     )
 
     def work(plan):
         return plan.predicted_seconds - plan.tiles * _planner._TILE_OVERHEAD_S["cpu"]
 
-    for E in (64, 16, 256):  # the probe's head dim, and others: the model scales the timed tile
+    for E in (64, 16, 256):  # the probes' head dim, and others: the model scales the timed scores
         q = torch.empty(1, 4, 512, E)
-        scores = 4 * 512 * 512
+        scores, rows = 4 * 512 * 512, 4 * 512
         per = 2 * 2 * E / flops + per_score
         for backend, factor in factors.items():
-            assert work(subquad.explain(q, q, q, backend=backend)) == pytest.approx(scores * per * factor)
+            want = scores * per * factor + rows * per_row[backend]
+            assert work(subquad.explain(q, q, q, backend=backend)) == pytest.approx(want)
     # A learnable mask sends the fused call's backward to the tiles: the backward at their time.
     ts = [torch.empty(1, 4, 512, e, requires_grad=True) for _ in range(3)]
     mask = torch.zeros(1, 4, 512, 512, requires_grad=True)
     plan = subquad.explain(*ts, attn_mask=mask, backend="fused")
     assert (plan.backend, plan.backward_backend) == ("fused", "matmul")
-    want = 4 * 512 * 512 * at_probe * (2.0 + _planner.BACKWARD_PER_FORWARD * 3.0)
-    assert work(plan) == pytest.approx(want)
+    fused = 4 * 512 * 512 * at_probe * 2.0 + 4 * 512 * 1e-6
+    tiles = 4 * 512 * 512 * at_probe * 3.0 + 4 * 512 * 3e-6
+    assert work(plan) == pytest.approx(fused + _planner.BACKWARD_PER_FORWARD * tiles)
 
 
-def test_a_backends_own_time_is_timed_once_on_real_tensors(monkeypatch):
+@pytest.mark.parametrize("backend", ["matmul", "fused"])
+def test_a_backends_own_time_is_timed_once_on_real_tensors(monkeypatch, backend):
     from torch._subclasses.fake_tensor import FakeTensor
 
     monkeypatch.setattr(_planner, "_OWN", {})
+    bh, nq, nk, _ = _planner._FUSED_PROBE_SHAPE if backend == "fused" else _planner._CPU_PROBE_SHAPE
+    lk = nk * _planner._PROBE_ROW_TILES
+    a, b = 2e-9, 5e-7  # seconds per score and per query row
+    runs = [a * bh * nq * nk + b * bh * nq, a * bh * nq * lk + b * bh * nq]  # the short row block, the long
     made = []
 
     def timed(fn, sync, *, min_seconds, clock=None):
         made.append(torch.empty(1))
-        fn()  # the backend's own tile runs
-        return 6e-3
+        fn()  # the backend's own row block runs
+        return runs[(len(made) - 1) % 2]
 
     monkeypatch.setattr(_planner, "seconds_per_call", timed)
-    bh, nq, nk, _ = _planner._CPU_PROBE_SHAPE
     cpu = torch.device("cpu")
     with fake_tensors():
-        assert _planner.backend_seconds(cpu, torch.float32, "matmul") == pytest.approx(6e-3 / (bh * nq * nk))
-        assert _planner.backend_seconds(cpu, torch.float32, "matmul") == pytest.approx(6e-3 / (bh * nq * nk))  # kept
-    assert len(made) == 1 and not isinstance(made[0], FakeTensor)
-    assert _planner.backend_seconds(cpu, torch.bfloat16, "fused") is not None
-    assert len(made) == 2  # one measurement per dtype and backend
+        assert _planner.backend_seconds(cpu, torch.float32, backend) == pytest.approx((a, b))
+        assert _planner.backend_seconds(cpu, torch.float32, backend) == pytest.approx((a, b))  # kept
+    assert len(made) == 2 and not any(isinstance(t, FakeTensor) for t in made)
+    assert _planner.backend_seconds(cpu, torch.bfloat16, backend) == pytest.approx((a, b))
+    assert len(made) == 4  # measured once per dtype and backend
     # Other devices and whole-call backends: the model alone (nothing timed).
-    assert _planner.backend_seconds(torch.device("cuda"), torch.float16, "matmul") is None
+    assert _planner.backend_seconds(torch.device("cuda"), torch.float16, backend) is None
     assert _planner.backend_seconds(cpu, torch.float32, "sdpa") is None
-    assert len(made) == 2
+    assert len(made) == 4
+    # Two noisy timings whose difference would make the scores free: held at half the average.
+    runs[0] = runs[1]
+    per_score, per_row = _planner.backend_seconds(cpu, torch.float16, backend)
+    assert per_score == pytest.approx(runs[1] / (bh * nq * lk) / 2) and per_row > 0
 
     # A backend whose tile cannot run here: the model alone, not an error in explain().
     def failing(fn, sync, *, min_seconds, clock=None):
         raise RuntimeError("no kernel")
 
     monkeypatch.setattr(_planner, "seconds_per_call", failing)
-    assert _planner.backend_seconds(cpu, torch.float64, "fused") is None
+    assert _planner.backend_seconds(cpu, torch.float64, backend) is None
 
 
-def test_the_probe_runs_each_backends_own_tile(monkeypatch):
+def test_the_probe_runs_each_backends_own_row_blocks(monkeypatch):
     # For real (the verdict does not depend on the times): the probe runs every backend's
     # forward in every dtype (backend_seconds would turn an error into "not timed" silently).
     monkeypatch.setattr(_planner, "_BACKEND_PROBE_S", 0.0)
     for backend in ("fused", "matmul"):
         for dtype in (torch.float32, torch.bfloat16, torch.float16):
-            t = _planner._measure_backend(torch.device("cpu"), dtype, backend)
-            assert 0 < t < 1e-3, t  # per score: a second per thousand scores would be absurd
+            per_score, per_row = _planner._measure_backend(torch.device("cpu"), dtype, backend)
+            assert 0 < per_score < 1e-6 and per_row >= 0, (per_score, per_row)  # a microsecond per score: absurd

@@ -341,30 +341,33 @@ def seconds_per_call(
 
 
 def predict_seconds(inp: Inputs, plan: Plan, need_grad: bool) -> float:
-    """An estimate of a call's time: the scores the plan's backends compute (:func:`computed_scores`),
-    each at the backend's time per score (:func:`seconds_per_score`), the backward
-    :data:`BACKWARD_PER_FORWARD` times its forward, a ``score_mod``'s time, and a per-tile overhead."""
-    t = seconds_per_score(inp, plan.backend) * computed_scores(inp, plan.backend, plan.chunk_size)
+    """An estimate of a call's time: each backend's forward (:func:`forward_seconds`), the backward
+    :data:`BACKWARD_PER_FORWARD` times its backend's forward, a ``score_mod``'s time, and a
+    per-tile overhead."""
+    t = forward_seconds(inp, plan.backend, plan.chunk_size)
     if need_grad:
         bwd = plan.backward_backend or plan.backend
         tiles = plan.backward_chunk_size if plan.backward_backend else plan.chunk_size
-        t += BACKWARD_PER_FORWARD * seconds_per_score(inp, bwd) * computed_scores(inp, bwd, tiles)
+        t += BACKWARD_PER_FORWARD * forward_seconds(inp, bwd, tiles)
     t += computed_scores(inp, None, None) * score_mod_seconds(inp) * (CALLBACK_PASSES_WITH_GRAD if need_grad else 1)
     return t + plan.tiles * inp.n_groups * _TILE_OVERHEAD_S.get(inp.device_type, 50e-6)
 
 
-def seconds_per_score(inp: Inputs, backend: str) -> float:
-    """The forward time per score of ``backend`` on this call: the model's (the call's products at
-    the device's matmul rate for its dtype, and the softmax work per score), or, where the
-    backend's own tile was timed (:func:`backend_seconds`), that time scaled by the model from the
-    probe's head dim to the call's."""
+def forward_seconds(inp: Inputs, backend: str, tiles: Optional[Tuple[int, int]]) -> float:
+    """A forward of ``backend`` on ``tiles``: the scores it computes (:func:`computed_scores`) at
+    the model's time per score (the call's products at the device's matmul rate for its dtype,
+    and the softmax work per score) or, where the backend was timed (:func:`backend_seconds`), at
+    its own time per score scaled by the model from the probe's head dim to the call's, plus its
+    own time per query row."""
     rate, per_score = _device_rates(inp.device, inp.dtype)
     model = 2.0 * (inp.E + inp.Ev) / rate + per_score
+    scores = computed_scores(inp, backend, tiles)
     own = backend_seconds(inp.device, inp.dtype, backend)
     if own is None:
-        return model
-    e = _CPU_PROBE_SHAPE[3]
-    return own * model / (4.0 * e / rate + per_score)
+        return model * scores
+    e = _CPU_PROBE_SHAPE[3]  # both probes' head dim
+    rows = inp.n_groups * inp.B * inp.Hq * sum(Lq for Lq, _, _ in _parts(inp))
+    return own[0] * model / (4.0 * e / rate + per_score) * scores + own[1] * rows
 
 
 BACKWARD_PER_FORWARD = 2.5
@@ -398,21 +401,23 @@ def block_fraction(Lq: int, Lk: int, o: int, blocks: Tuple[int, int]) -> float:
     return seen / (Lq * Lk)
 
 
-_OWN: Dict[Tuple[str, torch.dtype, str], Optional[float]] = {}
+_OWN: Dict[Tuple[str, torch.dtype, str], Optional[Tuple[float, float]]] = {}
 """(device type, dtype, backend) -> :func:`backend_seconds`, measured once per process."""
 _TIMED_BACKENDS = ("fused", "matmul")
 
 
-def backend_seconds(device: torch.device, dtype: torch.dtype, backend: str) -> Optional[float]:
-    """A backend's own forward time per score on one tile of the rate probe's shape, on the CPU
-    for the fused kernel and the tiles (``None`` on other devices and for other backends: the
-    model alone); timed once per process, device type, dtype and backend.
+def backend_seconds(device: torch.device, dtype: torch.dtype, backend: str) -> Optional[Tuple[float, float]]:
+    """A backend's own forward time ``(per score, per query row)`` on the CPU for the fused kernel
+    and the tiles (``None`` on other devices and for other backends: the model alone); timed once
+    per process, device type, dtype and backend on row blocks of the rate probe's shape
+    (:func:`_measure_backend`).
 
     What it captures beyond the model's GEMM rate and softmax passes, 2-core CPU (AVX512-BF16, no
     AMX): the flash kernel's bfloat16 runs at its float32 speed, where a bfloat16 GEMM runs 2-3x
     faster; the tiles' half-precision products carry an offset column, a fill and two more
-    conversions per tile (matmul.py's docstring). Without it ``explain()`` predicted bfloat16
-    calls 1.4-2.9x short (causal ones the most)."""
+    conversions per tile (matmul.py's docstring); a row block's first tile costs more than the
+    others. Without it ``explain()`` predicted bfloat16 calls 1.4-2.9x short (causal ones the
+    most), and small calls up to 3x short."""
     if device.type != "cpu" or backend not in _TIMED_BACKENDS:
         return None
     key = (device.type, dtype, backend)
@@ -426,22 +431,44 @@ def backend_seconds(device: torch.device, dtype: torch.dtype, backend: str) -> O
 
 
 _BACKEND_PROBE_S = 0.02
-"""Each of the three timed runs of a backend's tile repeats it until it takes this long (a single
-tile's time varied 20-30% between processes; 60-150 ms per backend and dtype in all)."""
+"""Each of the three timed runs of a backend's probe repeats it until it takes this long (one call
+alone varied 20-30% between processes; 100-150 ms per backend and dtype in all)."""
 
 
-def _measure_backend(device: torch.device, dtype: torch.dtype, backend: str) -> float:
-    bh, nq, nk, e = _CPU_PROBE_SHAPE
+_PROBE_ROW_TILES = 4
+"""The long probe's row block spans this many tiles of keys (the short one, one)."""
+_FUSED_PROBE_SHAPE = (2, 1024, 512, 64)
+"""The fused kernel's probe: as many scores as the tiles', in rows enough for the blocks of 256
+rows torch's kernel takes from 768 rows on (it takes 64 below: 256 rows ran 1.3x slower per
+score)."""
+
+
+def _measure_backend(device: torch.device, dtype: torch.dtype, backend: str) -> Tuple[float, float]:
+    """``(per score, per query row)``: a row block of one tile of keys and one of
+    :data:`_PROBE_ROW_TILES` tiles, timed; the difference is the time of the scores alone, the
+    rest of the short one the row block's own (its state, its first tile's extra work: the tiles'
+    half-precision offsets sampled and recomputed). One tile alone had predicted bfloat16 tiles
+    of 1x8x4096x64 2x slow; a long row block alone, calls of 256 keys 2-3x fast."""
+    bh, nq, nk, e = _FUSED_PROBE_SHAPE if backend == "fused" else _CPU_PROBE_SHAPE
+    lk = nk * _PROBE_ROW_TILES
     q = torch.randn(1, bh, nq, e, device=device, dtype=dtype)
-    k, v = (torch.randn(1, bh, nk, e, device=device, dtype=dtype) for _ in range(2))
-    inp = Inputs(q, k, v, (1,), None, False, e**-0.5, 0.0)
-    out = torch.empty_like(q)
-    run, segments = BACKENDS[backend], [Segment(0, nk)]
+    k, v = (torch.randn(1, bh, lk, e, device=device, dtype=dtype) for _ in range(2))
+    run = BACKENDS[backend]
 
-    def tile() -> None:
-        run.forward_rows(inp, 0, nq, segments, out, 0)
+    def timed(keys: int) -> float:
+        inp = Inputs(q, k[:, :, :keys], v[:, :, :keys], (1,), None, False, e**-0.5, 0.0)
+        out = torch.empty_like(q)
+        # The fused kernel takes a row block's keys in one call (the engine coalesces them).
+        segments = [Segment(0, keys)] if backend == "fused" else [Segment(s, s + nk) for s in range(0, keys, nk)]
+        return seconds_per_call(
+            lambda: run.forward_rows(inp, 0, nq, segments, out, 0), lambda: None, min_seconds=_BACKEND_PROBE_S
+        )
 
-    return seconds_per_call(tile, lambda: None, min_seconds=_BACKEND_PROBE_S) / (bh * nq * nk)
+    short, long = timed(nk), timed(lk)
+    average = long / (bh * nq * lk)
+    # The difference of two timings: held between half the long run's average and all of it.
+    per_score = min(max((long - short) / (bh * nq * (lk - nk)), average / 2), average)
+    return per_score, max(short - per_score * bh * nq * nk, 0.0) / (bh * nq)
 
 
 CALLBACK_PASSES_WITH_GRAD = 2
