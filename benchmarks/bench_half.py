@@ -6,7 +6,8 @@
   the fused CPU kernel (``backend="fused"``) and ``F.scaled_dot_product_attention``, in
   interleaved rounds (each round runs every implementation once, in a shuffled order), with
   ``explain()``'s predicted time beside each;
-- the bfloat16 tiles in ``--processes`` fresh processes (median of 3 calls each): run-to-run spread;
+- the bfloat16 tiles in ``--processes`` fresh processes (median of 3 calls each): run-to-run spread,
+  beside the fused kernel's in processes alternating with them (the machine's own spread);
 - forward + backward with a soft-capping ``score_mod`` (tiles only), bfloat16, 1x4x2048x64, against
   the fused forward + backward without the callback;
 - forward + backward 1x4x2048x64 in each dtype through the tiles, the fused kernel and
@@ -134,13 +135,13 @@ def _summary(ts: List[float]) -> Dict[str, float]:
     return {"median_ms": statistics.median(ts) * 1e3, "min_ms": min(ts) * 1e3, "max_ms": max(ts) * 1e3}
 
 
-def _one_process() -> None:
+def _one_process(backend: str) -> None:
     q, k, v = (torch.randn(SHAPE).to(torch.bfloat16) for _ in range(3))
-    subquad.attention(q, k, v, backend="matmul")
+    subquad.attention(q, k, v, backend=backend)
     ts = []
     for _ in range(3):
         t0 = time.perf_counter()
-        subquad.attention(q, k, v, backend="matmul")
+        subquad.attention(q, k, v, backend=backend)
         ts.append(time.perf_counter() - t0)
     print(json.dumps(statistics.median(ts) * 1e3))
 
@@ -150,10 +151,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--processes", type=int, default=5)
     ap.add_argument("--out", default=None, help="write the results as JSON here")
-    ap.add_argument("--one-process", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--one-process", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one_process:
-        _one_process()
+        _one_process(args.one_process)
         return
     results: Dict[str, Any] = {"machine": dict(machine(), flags=_cpu_flags())}
     print(f"# {results['machine']}")
@@ -173,14 +174,24 @@ def main() -> None:
         "fp16 tiles / fp16 fused": med["float16 tiles"] / med["float16 fused"],
         "fp32 tiles / fp32 fused": med["float32 tiles"] / med["float32 fused"],
     }
-    per_process = []
+    # Fresh processes of the tiles, each followed by one of the fused kernel: the kernel's spread is
+    # the machine's own, measured in the same minutes.
+    per_process: Dict[str, List[float]] = {"matmul": [], "fused": []}
     for _ in range(args.processes):
-        r = subprocess.run(
-            [sys.executable, os.path.abspath(__file__), "--one-process"], capture_output=True, text=True, check=True
-        )
-        per_process.append(json.loads(r.stdout.strip().splitlines()[-1]))
-    results["bf16_tiles_per_process_ms"] = per_process
-    ratios["bf16 tiles slowest / fastest process"] = max(per_process) / min(per_process)
+        for backend in per_process:
+            r = subprocess.run(
+                [sys.executable, os.path.abspath(__file__), "--one-process", backend],
+                capture_output=True,
+                text=True,
+                check=True,
+            )
+            per_process[backend].append(json.loads(r.stdout.strip().splitlines()[-1]))
+    results["bf16_tiles_per_process_ms"] = per_process["matmul"]
+    results["bf16_fused_per_process_ms"] = per_process["fused"]
+    ratios["bf16 tiles slowest / fastest process"] = max(per_process["matmul"]) / min(per_process["matmul"])
+    ratios["bf16 fused slowest / fastest process (the machine)"] = max(per_process["fused"]) / min(
+        per_process["fused"]
+    )
     bwd = interleaved(_backward_calls(), args.rounds)
     results["backward"] = {n: _summary(ts) for n, ts in bwd.items()}
     bmed = {n: s["median_ms"] for n, s in results["backward"].items()}
@@ -190,7 +201,9 @@ def main() -> None:
     print(f"fwd+bwd {BWD_SHAPE}:")
     for n, s in results["backward"].items():
         print(f"  {n:<34} {s['median_ms']:8.1f} [{s['min_ms']:.1f}-{s['max_ms']:.1f}]")
-    print(f"bf16 tiles in {args.processes} fresh processes (ms): {', '.join(f'{t:.0f}' for t in per_process)}")
+    for backend, label in (("matmul", "tiles"), ("fused", "fused kernel")):
+        times = ", ".join(f"{t:.0f}" for t in per_process[backend])
+        print(f"bf16 {label} in {args.processes} fresh processes (ms): {times}")
     train = interleaved(_training_calls(), args.rounds)
     results["training"] = {n: _summary(ts) for n, ts in train.items()}
     tpreds = _predicted_ms(BWD_SHAPE, True)
