@@ -432,7 +432,7 @@ def backend_seconds(device: torch.device, dtype: torch.dtype, backend: str) -> O
 
 _BACKEND_PROBE_S = 0.02
 """Each of the three timed runs of a backend's probe repeats it until it takes this long (one call
-alone varied 20-30% between processes; 100-150 ms per backend and dtype in all)."""
+alone varied 20-30% between processes; about 200 ms per backend and dtype in all, both row blocks)."""
 
 
 _PROBE_ROW_TILES = 4
