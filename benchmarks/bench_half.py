@@ -30,7 +30,7 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -135,6 +135,21 @@ def _summary(ts: List[float]) -> Dict[str, float]:
     return {"median_ms": statistics.median(ts) * 1e3, "min_ms": min(ts) * 1e3, "max_ms": max(ts) * 1e3}
 
 
+def _timed_and_predicted(
+    calls: Dict[str, Callable[[], Any]], rounds: int, shape: Any, grad: bool, title: str
+) -> Tuple[Dict[str, Dict[str, float]], Dict[str, float], Dict[str, float]]:
+    """Interleaved rounds of ``calls`` and explain()'s predictions, printed under ``title``:
+    (summaries, predicted ms, median ms)."""
+    timed = {n: _summary(ts) for n, ts in interleaved(calls, rounds).items()}
+    predicted = _predicted_ms(shape, grad)
+    print(title)
+    for n, s in timed.items():
+        pred = predicted.get(n)
+        extra = f"  predicted {pred:.0f}" if pred is not None else ""
+        print(f"  {n:<18} {s['median_ms']:8.1f} [{s['min_ms']:.1f}-{s['max_ms']:.1f}]{extra}")
+    return timed, predicted, {n: s["median_ms"] for n, s in timed.items()}
+
+
 def _one_process(backend: str) -> None:
     q, k, v = (torch.randn(SHAPE).to(torch.bfloat16) for _ in range(3))
     subquad.attention(q, k, v, backend=backend)
@@ -158,16 +173,9 @@ def main() -> None:
         return
     results: Dict[str, Any] = {"machine": dict(machine(), flags=_cpu_flags())}
     print(f"# {results['machine']}")
-    fwd = interleaved(_forward_calls(), args.rounds)
-    results["forward"] = {n: _summary(ts) for n, ts in fwd.items()}
-    preds = _predicted_ms(SHAPE, False)
+    title = f"forward {SHAPE}, {args.rounds} interleaved rounds: median [min-max] ms, explain()'s prediction"
+    results["forward"], preds, med = _timed_and_predicted(_forward_calls(), args.rounds, SHAPE, False, title)
     results["predicted_ms"] = preds
-    print(f"forward {SHAPE}, {args.rounds} interleaved rounds: median [min-max] ms, explain()'s prediction")
-    for n, s in results["forward"].items():
-        pred = preds.get(n)
-        extra = f"  predicted {pred:.0f}" if pred is not None else ""
-        print(f"  {n:<18} {s['median_ms']:8.1f} [{s['min_ms']:.1f}-{s['max_ms']:.1f}]{extra}")
-    med = {n: s["median_ms"] for n, s in results["forward"].items()}
     ratios = {
         "bf16 tiles / fp32 tiles": med["bfloat16 tiles"] / med["float32 tiles"],
         "bf16 tiles / bf16 fused": med["bfloat16 tiles"] / med["bfloat16 fused"],
@@ -204,16 +212,9 @@ def main() -> None:
     for backend, label in (("matmul", "tiles"), ("fused", "fused kernel")):
         times = ", ".join(f"{t:.0f}" for t in per_process[backend])
         print(f"bf16 {label} in {args.processes} fresh processes (ms): {times}")
-    train = interleaved(_training_calls(), args.rounds)
-    results["training"] = {n: _summary(ts) for n, ts in train.items()}
-    tpreds = _predicted_ms(BWD_SHAPE, True)
+    title = f"fwd+bwd {BWD_SHAPE} per dtype:"
+    results["training"], tpreds, tmed = _timed_and_predicted(_training_calls(), args.rounds, BWD_SHAPE, True, title)
     results["training_predicted_ms"] = tpreds
-    print(f"fwd+bwd {BWD_SHAPE} per dtype:")
-    for n, s in results["training"].items():
-        pred = tpreds.get(n)
-        extra = f"  predicted {pred:.0f}" if pred is not None else ""
-        print(f"  {n:<18} {s['median_ms']:8.1f} [{s['min_ms']:.1f}-{s['max_ms']:.1f}]{extra}")
-    tmed = {n: s["median_ms"] for n, s in results["training"].items()}
     ratios["fp16 fwd+bwd F.sdpa / subquad fused"] = tmed["float16 F.sdpa"] / tmed["float16 fused"]
     model = {f"fwd {n}": med[n] / p for n, p in preds.items()}
     model.update({f"fwd+bwd {n}": tmed[n] / p for n, p in tpreds.items()})
