@@ -13,17 +13,23 @@ tiles, :class:`Scratch`):
   ``s - m``, ``· log2 e`` and ``exp2`` in place; ``sum``; the product with v accumulated in place
   (``baddbmm_``). No conversion of a tile.
 - bfloat16 with bfloat16 products (a CPU with AVX512-BF16 or AMX, :func:`native_bf16_products`):
-  the product's offset broadcast into its bfloat16 output (one write), the GEMM, one conversion to
-  ``s`` and the offset added back, then the float32 passes above, and one conversion of ``p`` to
-  bfloat16 for its product with v (the fused kernels round ``p`` likewise). Three tile-sized
-  conversions or fills, two bfloat16 buffers. When a row's maximum moves more than
-  :data:`OFFSET_DRIFT` (a row block's first tile, mostly), that row's product is computed again
-  (the whole tile's when many rows or heads moved: :data:`PARTIAL_REDO_SHARE`). In 1x4x4096x64
-  (one thread, 64 tiles) that is 66 rows in 38 small products, where 16 tiles were computed
-  twice whole.
-  Backward: S offset by the lse, ``dP`` by D (the two conversions each), ``p`` and ``dS``
-  converted once for the other three products; with a ``score_mod`` or a float mask S's product
-  stays in float32.
+  the keys copied into a ``kn x (E + 1)`` bfloat16 operand with a column of ones (not
+  tile-sized), whose product with the query rows and their offset column writes each score minus
+  its row's offset into a bfloat16 buffer ``r`` (:class:`OffsetOperand`; the GEMM rounds once);
+  one conversion of ``r`` into ``s``; the float32 passes above, with the offsets subtracted
+  together with the row maximum (no extra pass); and one conversion of ``p`` into a bfloat16
+  buffer for its product with v (the fused kernels round ``p`` likewise). Two tile-sized
+  conversions, two bfloat16 tile buffers besides ``s``. When a row's maximum moves more than
+  :data:`OFFSET_DRIFT` from its offset (a row block's first tile, mostly), that row's product is
+  computed again with a new offset and replaces the old in ``s`` (the whole tile's when many rows
+  or heads moved: :data:`PARTIAL_REDO_SHARE`). In 1x8x4096x64 (two threads, 128 tiles) that is
+  79-109 single rows and no whole tile, depending on the inputs. Measured on the 2-core CPU
+  (AVX512-BF16, no AMX) for that call: the two products 113 ms, the two conversions 39 ms, the
+  key operands 12 ms, ``exp2`` 21 ms, ``amax``, ``sum``, the subtraction and the scaling 24 ms.
+  Backward, per tile: S's product offset by the lse and ``dP``'s by D (each one conversion to
+  float32; ``dP`` gets D added back in one more pass, as ``dP - D`` cancels), and ``p`` and the
+  scaled ``dS`` each converted once to bfloat16 for the other three products: four tile-sized
+  conversions and one addition. With a ``score_mod`` or a float mask S's product stays in float32.
 
 On MPS (no Mac here, nothing of this measured): half-precision inputs take the first path,
 float32 products (``q``/``k``/``v`` converted per tile), the same float32 passes and no
