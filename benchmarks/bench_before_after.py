@@ -5,12 +5,12 @@ subquad.
 The old version is taken from git (``git archive REF src``) into a temporary directory. Each
 round starts one fresh process per version (their order alternates from round to round) with
 that version's ``src`` first on ``sys.path``; the process times subquad and the peer interleaved
-(one thread, as a decode step runs in a server worker) and reports, per case, the median of its
+(one thread by default, as a decode step runs in a server worker; ``--threads N``) and reports, per case, the median of its
 subquad/peer ratios. Both versions thus meet the same stretches of machine time, and each
 ratio cancels what slows subquad and its peer alike. The figures are the medians over rounds of
 those ratios, with their range, and the median of the per-round after/before ratios.
 
-    python benchmarks/bench_before_after.py --before 23804b5 [--rounds 5] [--json out.json]
+    python benchmarks/bench_before_after.py --before 23804b5 [--rounds 5] [--threads 2] [--json out.json]
 """
 
 from __future__ import annotations
@@ -32,10 +32,10 @@ ROOT = os.path.dirname(HERE)
 
 def _cases() -> Dict[str, Callable[[], Dict[str, Callable[[], object]]]]:
     """name -> a builder of {"subquad": call, "peer": call} (built in the child)."""
+    import bench_varlen
     import torch
     import torch.nn.functional as F
 
-    import bench_varlen
     import subquad
 
     def per_call(qs, ks, gqa):
@@ -101,6 +101,8 @@ def _cases() -> Dict[str, Callable[[], Dict[str, Callable[[], object]]]]:
         "causal fwd+bwd 1x8x2048x64 fp32, planner (vs SDPA)": dense((1, 8, 2048, 64), "auto", True),
         "causal fwd+bwd 1x8x2048x64 fp32, tiles (vs SDPA)": dense((1, 8, 2048, 64), "matmul", True),
         "causal fwd+bwd 1x8x2048x64 bf16, tiles (vs SDPA)": dense((1, 8, 2048, 64), "matmul", True, torch.bfloat16),
+        "causal fwd 4x8x512x64 fp32, planner (vs SDPA)": dense((4, 8, 512, 64), "auto", False),
+        "causal fwd+bwd 4x8x512x64 fp32, planner (vs SDPA)": dense((4, 8, 512, 64), "auto", True),
         "causal soft-cap fwd 1x4x4096x64 fp32 (vs compiled FlexAttention)": flex((1, 4, 4096, 64)),
         "tiny 1x8x16x64 (vs SDPA)": per_call((1, 8, 16, 64), (1, 8, 16, 64), False),
         "decode step, GQA 32q/8kv, 512 keys (vs SDPA)": per_call((1, 32, 1, 128), (1, 8, 512, 128), True),
@@ -117,7 +119,7 @@ def child() -> None:
 
     import subquad
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(int(os.environ.get("SUBQUAD_BENCH_THREADS", "1")))
     out: Dict[str, object] = {"subquad": subquad.__file__, "ratios": {}}
     for name, build in _cases().items():
         fns = build()
@@ -153,8 +155,8 @@ def _export(ref: str, into: str) -> str:
     return os.path.join(into, "src")
 
 
-def _run(src: str) -> Dict[str, float]:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, HERE])}
+def _run(src: str, threads: int) -> Dict[str, float]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, HERE]), "SUBQUAD_BENCH_THREADS": str(threads)}
     proc = subprocess.run([sys.executable, __file__, "--child"], env=env, capture_output=True, text=True, timeout=1200)
     if proc.returncode:
         raise SystemExit(f"child for {src} failed:\n{proc.stderr[-3000:]}")
@@ -168,6 +170,7 @@ def main() -> int:
     p.add_argument("--before", help="git ref of the old version (required)")
     p.add_argument("--after", default=None, help="git ref of the new version (default: this working tree)")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--threads", type=int, default=1, help="torch threads in each process (default 1)")
     p.add_argument("--json")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -182,7 +185,7 @@ def main() -> int:
         rounds: Dict[str, List[Dict[str, float]]] = {"before": [], "after": []}
         for r in range(args.rounds):
             for v in (("before", "after") if r % 2 == 0 else ("after", "before")):
-                rounds[v].append(_run(versions[v]))
+                rounds[v].append(_run(versions[v], args.threads))
                 print(f"round {r + 1}/{args.rounds} {v} done", file=sys.stderr, flush=True)
     head = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout
     report: Dict[str, object] = {
@@ -190,7 +193,7 @@ def main() -> int:
         "after": args.after or f"working tree at {head.strip()}",
         "rounds": args.rounds,
         "how": "per round one fresh process per version (order alternating), each timing subquad and its peer "
-        "interleaved on one thread; figures are subquad/peer ratios, medians over rounds [min-max]",
+        f"interleaved on {args.threads} thread(s); figures are subquad/peer ratios, medians over rounds [min-max]",
         "cases": {},
     }
     print(f"{'case':62s} {'before':>20s} {'after':>20s} {'after/before':>12s}")

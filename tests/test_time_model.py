@@ -15,6 +15,8 @@ import torch
 import subquad
 from _devices import fake_tensors
 from subquad import _planner
+from subquad._backends import fused
+from subquad._validate import make_inputs
 
 
 def _brute_block_fraction(Lq, Lk, o, bq, bk):
@@ -133,3 +135,94 @@ def test_the_probe_runs_each_backends_own_row_blocks(monkeypatch):
         for dtype in (torch.float32, torch.bfloat16, torch.float16):
             per_score, per_row = _planner._measure_backend(torch.device("cpu"), dtype, backend)
             assert 0 < per_score < 1e-6 and per_row >= 0, (per_score, per_row)  # a microsecond per score: absurd
+
+
+def _kernel_scores(rows, keys, causal):
+    """The scores of one head torch's CPU flash kernel computes: its loops, transcribed (rows in
+    blocks of 32/64/256 by the call's length; each block runs keys in blocks of 512 up to its
+    last visible key, top-left causal)."""
+    split = 256 if rows >= 768 else 64 if rows >= 192 else 32
+    n = 0
+    for m in range(0, rows, split):
+        block = min(split, rows - m)
+        num_keys = min(m + block, keys) if causal else keys
+        for start in range(0, num_keys, 512):
+            n += block * min(512, keys - start)
+    return n
+
+
+@pytest.mark.parametrize("rows,keys", [(1, 1), (100, 100), (256, 256), (512, 512), (640, 640), (768, 768),
+                                       (1000, 1000), (2048, 2048), (128, 384), (300, 1100)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_kernel_work_counts_the_kernels_own_blocks(rows, keys, causal):
+    split = fused._row_split(rows)
+    assert fused.kernel_work(rows, keys, causal) == pytest.approx(
+        fused._SPLIT_WEIGHT[split] * _kernel_scores(rows, keys, causal)
+    )
+
+
+def _tiles(L, threads, monkeypatch, heads=8, **kw):
+    monkeypatch.setattr(fused, "_threads", lambda: threads)
+    q = torch.empty(1, heads, L, 64, requires_grad=True)
+    plan = subquad.explain(q, q, q, is_causal=True, backend="fused", **kw)
+    whole = lambda t: None if t is None or t[0] >= L else t[0]  # noqa: E731
+    return whole(plan.chunk_size), whole(plan.backward_chunk_size)
+
+
+@pytest.mark.parametrize("L,threads,expected", [
+    # 384-767 rows run in the kernel's 64-row blocks over one block of 512 keys: all computed;
+    # tiles of 256 skip the tiles above the diagonal.
+    (512, 1, (256, 256)), (512, 2, (256, 256)), (512, 4, (256, 256)), (384, 2, (256, 256)),
+    (640, 1, (256, 256)), (640, 2, (256, None)),
+    # The saving no longer pays for the calls: fewer rows, more threads (each call costs more
+    # of them), or a kernel that skips 256 x 512 blocks itself (from 768 rows: never weighed).
+    (256, 1, (None, None)), (384, 4, (None, None)), (512, 16, (None, None)), (768, 1, (None, None)),
+    (2048, 1, (None, None)), (4096, 2, (None, None)),
+])
+def test_causal_fused_tiles_are_the_cheapest_by_the_kernels_blocks(L, threads, expected, monkeypatch, fixed_rates):
+    # The choice is arithmetic on the kernel's blocks and a per-call cost: nothing timed.
+    assert _tiles(L, threads, monkeypatch) == expected
+
+
+def test_the_cost_weighs_only_tiles_that_fit_and_only_plain_square_causal_calls(monkeypatch, fixed_rates):
+    monkeypatch.setattr(fused, "_threads", lambda: 1)
+    q = torch.empty(1, 8, 512, 64, requires_grad=True)
+    # A budget that leaves tiles of 128 and below: the cheapest of those (the cost's order
+    # among them: 128 < 64 < 32).
+    small = subquad.explain(q, q, q, is_causal=True, backend="fused", chunk_size=128).predicted_peak_bytes
+    plan = subquad.explain(q, q, q, is_causal=True, backend="fused", memory_budget=small)
+    assert plan.chunk_size == (128, 128)
+    costs = {t: fused.causal_cost(_inputs(q), (t, t), False) for t in (128, 64, 32)}
+    assert costs[128] < costs[64] < costs[32]
+    # Any other causal call keeps the largest tiles that fit.
+    mask = torch.ones(512, 512, dtype=torch.bool).tril()
+    k = torch.empty(1, 8, 640, 64)
+    assert subquad.explain(q, q, q, attn_mask=mask, backend="fused").chunk_size[0] == 512
+    assert subquad.explain(q, k, k, is_causal=True, backend="fused").chunk_size[0] == 512
+    assert subquad.explain(q, q, q, is_causal=True, backend="fused", scale=-1.0).chunk_size[0] == 512
+
+
+def _inputs(q):
+    return make_inputs(q, q, q, is_causal=True)
+
+
+def test_cost_chosen_tiles_give_the_float64_answer_packed_and_dense(monkeypatch):
+    monkeypatch.setattr(fused, "_threads", lambda: 1)
+    g = torch.Generator().manual_seed(0)
+    lens = [512, 300, 512]
+    cu = torch.tensor([0, 512, 812, 1324], dtype=torch.int32)
+    q, k, v = (torch.randn(1324, 8, 16, generator=g, dtype=torch.float64).requires_grad_() for _ in range(3))
+    plan = subquad.varlen_explain(q, k, v, cu, cu, is_causal=True, backend="fused")
+    assert plan.chunk_size == (256, 256) and plan.backward_chunk_size == (256, 256)
+    out = subquad.varlen_attention(q, k, v, cu, cu, is_causal=True, backend="fused")
+    gout = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    grads = torch.autograd.grad(out, (q, k, v), gout)
+    ref = torch.cat([
+        torch.nn.functional.scaled_dot_product_attention(a.transpose(0, 1), b.transpose(0, 1), c.transpose(0, 1),
+                                                         is_causal=True).transpose(0, 1)
+        for a, b, c in zip(q.split(lens), k.split(lens), v.split(lens))
+    ])
+    ref_grads = torch.autograd.grad(ref, (q, k, v), gout)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)

@@ -2,7 +2,9 @@
 
 Each backend states what it supports as data and explains refusals as sentences
 (:meth:`~subquad._backends.base.Backend.not_supported_reasons`), and answers a budget with the
-largest tiles whose predicted peak fits it (:meth:`~subquad._backends.base.Backend.fit`). The
+largest tiles whose predicted peak fits it (:meth:`~subquad._backends.base.Backend.fit`), or the
+cheapest of those by its own count of the work (:meth:`~subquad._backends.base.Backend.fastest`:
+the fused kernel's causal blocks). The
 planner walks the backends fastest first (:func:`~subquad._backends.priority`), keeps the first
 that supports the call and fits, and records every reason of those it passed over
 (:class:`Plan`). It also estimates a call's time (an order of magnitude, for ``explain()`` and

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Iterable, List, NamedTuple, Optional, Tuple, Union
+from typing import Iterable, Iterator, List, NamedTuple, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -152,7 +152,8 @@ class Backend:
         return fast or pairs
 
     def fit(self, inp: Inputs, opts: Options, budget: int, backward: Optional["Backend"] = None) -> Fit:
-        """The largest tiles whose predicted peak fits ``budget`` bytes.
+        """The tiles to run whose predicted peak fits ``budget`` bytes: the largest, unless the
+        backend knows faster ones among those that fit (:meth:`fastest`).
 
         ``backward``: the backend of the call's backward when it needs gradients (its tiles follow
         that backend's own preferences; the forward's saved lse stays alive during it, so both
@@ -179,7 +180,7 @@ class Backend:
             pred = max(self.forward_bytes(inp, *f, need_lse), inp.lse_bytes() + bwd(f) if backward is not None else 0)
             return Fit(f, f, pred, pred)
         options = self.tile_options(inp)
-        fwd = next((p for p in options if self.forward_bytes(inp, *p, need_lse) <= budget), None)
+        fwd = self.fastest(inp, (p for p in options if self.forward_bytes(inp, *p, need_lse) <= budget), False)
         if fwd is None:
             smallest = self.forward_bytes(inp, *options[-1], need_lse) + bwd(options[-1])
             return Fit(None, None, smallest, smallest)
@@ -188,11 +189,17 @@ class Backend:
             return Fit(fwd, None, fwd_pred, 0)
         saved = inp.lse_bytes()
         bwd_options = options if backward is self else backward.tile_options(inp)
-        bwd_tiles = next((p for p in bwd_options if saved + bwd(p) <= budget), None)
+        bwd_tiles = backward.fastest(inp, (p for p in bwd_options if saved + bwd(p) <= budget), True)
         if bwd_tiles is None:
             smallest = max(self.forward_bytes(inp, *options[-1], need_lse), saved + bwd(bwd_options[-1]))
             return Fit(None, None, smallest, smallest)
         return Fit(fwd, bwd_tiles, max(fwd_pred, saved + bwd(bwd_tiles)), 0)
+
+    def fastest(self, inp: Inputs, fitting: Iterator[Tuple[int, int]], backward: bool) -> Optional[Tuple[int, int]]:
+        """The tiles to run among ``fitting`` (those of :meth:`tile_options` that fit the budget, in
+        its order), for the forward or the ``backward``; ``None`` if none fit. The first: the
+        largest."""
+        return next(fitting, None)
 
     def backward_tiles(self, inp: Inputs, budget: int) -> Tuple[int, int]:
         """Tiles for this backend's backward alone (when another backend's backward cannot run after all)."""

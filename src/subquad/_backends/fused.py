@@ -8,7 +8,8 @@ emulates float16 GEMMs (:func:`emulated_half_kernel`) float16 tiles run on float
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, List, Optional, Tuple
+import itertools
+from typing import Any, Callable, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -95,6 +96,83 @@ def _unit_stride(t: Tensor) -> Tensor:
     return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
 
 
+_KV_BLOCK = 512
+"""The keys torch's CPU flash kernel takes per block; a causal call skips only whole blocks."""
+
+_SPLIT_WEIGHT = {256: 1.0, 64: 1.15, 32: 1.5}
+"""Time per computed score by the kernel's row split, relative to its 256-row blocks (2-core CPU,
+float32, 1x8x2048x64 causal, two threads: tiles of 512 ran 1.15x the whole call for as many
+scores, tiles of 128 1.5-1.7x; a least-squares fit over 16 x 512 ... 8 x 1024 tokens on one
+thread gave 1.08 and 1.27)."""
+
+CALL_COST_SCORES = 40_000
+"""What one kernel call of a tile costs beyond its scores, in scores per thread. The same fit gave
+0.12 ms per call forward and 0.18 ms backward on one thread (30k and 17k scores), 0.19 and 0.34 ms
+on two (85k and 54k), and about as much for calls of one head as of eight."""
+
+_COSTED_ROWS = 768
+"""From this many rows a call runs in the kernel's 256-row blocks, which skip causal work
+themselves (key blocks of 512 past a block's last row): the largest tiles that fit are kept.
+Below, on the calibration runs (256-1024 tokens, one and two threads, forward and backward), the
+cost's choices ran 0.76-1.00x the whole call's time."""
+
+_SMALLEST_COSTED_TILE = 128
+"""Smaller tiles are weighed only when nothing larger fits: the kernel's products over 64 keys or
+fewer run slower than the weights say: tiles of 64 ran 8 heads x 256 tokens 1.1x and 1.6x the
+whole call's time on one and two threads, and for four times the heads the cost would rank them
+below the whole call (0.92x)."""
+
+
+def _row_split(rows: int) -> int:
+    """The rows per block torch's CPU flash kernel takes for a call of ``rows`` query rows."""
+    return 256 if rows >= 768 else 64 if rows >= 192 else 32
+
+
+def kernel_work(rows: int, keys: int, causal: bool) -> float:
+    """One head's scores in a kernel call (top-left causal: each block of rows stops at the block
+    of keys holding its last visible one), weighted by the row split's :data:`_SPLIT_WEIGHT`."""
+    split = _row_split(rows)
+    if not causal:
+        return _SPLIT_WEIGHT[split] * rows * keys
+    n = 0
+    for a in range(0, rows, split):
+        b = min(a + split, rows)
+        n += (b - a) * min(-(-b // _KV_BLOCK) * _KV_BLOCK, keys)
+    return _SPLIT_WEIGHT[split] * n
+
+
+def causal_cost(inp: Inputs, tiles: Tuple[int, int], backward: bool) -> float:
+    """The relative time of a square causal call on ``tiles``, in scores: every kernel call's
+    :func:`kernel_work` for all heads, plus :data:`CALL_COST_SCORES` per call and thread. A block
+    of rows runs its diagonal tile as a causal call and the keys before it as one call forward
+    (segments coalesced), one per tile backward."""
+    L, t = inp.Lq, max(1, min(tiles[0], inp.Lq))
+    work = 0.0
+    calls = 0
+    for qs in range(0, L, t):
+        rows = min(qs + t, L) - qs
+        work += kernel_work(rows, rows, True)
+        calls += 1
+        if qs and backward:
+            work += (qs // t) * kernel_work(rows, t, False)
+            calls += qs // t
+        elif qs:
+            work += kernel_work(rows, qs, False)
+            calls += 1
+    return work * inp.n_groups * inp.B * inp.Hq + calls * inp.n_groups * CALL_COST_SCORES * _threads()
+
+
+def _plain_square_causal(inp: Inputs) -> bool:
+    return (
+        inp.is_causal
+        and inp.Lq == inp.Lk
+        and inp.causal_offset == 0
+        and inp.attn_mask is None
+        and not inp.has_callbacks
+        and inp.scale > 0
+    )
+
+
 class FusedCPU(Backend):
     """PyTorch's fused CPU flash kernel, per block of rows and key segment, merged by lse."""
 
@@ -131,8 +209,23 @@ class FusedCPU(Backend):
         # Each tile is one kernel call, which skips causal blocks of its own: rows split as torch's
         # CPU flash kernel splits them (by the tile's length), keys by 512.
         tq, tk = (Lq, Lk) if tiles is None else (min(tiles[0], Lq), min(tiles[1], Lk))
-        rows = 256 if tq >= 768 else 64 if tq >= 192 else 32
-        return max(1, min(rows, tq)), max(1, min(self._KV_SPLIT, tk))
+        return max(1, min(_row_split(tq), tq)), max(1, min(self._KV_SPLIT, tk))
+
+    def fastest(self, inp: Inputs, fitting: Iterator[Tuple[int, int]], backward: bool) -> Optional[Tuple[int, int]]:
+        """Under a plain square causal mask, the fitting tiles of least :func:`causal_cost` (the
+        largest among equals); otherwise the largest.
+
+        The kernel skips causal work only in whole blocks of 512 keys: a call of up to 512 tokens
+        computes every score, the masked half too, while tiles of 256 skip the quarter above the
+        diagonal. Smaller tiles cost calls and run the kernel's slower 32-row blocks. Measured (2-core CPU, float32, 16 x 512 tokens, causal, 8 heads, forward /
+        backward, 2 threads): whole 83 / 199 ms, tiles of 256 73 / 164, tiles of 128 69 / 183.
+        """
+        first = next(fitting, None)
+        rows = min(first[0], inp.Lq) if first is not None else 0
+        if first is None or not _plain_square_causal(inp) or not 2 * _SMALLEST_COSTED_TILE <= rows < _COSTED_ROWS:
+            return first
+        others = list(itertools.takewhile(lambda p: p[0] >= _SMALLEST_COSTED_TILE, fitting))  # largest first
+        return min([first, *others], key=lambda p: causal_cost(inp, p, backward))
 
     def _kernel_bytes(self, inp: Inputs, qc: int, kc: int) -> int:
         qs, ks = min(self._Q_SPLIT, qc), min(self._KV_SPLIT, kc)
