@@ -57,7 +57,7 @@ def _cases() -> Dict[str, Callable[[], Dict[str, Callable[[], object]]]]:
             return {"subquad": fns["subquad.varlen_attention"], "peer": fns["per-sequence SDPA loop"]}
         return build
 
-    def dense(shape, backend, backward, dtype=torch.float32):
+    def dense(shape, backend, backward, dtype=torch.float32, causal=True):
         def build():
             g = torch.Generator().manual_seed(0)
             q, k, v = (torch.randn(*shape, generator=g, dtype=dtype).requires_grad_(backward) for _ in range(3))
@@ -72,8 +72,8 @@ def _cases() -> Dict[str, Callable[[], Dict[str, Callable[[], object]]]]:
                 return run
 
             return {
-                "subquad": step(lambda: subquad.attention(q, k, v, is_causal=True, backend=backend)),
-                "peer": step(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)),
+                "subquad": step(lambda: subquad.attention(q, k, v, is_causal=causal, backend=backend)),
+                "peer": step(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)),
             }
         return build
 
@@ -98,6 +98,9 @@ def _cases() -> Dict[str, Callable[[], Dict[str, Callable[[], object]]]]:
     return {
         "causal fwd 1x8x4096x64 fp32, planner (vs SDPA)": dense((1, 8, 4096, 64), "auto", False),
         "causal fwd 1x8x4096x64 fp32, tiles (vs SDPA)": dense((1, 8, 4096, 64), "matmul", False),
+        "fwd 1x8x4096x64 bf16, tiles (vs SDPA)": dense((1, 8, 4096, 64), "matmul", False, torch.bfloat16, False),
+        "fwd 1x8x4096x64 fp16, tiles (vs SDPA)": dense((1, 8, 4096, 64), "matmul", False, torch.float16, False),
+        "fwd 1x8x4096x64 fp32, tiles (vs SDPA)": dense((1, 8, 4096, 64), "matmul", False, torch.float32, False),
         "causal fwd+bwd 1x8x2048x64 fp32, planner (vs SDPA)": dense((1, 8, 2048, 64), "auto", True),
         "causal fwd+bwd 1x8x2048x64 fp32, tiles (vs SDPA)": dense((1, 8, 2048, 64), "matmul", True),
         "causal fwd+bwd 1x8x2048x64 bf16, tiles (vs SDPA)": dense((1, 8, 2048, 64), "matmul", True, torch.bfloat16),

@@ -105,6 +105,26 @@ def test_bf16_products_are_bf16_gemms_and_float32_products_are_not(monkeypatch):
         assert {op.out_dtypes for op in products} == {(want,)}, (native, {op.out_dtypes for op in products})
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, BF16], ids=["float32", "bfloat16"])
+def test_raw_scores_are_exponentiated_in_log2_units(products, dtype):
+    # Without a score_mod or a float mask the forward's products carry log2 e in their scale, so no
+    # pass over a tile multiplies before exp2; a score_mod needs the scores themselves and keeps it.
+    g = torch.Generator().manual_seed(5)
+    q, k, v = ((torch.randn(1, 2, 64, 32, generator=g) * 2).to(dtype) for _ in range(3))
+    tile = (2, 32, 64)  # (B * Hk, G * rows, keys) for tiles of 32 x 64
+    for score_mod, multiplies in [(None, False), (lambda s, b, h, i, j: s * 1.0, True)]:
+        with OpRecorder() as rec:
+            out, lse = subquad.attention(
+                q, k, v, backend="matmul", chunk_size=(32, 64), score_mod=score_mod, return_lse=True
+            )
+        on_tiles = [op.name for op in rec.ops if tile in op.out_shapes]
+        assert any(n.startswith("aten.exp2") for n in on_tiles), on_tiles
+        assert any(n.startswith("aten.mul") for n in on_tiles) == multiplies, on_tiles
+        scores = (q.double() @ k.double().transpose(-1, -2)) / math.sqrt(32)
+        assert_close_to_golden(out, torch.softmax(scores, -1) @ v.double(), float32_scores_reference(q, k, v))
+        torch.testing.assert_close(lse.double(), torch.logsumexp(scores, -1), atol=2e-2 if dtype == BF16 else 1e-5, rtol=0)
+
+
 def test_offsets_keep_large_scores_exact(monkeypatch):
     # q·kᵀ around 60 with a spread of a few units: rounding the raw scores to bfloat16 would move
     # each by up to 0.25 (25% once exponentiated); offset by the rows' maxima, the tiles stay at

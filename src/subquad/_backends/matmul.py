@@ -10,8 +10,10 @@ tiles, :class:`Scratch`):
 - float32/float64 (and float16 on a CPU, bfloat16 on a CPU without AVX512-BF16/AMX, and half
   precision on CUDA/MPS, all with float32 products; q, k and v are converted once per row block
   or tile, ``qn x E`` and ``kn x E``, not per score): the product written into ``s``; ``amax``;
-  ``s - m``, ``· log2 e`` and ``exp2`` in place; ``sum``; the product with v accumulated in place
-  (``baddbmm_``). No conversion of a tile.
+  ``s - m`` and ``exp2`` in place; ``sum``; the product with v accumulated in place
+  (``baddbmm_``). No conversion of a tile. The forward keeps raw scores in log2 units (the scale
+  carries log2 e: no pass multiplies them); with a ``score_mod`` or a float mask, which need the
+  scores themselves, and in the backward, ``· log2 e`` is one more pass before ``exp2``.
 - bfloat16 with bfloat16 products (a CPU with AVX512-BF16 or AMX, :func:`native_bf16_products`):
   the keys copied into a ``kn x (E + 1)`` bfloat16 operand with a column of ones (not
   tile-sized), whose product with the query rows and their offset column writes each score minus
@@ -23,9 +25,10 @@ tiles, :class:`Scratch`):
   :data:`OFFSET_DRIFT` from its offset (a row block's first tile, mostly), that row's product is
   computed again with a new offset and replaces the old in ``s`` (the whole tile's when many rows
   or heads moved: :data:`PARTIAL_REDO_SHARE`). In 1x8x4096x64 (two threads, 128 tiles) that is
-  79-109 single rows and no whole tile, depending on the inputs. Measured on the 2-core CPU
-  (AVX512-BF16, no AMX) for that call: the two products 113 ms, the two conversions 39 ms, the
-  key operands 12 ms, ``exp2`` 21 ms, ``amax``, ``sum``, the subtraction and the scaling 24 ms.
+  110-160 single rows and no whole tile, depending on the inputs (seeds 0-4). Measured on the
+  2-core CPU (AVX512-BF16, no AMX) for that call: the two products 113 ms, the two conversions
+  39 ms, the key operands 12 ms, ``exp2`` 21 ms, ``amax``, ``sum``, the subtraction and the
+  scaling 24 ms; the scaling has since gone into the product's ``alpha`` (log2 units).
   Backward, per tile: S's product offset by the lse and ``dP``'s by D (each one conversion to
   float32; ``dP`` gets D added back in one more pass, as ``dP - D`` cancels), and ``p`` and the
   scaled ``dS`` each converted once to bfloat16 for the other three products: four tile-sized
@@ -139,16 +142,16 @@ class Matmul(Backend):
             return torch.float32
         return inp.dtype
 
-    def _q_operand(self, inp: Inputs, qs: int, qe: int, cdt: torch.dtype) -> Tensor:
+    def _q_operand(self, inp: Inputs, qs: int, qe: int, cdt: torch.dtype, unit: float = 1.0) -> Tensor:
         """Query rows as the products take them, ``(B*Hk, G*qn, E)``.
 
-        Full precision: scaled here (``qn x E`` is cheaper to scale than the ``qn x kn`` scores, and
-        keeps fp16 scores in range). Half precision: unscaled; the scale is the GEMM's ``alpha``,
-        applied before its one rounding (scaling q first would round it again).
+        Full precision: scaled here, by ``inp.scale * unit`` (``qn x E`` is cheaper to scale than the
+        ``qn x kn`` scores, and keeps fp16 scores in range). Half precision: unscaled; the scale is
+        the GEMM's ``alpha``, applied before its one rounding (scaling q first would round it again).
         """
         q = inp.q[:, :, qs:qe].to(cdt)
         if cdt == inp.stats_dtype:
-            q = torch.mul(q, inp.scale)
+            q = torch.mul(q, inp.scale * unit)
         return q.reshape(inp.B * inp.Hk, inp.G * (qe - qs), inp.E)
 
     def _kv(self, t: Tensor, inp: Inputs, seg: Segment, dtype: torch.dtype) -> Tensor:
@@ -230,6 +233,10 @@ class Matmul(Backend):
         sdt = inp.stats_dtype
         cdt = self.compute_dtype(inp)
         offset_s = cdt != sdt and _raw_softmax(inp)
+        # Where the softmax sees the raw scores they are kept in log2 units (the scale carries
+        # log2 e), so exp2 needs no multiply first; m and the offsets are in those units too.
+        log2 = _raw_softmax(inp)
+        unit = LOG2E if log2 else 1.0
         state = RowState(
             m=torch.full((B * Hk, G * qn), NEG_INF, dtype=sdt, device=inp.device),
             l=torch.zeros((B * Hk, G * qn), dtype=sdt, device=inp.device),
@@ -239,9 +246,9 @@ class Matmul(Backend):
         used = nxt = torch.zeros_like(state.m).unsqueeze(-1)
         scratch = Scratch(inp.device)
         if offset_s:
-            q_op = OffsetOperand(self._q_operand(inp, qs, qe, cdt), inp.scale)
+            q_op = OffsetOperand(self._q_operand(inp, qs, qe, cdt), inp.scale * unit)
         else:
-            q_t = self._q_operand(inp, qs, qe, sdt)
+            q_t = self._q_operand(inp, qs, qe, sdt, unit)
         for seg in segments:
             shape = (B * Hk, G * qn, seg.ke - seg.ks)
             if offset_s:
@@ -252,8 +259,9 @@ class Matmul(Backend):
                 m_tile = s.amax(dim=-1)
             m_new = torch.maximum(state.m, m_tile)
             m_ref = m_new.masked_fill(m_new == NEG_INF, 0.0)  # rows with nothing visible yet stay finite
-            p = exp_(s.sub_(m_ref.unsqueeze(-1) - used))
-            correction = torch.exp(state.m - m_ref)
+            s.sub_(m_ref.unsqueeze(-1) - used)
+            p = s.exp2_() if log2 else exp_(s)
+            correction = torch.exp2(state.m - m_ref) if log2 else torch.exp(state.m - m_ref)
             state.l.mul_(correction).add_(p.sum(dim=-1))
             state.acc.mul_(correction.unsqueeze(-1))
             if inp.dropout_p > 0.0:
@@ -270,6 +278,8 @@ class Matmul(Backend):
             del s, p
         l_safe = state.l.masked_fill(state.l == 0, 1.0)  # fully masked rows: acc is 0, so output 0
         out[:, :, qs:qe].copy_(state.acc.div_(l_safe.unsqueeze(-1)).view(B, Hq, qn, inp.Ev))
+        if log2:
+            return (state.m + torch.log2(state.l)).mul_(LN2).view(B, Hq, qn)
         return (state.m + torch.log(state.l)).view(B, Hq, qn)
 
     def backward_rows(
@@ -408,10 +418,10 @@ PARTIAL_REDO_SHARE = 8
 """A tile whose offsets moved too far in at most this many of its batch entries (heads), and in
 at most 1/``PARTIAL_REDO_SHARE`` of its rows, computes those rows again; otherwise the whole tile."""
 
-OFFSET_DRIFT = 2.0
-"""How far (in score units) a row's maximum may lie from the offset of its half-precision
-product before the product is redone with a new offset: within it, the entries the softmax
-weighs most are rounded to 2^-8 or better (bfloat16's half ulp below 2). With 1.0
+OFFSET_DRIFT = 2.0 * 1.4426950408889634  # 2 in score units, times 1/ln 2: the products are in log2 units
+"""How far (in log2 units: 2 in score units) a row's maximum may lie from the offset of its
+half-precision product before the product is redone with a new offset: within it, the entries
+the softmax weighs most are rounded to 2^-7 (in log2 units) or better. With 1.0 (in score units)
 nearly every tile of 1x8x4096x64 was computed twice: among thousands of rows one always moves."""
 
 
@@ -521,6 +531,7 @@ def _raw_softmax(inp: Inputs) -> bool:
 
 
 LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
 
 
 def exp_(t: Tensor) -> Tensor:
