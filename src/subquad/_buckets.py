@@ -24,7 +24,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from ._backends.matmul import exp_
+from ._backends.matmul import LN2, LOG2E
 from ._inputs import Inputs
 from ._tiles import TILES
 
@@ -110,12 +110,12 @@ def _run(inp: Inputs, seqs: List[int], Lb: int, Kb: int, out: Tensor, lse: Optio
     q = _gather(inp.query, q_idx, sdt).view(n, Lb, Hk, G, E).permute(0, 2, 3, 1, 4).reshape(n, Hk, G * Lb, E)
     k = _gather(inp.key, k_idx, sdt).view(n, Kb, Hk, E).transpose(1, 2)
     v = _gather(inp.value, k_idx, sdt).view(n, Kb, Hk, Ev).transpose(1, 2)
-    s = torch.matmul(q, k.transpose(-1, -2)).mul_(inp.scale)
+    s = torch.matmul(q, k.transpose(-1, -2)).mul_(inp.scale * LOG2E)  # log2 units: exp2 needs no multiply
     hidden = ~keep.unsqueeze(1).unsqueeze(1)  # (n, 1, 1, Lb or 1, Kb) against (n, Hk, G, Lb, Kb)
     s.view(n, Hk, G, Lb, Kb).masked_fill_(hidden, float("-inf"))
     m = s.amax(dim=-1, keepdim=True)
     m = m.masked_fill(m == float("-inf"), 0.0)  # rows that see no key: output 0, lse -inf
-    pr = exp_(s.sub_(m))
+    pr = s.sub_(m).exp2_()
     l = pr.sum(dim=-1, keepdim=True)
     o = torch.matmul(pr, v).div_(l.masked_fill(l == 0, 1.0))
     # The real rows back into their places, in the (total, Hq, ·) layout of out and lse.
@@ -124,7 +124,7 @@ def _run(inp: Inputs, seqs: List[int], Lb: int, Kb: int, out: Tensor, lse: Optio
     rows = o.view(n, Hk, G, Lb, Ev).permute(0, 3, 1, 2, 4).reshape(n * Lb, inp.Hq, Ev)[valid]
     out[0].transpose(0, 1).index_copy_(0, at, rows.to(out.dtype))
     if lse is not None:
-        row_lse = (m + l.log()).view(n, Hk, G, Lb).permute(0, 3, 1, 2).reshape(n * Lb, inp.Hq)[valid]
+        row_lse = (m + l.log2()).mul_(LN2).view(n, Hk, G, Lb).permute(0, 3, 1, 2).reshape(n * Lb, inp.Hq)[valid]
         lse[0].transpose(0, 1).index_copy_(0, at, row_lse.to(lse.dtype))
 
 
