@@ -196,10 +196,11 @@ class Matmul(Backend):
         """
         shape = (q_op.rows.shape[0], q_op.rows.shape[1], seg.ke - seg.ks)
         k_t = self._kv(inp.k, inp, seg, q_op.rows.dtype)
+        b_ext = q_op.operand(k_t, scratch)  # built once: the tile's products and any redone rows
         r, s = scratch.get("r", shape, q_op.rows.dtype), scratch.get("s", shape, inp.stats_dtype)
         if seg.ks == 0 or bool(torch.isneginf(m_run).all()):
             off = q_op.set_offset(_sampled_max(q_op, k_t))
-        s = self._add_bias(inp, s.copy_(q_op.product(k_t, r, scratch)), qs, qe, seg)
+        s = self._add_bias(inp, s.copy_(q_op.product(b_ext, r)), qs, qe, seg)
         m_tile = s.amax(dim=-1).add_(off.squeeze(-1))
         moved = m_tile > m_run
         far = moved & ((m_tile - off.squeeze(-1)).abs() > OFFSET_DRIFT)
@@ -209,11 +210,10 @@ class Matmul(Backend):
         new_off = q_op.set_offset(target)
         batches = far.any(dim=-1).nonzero().squeeze(1).tolist()
         if len(batches) > PARTIAL_REDO_BATCHES or int(far.sum()) * PARTIAL_REDO_SHARE > far.numel():
-            s = self._add_bias(inp, s.copy_(q_op.product(k_t, r, scratch)), qs, qe, seg)
+            s = self._add_bias(inp, s.copy_(q_op.product(b_ext, r)), qs, qe, seg)
             return s, s.amax(dim=-1).add_(new_off.squeeze(-1)), new_off, new_off
         # Only the rows that moved far are computed again (a tile of 8k rows has one nearly always):
         # their new products replace the old ones in the biased scores, s += new - old.
-        b_ext = q_op.operand(k_t, scratch)
         for b in batches:
             rows = far[b].nonzero().squeeze(1)
             old = r[b].index_select(0, rows).float()
@@ -341,7 +341,8 @@ class Matmul(Backend):
             v_t = self._kv(inp.v, inp, seg, cdt)
             shape = (B * Hk, G * qn, kn)
             if q_op is not None:
-                raw = scratch.get("s", shape, sdt).copy_(q_op.product(k_t, scratch.get("r", shape, cdt), scratch))
+                k_ext = q_op.operand(k_t, scratch)
+                raw = scratch.get("s", shape, sdt).copy_(q_op.product(k_ext, scratch.get("r", shape, cdt)))
             else:
                 k_s = k_t if k_t.dtype == sdt else self._kv(inp.k, inp, seg, sdt)
                 raw = torch.bmm(q_s, k_s.transpose(1, 2), out=scratch.get("s", shape, sdt))
@@ -360,7 +361,8 @@ class Matmul(Backend):
             if d_op is None:
                 dp = torch.bmm(do_t, v_t.transpose(1, 2), out=scratch.get("dp", shape, sdt))
             else:
-                dp = scratch.get("dp", shape, sdt).copy_(d_op.product(v_t, scratch.get("r", shape, cdt), scratch))
+                v_ext = d_op.operand(v_t, scratch)
+                dp = scratch.get("dp", shape, sdt).copy_(d_op.product(v_ext, scratch.get("r", shape, cdt)))
                 dp.add_(d_used)
             pd = p
             if inp.dropout_p > 0.0:
@@ -498,9 +500,9 @@ class OffsetOperand:
         self.rows[..., self.e].copy_(col.neg())
         return col.to(off.dtype).mul_(self.alpha).unsqueeze(-1)
 
-    def product(self, b: Tensor, out: Tensor, scratch: "Scratch") -> Tensor:
-        """``alpha · a @ bᵀ - offset`` for ``b`` (batch, n, E), rounded once, written to ``out``."""
-        b_ext = self.operand(b, scratch)
+    def product(self, b_ext: Tensor, out: Tensor) -> Tensor:
+        """``alpha · a @ bᵀ - offset`` for ``b_ext = [b, 1]`` from :meth:`operand`, rounded once,
+        written to ``out``."""
         return torch.baddbmm(out, self.rows, b_ext.transpose(1, 2), beta=0.0, alpha=self.alpha, out=out)
 
     def operand(self, b: Tensor, scratch: "Scratch") -> Tensor:
