@@ -165,6 +165,27 @@ def test_a_row_whose_maximum_jumps_late_is_recomputed(monkeypatch):
     assert_close_to_golden(out, golden, float32_scores_reference(q, k, v))
 
 
+@pytest.mark.parametrize("gap,redone", [(2.3, 0), (2.8, 1)])
+def test_first_offsets_leave_a_margin_above_the_sampled_maximum(monkeypatch, gap, redone):
+    # One tile of 512 keys; its first offsets come from every 4th key. Row 0's largest score
+    # (`gap`, on an unsampled key) lies more than OFFSET_DRIFT (2) above the sample's largest (0):
+    # with the margin (0.5) a gap of 2.3 is still close enough to the offset, one of 2.8 is not.
+    monkeypatch.setattr(matmul, "_NATIVE_BF16", True)
+    g = torch.Generator().manual_seed(5)
+    q = torch.zeros(1, 1, 8, 64, dtype=BF16)
+    q[0, 0, 0, 0] = 8.0  # row 0's score with key j is k[j, 0] (scale 1/8)
+    k = torch.zeros(1, 1, 512, 64, dtype=BF16)
+    k[0, 0, 1, 0] = gap
+    v = torch.randn(1, 1, 512, 64, generator=g).to(BF16)
+    rows = []
+    addmm = torch.addmm
+    monkeypatch.setattr(torch, "addmm", lambda *a, **kw: rows.append(a[1].shape[0]) or addmm(*a, **kw))
+    out = subquad.attention(q, k, v, backend="matmul", chunk_size=(8, 512))
+    assert sum(rows) == redone
+    golden = naive_attention(*to64(q, k, v))
+    assert_close_to_golden(out, golden, float32_scores_reference(q, k, v))
+
+
 def test_exp_helper_is_exp():
     x = torch.linspace(-80, 0, 10001)
     got = matmul.exp_(x.clone())
