@@ -165,11 +165,12 @@ def test_a_row_whose_maximum_jumps_late_is_recomputed(monkeypatch):
     assert_close_to_golden(out, golden, float32_scores_reference(q, k, v))
 
 
-@pytest.mark.parametrize("gap,redone", [(2.3, 0), (2.8, 1)])
-def test_first_offsets_leave_a_margin_above_the_sampled_maximum(monkeypatch, gap, redone):
+@pytest.mark.parametrize("gap,masked,redone", [(2.3, False, 0), (2.8, False, 1), (2.3, True, 1)])
+def test_first_offsets_leave_a_margin_above_the_sampled_maximum(monkeypatch, gap, masked, redone):
     # One tile of 512 keys; its first offsets come from every 4th key. Row 0's largest score
     # (`gap`, on an unsampled key) lies more than OFFSET_DRIFT (2) above the sample's largest (0):
     # with the margin (0.5) a gap of 2.3 is still close enough to the offset, one of 2.8 is not.
+    # A tile with a mask (here one hiding nothing) gets no margin: its sample may hold hidden keys.
     monkeypatch.setattr(matmul, "_NATIVE_BF16", True)
     g = torch.Generator().manual_seed(5)
     q = torch.zeros(1, 1, 8, 64, dtype=BF16)
@@ -180,7 +181,8 @@ def test_first_offsets_leave_a_margin_above_the_sampled_maximum(monkeypatch, gap
     rows = []
     addmm = torch.addmm
     monkeypatch.setattr(torch, "addmm", lambda *a, **kw: rows.append(a[1].shape[0]) or addmm(*a, **kw))
-    out = subquad.attention(q, k, v, backend="matmul", chunk_size=(8, 512))
+    mask = torch.ones(8, 512, dtype=torch.bool) if masked else None
+    out = subquad.attention(q, k, v, attn_mask=mask, backend="matmul", chunk_size=(8, 512))
     assert sum(rows) == redone
     golden = naive_attention(*to64(q, k, v))
     assert_close_to_golden(out, golden, float32_scores_reference(q, k, v))
