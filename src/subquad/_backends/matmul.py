@@ -19,9 +19,10 @@ tiles, :class:`Scratch`):
   tile-sized), whose product with the query rows and their offset column writes each score minus
   its row's offset into a bfloat16 buffer ``r`` (:class:`OffsetOperand`; the GEMM rounds once);
   one conversion of ``r`` into ``s``; the float32 passes above, with the offsets subtracted
-  together with the row maximum (no extra pass); and one conversion of ``p`` into a bfloat16
-  buffer for its product with v (the fused kernels round ``p`` likewise). Two tile-sized
-  conversions, two bfloat16 tile buffers besides ``s``. When a row's maximum moves more than
+  together with the row maximum (no extra pass); and one conversion of ``p`` back into ``r``
+  (read by then) for its product with v (the fused kernels round ``p`` likewise). Two tile-sized
+  conversions, one bfloat16 tile buffer besides ``s`` (reusing it for ``p`` took 0.80-0.99x the
+  time of a second buffer in in-process pairs: one tile fewer through the caches). When a row's maximum moves more than
   :data:`OFFSET_DRIFT` from its offset (a row block's first tile, mostly), that row's product is
   computed again with a new offset and replaces the old in ``s`` (the whole tile's when many rows
   or heads moved: :data:`PARTIAL_REDO_SHARE`). In 1x8x4096x64 (two threads, 128 tiles) that is
@@ -83,7 +84,7 @@ class Matmul(Backend):
             n += inp.B * inp.Hk * kc * (inp.E + inp.Ev) * cs  # a key/value shared by the batch, copied per tile
         n += tile * st  # scores; exp, the correction and p @ v work on them in place
         if cs != st:
-            n += tile * cs * 2  # the matmul's own output before the float32 cast, and p cast for p @ v
+            n += tile * cs  # the matmul's own output before the float32 cast, then p cast for p @ v
         n += inp.mask_tile_elements(qc, kc) * (st + 1)
         if inp.is_causal:
             n += qc * kc * (st + 1) + (qc + kc) * 8
@@ -277,7 +278,8 @@ class Matmul(Backend):
             else:
                 # p in [0, 1] rounded to the operands' dtype, as the fused kernels do; the GEMM
                 # accumulates in float32 and its result is rounded once per tile.
-                p_h = scratch.get("p", shape, cdt).copy_(p)
+                # In the buffer of the tile's product (read by now): one tile fewer through the caches.
+                p_h = scratch.get("r", shape, cdt).copy_(p)
                 state.acc.add_(torch.bmm(p_h, v_t))
             state.m.copy_(m_new)
             del s, p
