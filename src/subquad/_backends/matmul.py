@@ -34,7 +34,8 @@ tiles, :class:`Scratch`):
   Backward, per tile: S's product offset by the lse and ``dP``'s by D (each one conversion to
   float32; ``dP`` gets D added back in one more pass, as ``dP - D`` cancels), and ``p`` and the
   scaled ``dS`` each converted once to bfloat16 for the other three products: four tile-sized
-  conversions and one addition. With a ``score_mod`` or a float mask S's product stays in float32.
+  conversions and one addition, all four bfloat16 tiles in one buffer (each is read before the
+  next is written; fwd+bwd 1x8x2048x64 measured 0.89-1.01x the time of two buffers). With a ``score_mod`` or a float mask S's product stays in float32.
 
 On MPS (no Mac here, nothing of this measured): half-precision inputs take the first path,
 float32 products (``q``/``k``/``v`` converted per tile), the same float32 passes and no
@@ -382,7 +383,7 @@ class Matmul(Backend):
                 dp.mul_(z)
                 del z
             if grads.dv is not None:
-                pd_h = pd if cdt == sdt else scratch.get("p", shape, cdt).copy_(pd)
+                pd_h = pd if cdt == sdt else scratch.get("r", shape, cdt).copy_(pd)  # the products are read by now
                 dv = torch.bmm(pd_h.transpose(1, 2), do_t)
                 add_into(grads.dv[:, :, seg.ks : seg.ke], dv.view(B, Hk, kn, inp.Ev))
                 del dv
@@ -406,7 +407,7 @@ class Matmul(Backend):
                 del s_mod, s_in, pulled
             if half:
                 # The scale goes into dS as it is rounded (q_t is unscaled here).
-                ds = torch.mul(ds, inp.scale, out=scratch.get("p", shape, cdt))
+                ds = torch.mul(ds, inp.scale, out=scratch.get("r", shape, cdt))
             if dq_acc is not None:
                 if half:
                     dq_acc.add_(torch.bmm(ds, k_t))
