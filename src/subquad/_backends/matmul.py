@@ -22,12 +22,12 @@ tiles, :class:`Scratch`):
   together with the row maximum (no extra pass); and one conversion of ``p`` back into ``r``
   (read by then) for its product with v (the fused kernels round ``p`` likewise). Two tile-sized
   conversions, one bfloat16 tile buffer besides ``s`` (reusing it for ``p`` took 0.80-0.99x the
-  time of a second buffer in in-process pairs: one tile fewer through the caches). When a row's maximum moves more than
-  :data:`OFFSET_DRIFT` from its offset (a row block's first tile, mostly), that row's product is
-  computed again with a new offset and replaces the old in ``s`` (the whole tile's when many rows
-  or heads moved: :data:`PARTIAL_REDO_SHARE`). In 1x8x4096x64 (two threads, 128 tiles) that is
-  37-49 single rows and no whole tile, depending on the inputs (seeds 0-4; 108-158 before the
-  first offsets took :data:`FIRST_OFFSET_MARGIN`). Measured on the
+  time of a second buffer in in-process pairs: one tile fewer through the caches). When a row's
+  maximum moves more than :data:`OFFSET_DRIFT` from its offset (a row block's first tile,
+  mostly), that row's product is computed again with a new offset and replaces the old in ``s``
+  (the whole tile's when many rows or heads moved: :data:`PARTIAL_REDO_SHARE`). In 1x8x4096x64
+  (two threads, 128 tiles) that is 37-49 single rows and no whole tile, depending on the inputs
+  (seeds 0-4; 108-158 before the first offsets took :data:`FIRST_OFFSET_MARGIN`). Measured on the
   2-core CPU (AVX512-BF16, no AMX) for that call: the two products 113 ms, the two conversions
   39 ms, the key operands 12 ms, ``exp2`` 21 ms, ``amax``, ``sum``, the subtraction and the
   scaling 24 ms; the scaling has since gone into the product's ``alpha`` (log2 units).
@@ -35,7 +35,8 @@ tiles, :class:`Scratch`):
   float32; ``dP`` gets D added back in one more pass, as ``dP - D`` cancels), and ``p`` and the
   scaled ``dS`` each converted once to bfloat16 for the other three products: four tile-sized
   conversions and one addition, all four bfloat16 tiles in one buffer (each is read before the
-  next is written; fwd+bwd 1x8x2048x64 measured 0.89-1.01x the time of two buffers). With a ``score_mod`` or a float mask S's product stays in float32.
+  next is written; fwd+bwd 1x8x2048x64 measured 0.89-1.01x the time of two buffers). With a
+  ``score_mod`` or a float mask S's product stays in float32.
 
 On MPS (no Mac here, nothing of this measured): half-precision inputs take the first path,
 float32 products (``q``/``k``/``v`` converted per tile), the same float32 passes and no
@@ -192,11 +193,10 @@ class Matmul(Backend):
         For calls whose softmax sees the raw scores (masks of ``-inf`` only), so that a row's
         maximum is the raw score of its largest entry. The product is offset by ``off`` (each
         row's maximum so far; in a row block's first tile, over a sample of the tile's keys, plus
-        :data:`FIRST_OFFSET_MARGIN`) and
-        the float32 scores are returned relative to the offsets ``used``, which the caller
-        subtracts with the row maximum. Where a row's maximum moves into this tile by more than
-        :data:`OFFSET_DRIFT`, the tile is computed again with the new maximum as offset;
-        ``next``: the offsets of the following tile.
+        :data:`FIRST_OFFSET_MARGIN`) and the float32 scores are returned relative to the offsets
+        ``used``, which the caller subtracts with the row maximum. Where a row's maximum moves
+        into this tile by more than :data:`OFFSET_DRIFT`, the tile is computed again with the new
+        maximum as offset; ``next``: the offsets of the following tile.
         """
         shape = (q_op.rows.shape[0], q_op.rows.shape[1], seg.ke - seg.ks)
         k_t = self._kv(inp.k, inp, seg, q_op.rows.dtype)
