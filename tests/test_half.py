@@ -15,6 +15,8 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils import _python_dispatch
+from torch.utils import _pytree as pytree
 
 import subquad
 from _devices import OpRecorder
@@ -208,6 +210,56 @@ def test_scratch_reuses_its_buffers():
     c = s.get("s", (2, 3, 8), torch.float32)
     assert c.shape == (2, 3, 8)
     assert s.get("s", (1,), BF16).dtype == BF16
+
+
+class _NewStorages(_python_dispatch.TorchDispatchMode):
+    """Counts the tensors of at least ``min_bytes`` that aten ops create (not views, not outputs
+    written into an argument)."""
+
+    def __init__(self, min_bytes):
+        super().__init__()
+        self.min_bytes, self.count = min_bytes, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        given = {t.untyped_storage().data_ptr() for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        result = func(*args, **kwargs)
+        for t in pytree.tree_leaves(result):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in given:
+                self.count += t.untyped_storage().nbytes() >= self.min_bytes
+        return result
+
+
+@pytest.mark.parametrize("backward", [False, True], ids=["forward", "fwd+bwd"])
+def test_tile_buffers_are_allocated_once_per_pass_not_per_tile_or_row_block(products, backward):
+    # Each tile's product with v, its keys' and values' GEMM operands and the backward's dK / dV
+    # tiles used to be new tensors, and each row block had its own scratch: with a small fixed
+    # mmap threshold every one came back as page faults (81,000 per bf16 call of 1x8x4096x64,
+    # then 31,000). Now a pass allocates what its tiles need once: more row blocks or more key
+    # tiles add no allocation as large as a tile of values.
+    def allocations(lq, lk):
+        g = torch.Generator().manual_seed(0)
+        q = torch.randn(1, 4, lq, 64, generator=g).to(BF16).requires_grad_(backward)
+        k, v = (torch.randn(1, 4, lk, 64, generator=g).to(BF16).requires_grad_(backward) for _ in range(2))
+        d_out = torch.randn(1, 4, lq, 64, generator=g).to(BF16)
+        def call():
+            out = subquad.attention(q, k, v, backend="matmul", chunk_size=(128, 128))
+            if backward:
+                out.backward(d_out)
+
+        call()  # plans and probes
+        with _NewStorages(4 * 128 * 64 * 2) as seen:  # a tile of values in bf16
+            call()
+        return seen.count
+
+    base = allocations(256, 512)
+    assert allocations(256, 2048) == base, "a key tile allocates"
+    # More row blocks: a block's own state is per block (the forward's accumulator, query operand
+    # and sampled first offsets; the backward's D, dQ accumulator and two offset operands), never
+    # a tile's buffers.
+    per_block = (allocations(512, 512) - base) / 2
+    assert allocations(1024, 512) - base == 6 * per_block
+    assert per_block <= (10 if backward else 3), per_block
 
 
 # ----------------------------------------------------------------- the time model per dtype

@@ -175,18 +175,19 @@ def forward(
     if out is None:
         out = torch.empty((B, Hq, Lq, inp.Ev), dtype=inp.dtype, device=inp.device)
     progress = Progress("forward", -(-Lq // q_chunk), predicted_s)
-    for i, (qs, qe) in enumerate(_row_blocks(Lq, q_chunk)):
-        progress.tick(i)
-        segs = _nonempty(kv_segments(inp, qs, qe, kv_chunk, coalesce, tiles))
-        if segs is None:
-            out[:, :, qs:qe].zero_()
+    with b.call_buffers():
+        for i, (qs, qe) in enumerate(_row_blocks(Lq, q_chunk)):
+            progress.tick(i)
+            segs = _nonempty(kv_segments(inp, qs, qe, kv_chunk, coalesce, tiles))
+            if segs is None:
+                out[:, :, qs:qe].zero_()
+                if lse is not None:
+                    lse[:, :, qs:qe].fill_(float("-inf"))
+                continue
+            result = b.forward_rows(inp, qs, qe, segs, out, seed)
             if lse is not None:
-                lse[:, :, qs:qe].fill_(float("-inf"))
-            continue
-        result = b.forward_rows(inp, qs, qe, segs, out, seed)
-        if lse is not None:
-            lse[:, :, qs:qe].copy_(result[1] if isinstance(result, tuple) else result)
-        del result
+                lse[:, :, qs:qe].copy_(result[1] if isinstance(result, tuple) else result)
+            del result
     return out, lse
 
 
@@ -340,11 +341,12 @@ def backward(
     q_chunk, kv_chunk = chunk
     progress = Progress("backward", -(-inp.Lq // q_chunk), predicted_s)
     tiles = TileStates(inp, q_chunk, kv_chunk)
-    for i, (qs, qe) in enumerate(_row_blocks(inp.Lq, q_chunk)):
-        progress.tick(i)
-        segs = _nonempty(kv_segments(inp, qs, qe, kv_chunk, False, tiles))
-        if segs is not None:
-            b.backward_rows(inp, qs, qe, segs, grad_out, out, lse, seed, grads, grad_lse)
+    with b.call_buffers():
+        for i, (qs, qe) in enumerate(_row_blocks(inp.Lq, q_chunk)):
+            progress.tick(i)
+            segs = _nonempty(kv_segments(inp, qs, qe, kv_chunk, False, tiles))
+            if segs is not None:
+                b.backward_rows(inp, qs, qe, segs, grad_out, out, lse, seed, grads, grad_lse)
 
 
 def _backward_packed(

@@ -462,9 +462,10 @@ def _measure_backend(device: torch.device, dtype: torch.dtype, backend: str) -> 
         out = torch.empty_like(q)
         # The fused kernel takes a row block's keys in one call (the engine coalesces them).
         segments = [Segment(0, keys)] if backend == "fused" else [Segment(s, s + nk) for s in range(0, keys, nk)]
-        return seconds_per_call(
-            lambda: run.forward_rows(inp, 0, nq, segments, out, 0), lambda: None, min_seconds=_BACKEND_PROBE_S
-        )
+        with run.call_buffers():
+            return seconds_per_call(
+                lambda: run.forward_rows(inp, 0, nq, segments, out, 0), lambda: None, min_seconds=_BACKEND_PROBE_S
+            )
 
     short, long = timed(nk), timed(lk)
     average = long / (bh * nq * lk)

@@ -8,9 +8,10 @@ backend means adding its module and naming it in :mod:`subquad._backends`.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
-from typing import Iterable, Iterator, List, NamedTuple, Optional, Tuple, Union
+from typing import ContextManager, Iterable, Iterator, List, NamedTuple, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -217,6 +218,12 @@ class Backend:
         """``(out (B, Hq, Lq, Ev), lse or None)`` of the whole call in one kernel call (whole-input
         backends, and the fast path's one-call plans)."""
         raise NotImplementedError(f"the {self.name} backend runs in tiles")
+
+    def call_buffers(self) -> ContextManager[None]:
+        """The scope of one forward or one backward: buffers that the backend reuses across the
+        row blocks of that pass live until it ends (none here). The engine enters it around its
+        row blocks, and the planner's timing probe around its calls."""
+        return contextlib.nullcontext()
 
     def forward_rows(
         self, inp: Inputs, qs: int, qe: int, segments: Iterable[Segment], out: Optional[Tensor], seed: int

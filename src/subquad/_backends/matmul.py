@@ -4,8 +4,9 @@
 any dtype, head dim, dropout, ``score_mod`` and ``mask_mod``, and the gradients of a float mask
 and of tensors captured by ``score_mod``.
 
-What one tile costs, per score (``s`` = the float32 scores buffer, reused across a row block's
-tiles, :class:`Scratch`):
+What one tile costs, per score (``s`` = the float32 scores buffer, reused by every tile of a
+forward or a backward, :class:`~subquad._backends.scratch.Scratch`, as are the bfloat16 tiles, the
+tiles of keys and values cast or copied for a GEMM and the products with them):
 
 - float32/float64 (and float16 on a CPU, bfloat16 on a CPU without AVX512-BF16/AMX, and half
   precision on CUDA/MPS, all with float32 products; q, k and v are converted once per row block
@@ -49,7 +50,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Dict, Iterable, Optional, Tuple
+from typing import ContextManager, Iterable, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -59,6 +60,7 @@ from .._callbacks import CapturedAsLeaves, apply_score_mod
 from .._inputs import Inputs
 from .._tiles import NEG_INF, Grads, RowState, Segment, add_into, dropout_scale, tile_bias
 from .base import Backend, Options, _bh, _grad_accum_bytes
+from .scratch import Scratch, call_buffers, dense_operand, pass_scratch, widened
 
 
 class Matmul(Backend):
@@ -70,6 +72,11 @@ class Matmul(Backend):
     # (bfloat16): 128x4096 tiles (16 MiB) 365-400 ms (387-408), 256x512 (4 MiB) 322-324 (309-430).
     target_tile_bytes = 4 << 20
     square_tiles = True
+
+    def call_buffers(self) -> ContextManager[None]:
+        """One forward's or backward's :class:`Scratch`, shared by its row blocks
+        (:func:`~subquad._backends.scratch.call_buffers`)."""
+        return call_buffers()
 
     def tile_bytes(self, inp: Inputs, qc: int, kc: int) -> int:
         return _bh(inp) * min(qc, max(inp.Lq, 1)) * min(kc, max(inp.Lk, 1)) * inp.stats_itemsize
@@ -84,6 +91,8 @@ class Matmul(Backend):
             n += inp.B * inp.Hk * kc * (inp.E + inp.Ev) * cs * 2  # k/v casts
         elif inp.kv_broadcast:
             n += inp.B * inp.Hk * kc * (inp.E + inp.Ev) * cs  # a key/value shared by the batch, copied per tile
+        elif cs != st:
+            n += inp.B * inp.Hk * kc * inp.Ev * cs  # the values' tile, copied contiguous for the half GEMM
         n += tile * st  # scores; exp, the correction and p @ v work on them in place
         if cs != st:
             n += tile * cs  # the matmul's own output before the float32 cast, then p cast for p @ v
@@ -158,10 +167,13 @@ class Matmul(Backend):
             q = torch.mul(q, inp.scale * unit)
         return q.reshape(inp.B * inp.Hk, inp.G * (qe - qs), inp.E)
 
-    def _kv(self, t: Tensor, inp: Inputs, seg: Segment, dtype: torch.dtype) -> Tensor:
-        # A key/value shared by the batch is copied per tile here (tile-sized, in the memory model).
+    def _kv(self, t: Tensor, inp: Inputs, seg: Segment, dtype: torch.dtype, scratch: Scratch, name: str) -> Tensor:
+        """A tile of keys or values ``(B*Hk, kn, E)`` in ``dtype``: a view, or a cast into the
+        scratch buffer ``name`` (one per tensor: k and v may be one tensor, cast twice).
+
+        A key/value shared by the batch is copied per tile here (tile-sized, in the memory model)."""
         t = t[:, :, seg.ks : seg.ke].reshape(inp.B * inp.Hk, seg.ke - seg.ks, t.shape[-1])
-        return t if t.dtype == dtype else t.to(dtype)
+        return t if t.dtype == dtype else scratch.get(f"{name} {dtype}", tuple(t.shape), dtype).copy_(t)
 
     def _finish_scores(self, inp: Inputs, s: Tensor, qs: int, qe: int, seg: Segment) -> Tensor:
         """``score_mod`` and the tile's bias (masks, causal, ``mask_mod``) applied to raw scores."""
@@ -186,7 +198,7 @@ class Matmul(Backend):
         seg: Segment,
         m_run: Tensor,
         off: Tensor,
-        scratch: "Scratch",
+        scratch: Scratch,
     ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
         """A tile's scores from half-precision products: ``(s - used, rows' max, used, next)``.
 
@@ -199,7 +211,7 @@ class Matmul(Backend):
         maximum as offset; ``next``: the offsets of the following tile.
         """
         shape = (q_op.rows.shape[0], q_op.rows.shape[1], seg.ke - seg.ks)
-        k_t = self._kv(inp.k, inp, seg, q_op.rows.dtype)
+        k_t = self._kv(inp.k, inp, seg, q_op.rows.dtype, scratch, "k")
         b_ext = q_op.operand(k_t, scratch)  # built once: the tile's products and any redone rows
         r, s = scratch.get("r", shape, q_op.rows.dtype), scratch.get("s", shape, inp.stats_dtype)
         if seg.ks == 0 or bool(torch.isneginf(m_run).all()):
@@ -251,7 +263,7 @@ class Matmul(Backend):
         )
         # Scores are kept relative to per-row offsets (zero but for half-precision products).
         used = nxt = torch.zeros_like(state.m).unsqueeze(-1)
-        scratch = Scratch(inp.device)
+        scratch = pass_scratch(inp.device)
         if offset_s:
             q_op = OffsetOperand(self._q_operand(inp, qs, qe, cdt), inp.scale * unit)
         else:
@@ -261,7 +273,7 @@ class Matmul(Backend):
             if offset_s:
                 s, m_tile, used, nxt = self._offset_scores(inp, q_op, qs, qe, seg, state.m, nxt, scratch)
             else:
-                k_t = self._kv(inp.k, inp, seg, sdt).transpose(1, 2)
+                k_t = self._kv(inp.k, inp, seg, sdt, scratch, "k").transpose(1, 2)
                 s = self._finish_scores(inp, torch.bmm(q_t, k_t, out=scratch.get("s", shape, sdt)), qs, qe, seg)
                 m_tile = s.amax(dim=-1)
             m_new = torch.maximum(state.m, m_tile)
@@ -273,7 +285,7 @@ class Matmul(Backend):
             state.acc.mul_(correction.unsqueeze(-1))
             if inp.dropout_p > 0.0:
                 p.view(B, Hq, qn, -1).mul_(dropout_scale(inp, seed, qs, qe, seg.ks, seg.ke, sdt))
-            v_t = self._kv(inp.v, inp, seg, cdt)
+            v_t = self._kv(inp.v, inp, seg, cdt, scratch, "v")
             if cdt == sdt:
                 state.acc.baddbmm_(p, v_t)
             else:
@@ -281,7 +293,8 @@ class Matmul(Backend):
                 # accumulates in float32 and its result is rounded once per tile.
                 # In the buffer of the tile's product (read by now): one tile fewer through the caches.
                 p_h = scratch.get("r", shape, cdt).copy_(p)
-                state.acc.add_(torch.bmm(p_h, v_t))
+                pv = scratch.get("pv", (B * Hk, G * qn, inp.Ev), cdt)
+                state.acc.add_(torch.bmm(p_h, dense_operand(v_t, scratch, "v"), out=pv))
             state.m.copy_(m_new)
             del s, p
         l_safe = state.l.masked_fill(state.l == 0, 1.0)  # fully masked rows: acc is 0, so output 0
@@ -327,7 +340,7 @@ class Matmul(Backend):
             D -= grad_lse[:, :, qs:qe].reshape(B * Hk, G * qn, 1).to(sdt)
         lse_t = lse[:, :, qs:qe].reshape(B * Hk, G * qn, 1).to(sdt)
         lse_t = lse_t.masked_fill(lse_t == NEG_INF, 0.0)  # fully masked rows: S = -inf, so P = 0
-        scratch = Scratch(inp.device)
+        scratch = pass_scratch(inp.device)
         # S's offset: the lse, when the raw scores are what the softmax saw; else S's product
         # stays in float32 (a score_mod or a float mask moves the entries that matter).
         s_used = torch.zeros_like(lse_t)
@@ -345,14 +358,14 @@ class Matmul(Backend):
         dq_acc = torch.zeros(q_t.shape, dtype=sdt, device=inp.device) if grads.dq is not None else None
         for seg in segments:
             kn = seg.ke - seg.ks
-            k_t = self._kv(inp.k, inp, seg, cdt)
-            v_t = self._kv(inp.v, inp, seg, cdt)
+            k_t = self._kv(inp.k, inp, seg, cdt, scratch, "k")
+            v_t = self._kv(inp.v, inp, seg, cdt, scratch, "v")
             shape = (B * Hk, G * qn, kn)
             if q_op is not None:
                 k_ext = q_op.operand(k_t, scratch)
                 raw = scratch.get("s", shape, sdt).copy_(q_op.product(k_ext, scratch.get("r", shape, cdt)))
             else:
-                k_s = k_t if k_t.dtype == sdt else self._kv(inp.k, inp, seg, sdt)
+                k_s = k_t if k_t.dtype == sdt else self._kv(inp.k, inp, seg, sdt, scratch, "k")
                 raw = torch.bmm(q_s, k_s.transpose(1, 2), out=scratch.get("s", shape, sdt))
             s_in: Optional[Tensor] = None
             s_mod: Optional[Tensor] = None
@@ -384,8 +397,8 @@ class Matmul(Backend):
                 del z
             if grads.dv is not None:
                 pd_h = pd if cdt == sdt else scratch.get("r", shape, cdt).copy_(pd)  # the products are read by now
-                dv = torch.bmm(pd_h.transpose(1, 2), do_t)
-                add_into(grads.dv[:, :, seg.ks : seg.ke], dv.view(B, Hk, kn, inp.Ev))
+                dv = torch.bmm(pd_h.transpose(1, 2), do_t, out=scratch.get("dkv", (B * Hk, kn, inp.Ev), cdt))
+                add_into(grads.dv[:, :, seg.ks : seg.ke], widened(dv, scratch, sdt).view(B, Hk, kn, inp.Ev))
                 del dv
             del pd
             ds = p.mul_(dp.sub_(D))
@@ -410,12 +423,14 @@ class Matmul(Backend):
                 ds = torch.mul(ds, inp.scale, out=scratch.get("r", shape, cdt))
             if dq_acc is not None:
                 if half:
-                    dq_acc.add_(torch.bmm(ds, k_t))
+                    dq = scratch.get("dq", tuple(dq_acc.shape), cdt)
+                    dq_acc.add_(torch.bmm(ds, dense_operand(k_t, scratch, "k"), out=dq))
                 else:
                     dq_acc.baddbmm_(ds, k_t)
             if grads.dk is not None:
                 # q_t carries the scale (full precision) or ds does (half precision).
-                add_into(grads.dk[:, :, seg.ks : seg.ke], torch.bmm(ds.transpose(1, 2), q_t).view(B, Hk, kn, inp.E))
+                dk = torch.bmm(ds.transpose(1, 2), q_t, out=scratch.get("dkv", (B * Hk, kn, inp.E), cdt))
+                add_into(grads.dk[:, :, seg.ks : seg.ke], widened(dk, scratch, sdt).view(B, Hk, kn, inp.E))
             del ds
         if grads.dq is not None and dq_acc is not None:
             if not half:
@@ -528,7 +543,7 @@ class OffsetOperand:
         written to ``out``."""
         return torch.baddbmm(out, self.rows, b_ext.transpose(1, 2), beta=0.0, alpha=self.alpha, out=out)
 
-    def operand(self, b: Tensor, scratch: "Scratch") -> Tensor:
+    def operand(self, b: Tensor, scratch: Scratch) -> Tensor:
         """``[b, 1]`` (batch, n, E + 1), in a scratch buffer."""
         batch, n, e = b.shape
         b_ext = scratch.get("operand", (batch, n, e + 1), self.rows.dtype)
@@ -562,21 +577,3 @@ def exp_(t: Tensor) -> Tensor:
     if t.dtype == torch.float64:
         return t.exp_()
     return t.mul_(LOG2E).exp2_()
-
-
-class Scratch:
-    """Tile-sized buffers reused by the tiles of one row block: a fresh tensor of several MiB
-    costs page faults on every allocation (about as much as one pass over it)."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self._buffers: Dict[str, Tensor] = {}
-
-    def get(self, name: str, shape: Tuple[int, ...], dtype: torch.dtype) -> Tensor:
-        """A contiguous tensor of ``shape`` (its contents are whatever the last use left)."""
-        n = math.prod(shape)
-        buf = self._buffers.get(name)
-        if buf is None or buf.numel() < n or buf.dtype != dtype:
-            buf = torch.empty(n, dtype=dtype, device=self.device)
-            self._buffers[name] = buf
-        return buf[:n].view(shape)
