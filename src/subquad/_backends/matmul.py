@@ -60,7 +60,7 @@ from .._callbacks import CapturedAsLeaves, apply_score_mod
 from .._inputs import Inputs
 from .._tiles import NEG_INF, Grads, RowState, Segment, add_into, dropout_scale, tile_bias
 from .base import Backend, Options, _bh, _grad_accum_bytes
-from .scratch import Scratch, call_buffers, dense_operand, pass_scratch, widened
+from .scratch import Scratch, call_buffers, pass_scratch
 
 
 class Matmul(Backend):
@@ -173,7 +173,7 @@ class Matmul(Backend):
 
         A key/value shared by the batch is copied per tile here (tile-sized, in the memory model)."""
         t = t[:, :, seg.ks : seg.ke].reshape(inp.B * inp.Hk, seg.ke - seg.ks, t.shape[-1])
-        return t if t.dtype == dtype else scratch.get(f"{name} {dtype}", tuple(t.shape), dtype).copy_(t)
+        return t if t.dtype == dtype else scratch.copy(f"{name} {dtype}", t, dtype)
 
     def _finish_scores(self, inp: Inputs, s: Tensor, qs: int, qe: int, seg: Segment) -> Tensor:
         """``score_mod`` and the tile's bias (masks, causal, ``mask_mod``) applied to raw scores."""
@@ -292,9 +292,9 @@ class Matmul(Backend):
                 # p in [0, 1] rounded to the operands' dtype, as the fused kernels do; the GEMM
                 # accumulates in float32 and its result is rounded once per tile.
                 # In the buffer of the tile's product (read by now): one tile fewer through the caches.
-                p_h = scratch.get("r", shape, cdt).copy_(p)
+                p_h = scratch.copy("r", p, cdt)
                 pv = scratch.get("pv", (B * Hk, G * qn, inp.Ev), cdt)
-                state.acc.add_(torch.bmm(p_h, dense_operand(v_t, scratch, "v"), out=pv))
+                state.acc.add_(torch.bmm(p_h, scratch.contiguous(v_t, "v"), out=pv))
             state.m.copy_(m_new)
             del s, p
         l_safe = state.l.masked_fill(state.l == 0, 1.0)  # fully masked rows: acc is 0, so output 0
@@ -363,7 +363,7 @@ class Matmul(Backend):
             shape = (B * Hk, G * qn, kn)
             if q_op is not None:
                 k_ext = q_op.operand(k_t, scratch)
-                raw = scratch.get("s", shape, sdt).copy_(q_op.product(k_ext, scratch.get("r", shape, cdt)))
+                raw = scratch.copy("s", q_op.product(k_ext, scratch.get("r", shape, cdt)), sdt)
             else:
                 k_s = k_t if k_t.dtype == sdt else self._kv(inp.k, inp, seg, sdt, scratch, "k")
                 raw = torch.bmm(q_s, k_s.transpose(1, 2), out=scratch.get("s", shape, sdt))
@@ -383,7 +383,7 @@ class Matmul(Backend):
                 dp = torch.bmm(do_t, v_t.transpose(1, 2), out=scratch.get("dp", shape, sdt))
             else:
                 v_ext = d_op.operand(v_t, scratch)
-                dp = scratch.get("dp", shape, sdt).copy_(d_op.product(v_ext, scratch.get("r", shape, cdt)))
+                dp = scratch.copy("dp", d_op.product(v_ext, scratch.get("r", shape, cdt)), sdt)
                 dp.add_(d_used)
             pd = p
             if inp.dropout_p > 0.0:
@@ -396,9 +396,9 @@ class Matmul(Backend):
                 dp.mul_(z)
                 del z
             if grads.dv is not None:
-                pd_h = pd if cdt == sdt else scratch.get("r", shape, cdt).copy_(pd)  # the products are read by now
+                pd_h = pd if cdt == sdt else scratch.copy("r", pd, cdt)  # the products are read by now
                 dv = torch.bmm(pd_h.transpose(1, 2), do_t, out=scratch.get("dkv", (B * Hk, kn, inp.Ev), cdt))
-                add_into(grads.dv[:, :, seg.ks : seg.ke], widened(dv, scratch, sdt).view(B, Hk, kn, inp.Ev))
+                add_into(grads.dv[:, :, seg.ks : seg.ke], scratch.widened(dv, sdt).view(B, Hk, kn, inp.Ev))
                 del dv
             del pd
             ds = p.mul_(dp.sub_(D))
@@ -424,13 +424,13 @@ class Matmul(Backend):
             if dq_acc is not None:
                 if half:
                     dq = scratch.get("dq", tuple(dq_acc.shape), cdt)
-                    dq_acc.add_(torch.bmm(ds, dense_operand(k_t, scratch, "k"), out=dq))
+                    dq_acc.add_(torch.bmm(ds, scratch.contiguous(k_t, "k"), out=dq))
                 else:
                     dq_acc.baddbmm_(ds, k_t)
             if grads.dk is not None:
                 # q_t carries the scale (full precision) or ds does (half precision).
                 dk = torch.bmm(ds.transpose(1, 2), q_t, out=scratch.get("dkv", (B * Hk, kn, inp.E), cdt))
-                add_into(grads.dk[:, :, seg.ks : seg.ke], widened(dk, scratch, sdt).view(B, Hk, kn, inp.E))
+                add_into(grads.dk[:, :, seg.ks : seg.ke], scratch.widened(dk, sdt).view(B, Hk, kn, inp.E))
             del ds
         if grads.dq is not None and dq_acc is not None:
             if not half:

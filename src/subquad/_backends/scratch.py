@@ -34,6 +34,19 @@ class Scratch:
             self._buffers[name] = buf
         return buf[:n].view(shape)
 
+    def copy(self, name: str, t: Tensor, dtype: Optional[torch.dtype] = None) -> Tensor:
+        """``t`` (cast to ``dtype``) copied into the buffer ``name``."""
+        return self.get(name, tuple(t.shape), t.dtype if dtype is None else dtype).copy_(t)
+
+    def contiguous(self, t: Tensor, name: str) -> Tensor:
+        """``t``, or a contiguous copy of it in the buffer ``name``: torch's bfloat16 GEMM copies a
+        strided operand (a tile of keys or values is a view) into a fresh buffer of its own."""
+        return t if t.is_contiguous() else self.copy(name, t)
+
+    def widened(self, t: Tensor, dtype: torch.dtype) -> Tensor:
+        """``t`` in ``dtype`` (the accumulators'), through a buffer rather than a new tensor."""
+        return t if t.dtype == dtype else self.copy("widened", t, dtype)
+
 
 _CALL = threading.local()
 
@@ -58,14 +71,3 @@ def pass_scratch(device: torch.device) -> Scratch:
     if device not in shared:
         shared[device] = Scratch(device)
     return shared[device]
-
-
-def dense_operand(t: Tensor, scratch: Scratch, name: str) -> Tensor:
-    """``t``, or a contiguous copy of it in a scratch buffer: torch's bfloat16 GEMM copies a
-    strided operand (a tile of keys or values is a view) into a fresh buffer of its own."""
-    return t if t.is_contiguous() else scratch.get(name, tuple(t.shape), t.dtype).copy_(t)
-
-
-def widened(t: Tensor, scratch: Scratch, dtype: torch.dtype) -> Tensor:
-    """``t`` in ``dtype`` (the accumulators'), through a scratch buffer rather than a new tensor."""
-    return t if t.dtype == dtype else scratch.get("widened", tuple(t.shape), dtype).copy_(t)
