@@ -10,7 +10,7 @@ subquad/peer ratios. Both versions thus meet the same stretches of machine time,
 ratio cancels what slows subquad and its peer alike. The figures are the medians over rounds of
 those ratios, with their range, and the median of the per-round after/before ratios.
 
-    python benchmarks/bench_before_after.py --before 23804b5 [--rounds 5] [--threads 2] [--json out.json]
+    python benchmarks/bench_before_after.py --before 23804b5 [--rounds 5] [--threads 2] [--only bf16] [--json out.json]
 """
 
 from __future__ import annotations
@@ -124,7 +124,10 @@ def child() -> None:
 
     torch.set_num_threads(int(os.environ.get("SUBQUAD_BENCH_THREADS", "1")))
     out: Dict[str, object] = {"subquad": subquad.__file__, "ratios": {}}
+    only = os.environ.get("SUBQUAD_BENCH_ONLY", "")
     for name, build in _cases().items():
+        if only not in name:
+            continue
         fns = build()
         with torch.enable_grad() if "bwd" in name else torch.no_grad():
             for f in fns.values():  # warm: plans, probes, caches
@@ -158,8 +161,9 @@ def _export(ref: str, into: str) -> str:
     return os.path.join(into, "src")
 
 
-def _run(src: str, threads: int) -> Dict[str, float]:
+def _run(src: str, threads: int, only: str) -> Dict[str, float]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, HERE]), "SUBQUAD_BENCH_THREADS": str(threads)}
+    env["SUBQUAD_BENCH_ONLY"] = only
     proc = subprocess.run([sys.executable, __file__, "--child"], env=env, capture_output=True, text=True, timeout=1200)
     if proc.returncode:
         raise SystemExit(f"child for {src} failed:\n{proc.stderr[-3000:]}")
@@ -174,6 +178,7 @@ def main() -> int:
     p.add_argument("--after", default=None, help="git ref of the new version (default: this working tree)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=1, help="torch threads in each process (default 1)")
+    p.add_argument("--only", default="", help="run only the cases whose name contains this text")
     p.add_argument("--json")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -188,7 +193,7 @@ def main() -> int:
         rounds: Dict[str, List[Dict[str, float]]] = {"before": [], "after": []}
         for r in range(args.rounds):
             for v in (("before", "after") if r % 2 == 0 else ("after", "before")):
-                rounds[v].append(_run(versions[v], args.threads))
+                rounds[v].append(_run(versions[v], args.threads, args.only))
                 print(f"round {r + 1}/{args.rounds} {v} done", file=sys.stderr, flush=True)
     head = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout
     report: Dict[str, object] = {

@@ -18,7 +18,8 @@
   (1x8x4096x64) and forward + backward (1x4x2048x64).
 
 Run it with nothing else on the machine. To measure an older checkout, run this file with
-``PYTHONPATH=<that checkout>/src``.
+``PYTHONPATH=<that checkout>/src``. The bfloat16 tiles use the native kernel where it is built
+(``subquad build``; ``SUBQUAD_NATIVE=off`` measures them without it): the machine line says which.
 """
 
 from __future__ import annotations
@@ -44,6 +45,14 @@ from _harness import machine
 SHAPE = (1, 8, 4096, 64)
 BWD_SHAPE = (1, 4, 2048, 64)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _native_status() -> str:
+    try:
+        from subquad import _native  # absent from a checkout before the native kernel
+    except ImportError:
+        return "none (a subquad without subquad._native)"
+    return _native.status()
 
 
 def _cpu_flags() -> List[str]:
@@ -172,7 +181,7 @@ def main() -> None:
     if args.one_process:
         _one_process(args.one_process)
         return
-    results: Dict[str, Any] = {"machine": dict(machine(), flags=_cpu_flags())}
+    results: Dict[str, Any] = {"machine": dict(machine(), flags=_cpu_flags(), native_kernel=_native_status())}
     print(f"# {results['machine']}")
     title = f"forward {SHAPE}, {args.rounds} interleaved rounds: median [min-max] ms, explain()'s prediction"
     results["forward"], preds, med = _timed_and_predicted(_forward_calls(), args.rounds, SHAPE, False, title)

@@ -9,6 +9,9 @@ from typing import Optional
 # Compiling FlexAttention costs seconds per new callback: the suite runs the tiles by default, and
 # the tests of the compiled path (tests/test_flex.py) opt in with allow_compile=True.
 os.environ.setdefault("SUBQUAD_COMPILE", "0")
+# The suite runs the eager tile passes whatever `subquad build` left in this machine's cache;
+# tests/test_native.py builds the native kernel in a temporary folder and tests it there.
+os.environ["SUBQUAD_NATIVE"] = "off"
 # `subquad bench` fixes glibc's allocator thresholds in the process that times (bench/meters.py):
 # the suite's process keeps glibc's defaults, which its RSS measurements assume.
 os.environ.setdefault("SUBQUAD_BENCH_STEADY_MALLOC", "0")

@@ -38,6 +38,7 @@ LAYERS: List[Tuple[str, ...]] = [
     ("subquad._buckets",),
     ("subquad._planner",),
     ("subquad._backends",),
+    ("subquad._native",),
     ("subquad._traced",),
     ("subquad.mods",),
     ("subquad._tiles",),

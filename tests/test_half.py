@@ -447,3 +447,29 @@ def test_float16_gemm_verdict_is_a_wide_gap_timed_on_real_tensors(monkeypatch):
         matmul.native_fp16_products()
         matmul.native_fp16_products()  # asked once per process
     assert len(made) == 1 and not isinstance(made[0], FakeTensor)
+
+
+def test_small_head_dims_take_float32_products(monkeypatch):
+    # Below HALF_PRODUCTS_MIN_HEAD_DIM a bfloat16 product's rounding of the scores (an lse off by
+    # ~2e-3) would dominate the gradients' error: head dim 1 gave dQ 2.4x SDPA's error with them.
+    monkeypatch.setattr(matmul, "_NATIVE_BF16", True)
+    g = torch.Generator().manual_seed(3)
+    q = (torch.randn(2, 2, 40, 1, generator=g) * 2).to(BF16)
+    k, v = ((torch.randn(2, 2, 50, 1, generator=g) * 2).to(BF16) for _ in range(2))
+    d_out = torch.randn(2, 2, 40, 1, generator=g).to(BF16)
+    for e, want in [(1, torch.float32), (matmul.HALF_PRODUCTS_MIN_HEAD_DIM, BF16)]:
+        x = torch.zeros(1, 1, 8, e, dtype=BF16)
+        with OpRecorder() as rec:
+            subquad.attention(x, x, x, backend="matmul")
+        assert {op.out_dtypes for op in rec.named("aten.bmm", "aten.baddbmm")} == {(want,)}, e
+
+    def grads(fn, *ts):
+        ts = [t.detach().requires_grad_() for t in ts]
+        return torch.autograd.grad(fn(*ts), ts, d_out.to(ts[0].dtype))
+
+    golden = grads(F.scaled_dot_product_attention, *to64(q, k, v))
+    ours = grads(lambda *t: subquad.attention(*t, backend="matmul", chunk_size=(16, 24)), q, k, v)
+    sdpa = grads(F.scaled_dot_product_attention, q, k, v)
+    for n, got, ref, gold in zip("qkv", ours, sdpa, golden):
+        err, ref_err = ((t.double() - gold).abs().max().item() for t in (got, ref))
+        assert err <= 1.5 * ref_err, (n, err, ref_err)

@@ -1,4 +1,4 @@
-"""The ``subquad`` command: ``subquad info``, ``subquad bench``, ``subquad install`` and ``subquad --version``.
+"""The ``subquad`` command: ``subquad info``, ``subquad bench``, ``subquad install``, ``subquad build`` and ``subquad --version``.
 
 ``--version`` and ``--help`` need no torch (JAX users have none); ``info`` and ``bench`` import it
 when they run, and without it say what to install.
@@ -21,6 +21,7 @@ def _info(args: argparse.Namespace) -> int:
     import torch  # optional dependency (subquad[torch]), present: main() required it
 
     import subquad  # optional: the torch face, loaded in full once torch is there
+    from subquad import _native  # optional: needs torch
     from subquad._backends import cpu_flash_unavailable_reason  # optional: needs torch
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -33,6 +34,7 @@ def _info(args: argparse.Namespace) -> int:
     print(f"device: {name}; free memory ≈ {format_bytes(free_memory_bytes(device))}")
     why = cpu_flash_unavailable_reason()
     print(f"fused CPU flash kernel (per tile, with lse): {'available' if why is None else 'unavailable: ' + why}")
+    print(f"native bfloat16 tile kernel: {_native.status()}")
     if device.type == "cuda":
         from torch.backends import cuda as bc
 
@@ -95,6 +97,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--budget", default=None, help="memory budget, e.g. 64MiB (default: half the free memory)")
     p.add_argument("--causal", action="store_true")
     p.add_argument("--run", action="store_true", help="also run the sample input and time it")
+    sub.add_parser(
+        "build",
+        help="compile the optional native kernel for bfloat16 tiles on this CPU (a C++ compiler; about 30 s)",
+        description="Compile subquad's native kernel for the bfloat16 tiles of the matmul backend on this "
+        "machine (PyTorch's extension builder: a C++ compiler and ninja), or find it built. With "
+        "SUBQUAD_NATIVE=auto (the default) the tiles use it once it is built; SUBQUAD_NATIVE=off never does.",
+    )
     sub.add_parser("bench", help="benchmark attention implementations on this machine (see `subquad bench --help`)")
     for verb, what in (("install", "write"), ("uninstall", "remove")):
         p = sub.add_parser(
@@ -127,6 +136,21 @@ def main(argv: Optional[List[str]] = None) -> int:
         return _info(args)
     if args.command in ("install", "uninstall"):
         return _install(args.command, args.host, args.dir)
+    if args.command == "build":
+        return _build()
+    return 0
+
+
+def _build() -> int:
+    """``subquad build``: 0 when the kernel is built (or was), 1 with the builder's reason when not."""
+    from subquad import _native  # optional: needs torch, required by main()
+
+    try:
+        _native.build(verbose=False)
+    except Exception as e:  # the builder's errors (no compiler, no ninja, a compile error), in one place
+        print(f"subquad build: the native kernel did not build: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    print(f"native bfloat16 tile kernel: {_native.status()}")
     return 0
 
 

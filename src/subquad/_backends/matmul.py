@@ -15,8 +15,8 @@ tiles of keys and values cast or copied for a GEMM and the products with them):
   (``baddbmm_``). No conversion of a tile. The forward keeps raw scores in log2 units (the scale
   carries log2 e: no pass multiplies them); with a ``score_mod`` or a float mask, which need the
   scores themselves, and in the backward, ``· log2 e`` is one more pass before ``exp2``.
-- bfloat16 with bfloat16 products (a CPU with AVX512-BF16 or AMX, :func:`native_bf16_products`):
-  the keys copied into a ``kn x (E + 1)`` bfloat16 operand with a column of ones (not
+- bfloat16 with bfloat16 products (a CPU with AVX512-BF16 or AMX, :func:`native_bf16_products`,
+  head dims of :data:`HALF_PRODUCTS_MIN_HEAD_DIM` or more): the keys copied into a ``kn x (E + 1)`` bfloat16 operand with a column of ones (not
   tile-sized), whose product with the query rows and their offset column writes each score minus
   its row's offset into a bfloat16 buffer ``r`` (:class:`OffsetOperand`; the GEMM rounds once);
   one conversion of ``r`` into ``s``; the float32 passes above, with the offsets subtracted
@@ -38,6 +38,13 @@ tiles of keys and values cast or copied for a GEMM and the products with them):
   conversions and one addition, all four bfloat16 tiles in one buffer (each is read before the
   next is written; fwd+bwd 1x8x2048x64 measured 0.89-1.01x the time of two buffers). With a
   ``score_mod`` or a float mask S's product stays in float32.
+- the same with the native kernel (:mod:`subquad._native`, built by ``subquad build``; calls
+  without dropout whose softmax sees the raw scores): after the offset product, one pass per
+  tile in C++ instead of the eager ones. Forward: reads ``r``, writes ``p`` over it in bfloat16
+  and returns the rows' sums and maxima (no ``s``, no conversion, ``amax``, subtraction,
+  ``exp2``, ``sum`` or cast over the tile). Backward: S's and ``dP``'s offset products go into
+  two bfloat16 buffers and one pass turns them into ``p`` and the scaled ``dS`` in place (no
+  float32 tile). Rows whose maximum moved are redone as above, from the new product.
 
 On MPS (no Mac here, nothing of this measured): half-precision inputs take the first path,
 float32 products (``q``/``k``/``v`` converted per tile), the same float32 passes and no
@@ -50,6 +57,7 @@ from __future__ import annotations
 
 import math
 import time
+from types import ModuleType
 from typing import ContextManager, Iterable, Optional, Tuple
 
 import torch
@@ -58,8 +66,10 @@ from torch.utils import _python_dispatch
 
 from .._callbacks import CapturedAsLeaves, apply_score_mod
 from .._inputs import Inputs
+from .._native import tile_kernel
 from .._tiles import NEG_INF, Grads, RowState, Segment, add_into, dropout_scale, tile_bias
 from .base import Backend, Options, _bh, _grad_accum_bytes
+from .offsets import LN2, LOG2E, OffsetOperand, far_rows, first_offsets
 from .scratch import Scratch, call_buffers, pass_scratch
 
 
@@ -137,9 +147,11 @@ class Matmul(Backend):
         """The dtype a tile's matmuls take their operands in.
 
         - bfloat16 inputs on a CPU that multiplies bfloat16 natively (AVX512-BF16 or AMX,
-          :func:`native_bf16_products`): bfloat16. The GEMM accumulates in float32 and rounds its
-          result once; every product is given a per-row offset so that what it rounds is small
-          where the softmax looks (:class:`OffsetOperand`).
+          :func:`native_bf16_products`), head dims of :data:`HALF_PRODUCTS_MIN_HEAD_DIM` or more:
+          bfloat16. The GEMM accumulates in float32 and rounds its result once; every product is
+          given a per-row offset so that what it rounds is small where the softmax looks
+          (:class:`OffsetOperand`). Below that head dim the products are a small share of a
+          tile's time and float32 ones keep the lse exact (see the constant).
         - other half-precision inputs: float32. A float16 GEMM is emulated on CPUs without
           AVX512-FP16 (about 100x slower than float32 on the project's CPU); on CUDA and MPS the
           half-precision GEMMs with a float32 epilogue have not been measured (no device here), so
@@ -149,7 +161,8 @@ class Matmul(Backend):
         The row statistics and the accumulator are float32 whatever this returns
         (``Inputs.stats_dtype``).
         """
-        if inp.dtype == torch.bfloat16 and inp.device_type == "cpu" and native_bf16_products():
+        wide = min(inp.E, inp.Ev) >= HALF_PRODUCTS_MIN_HEAD_DIM
+        if inp.dtype == torch.bfloat16 and inp.device_type == "cpu" and wide and native_bf16_products():
             return torch.bfloat16
         if inp.dtype in (torch.float16, torch.bfloat16):
             return torch.float32
@@ -192,7 +205,7 @@ class Matmul(Backend):
     def _offset_scores(
         self,
         inp: Inputs,
-        q_op: "OffsetOperand",
+        q_op: OffsetOperand,
         qs: int,
         qe: int,
         seg: Segment,
@@ -203,34 +216,27 @@ class Matmul(Backend):
         """A tile's scores from half-precision products: ``(s - used, rows' max, used, next)``.
 
         For calls whose softmax sees the raw scores (masks of ``-inf`` only), so that a row's
-        maximum is the raw score of its largest entry. The product is offset by ``off`` (each
-        row's maximum so far; in a row block's first tile, over a sample of the tile's keys, plus
-        :data:`FIRST_OFFSET_MARGIN`) and the float32 scores are returned relative to the offsets
-        ``used``, which the caller subtracts with the row maximum. Where a row's maximum moves
-        into this tile by more than :data:`OFFSET_DRIFT`, the tile is computed again with the new
+        maximum is the raw score of its largest entry. The product is offset by
+        :func:`~subquad._backends.offsets.first_offsets` and the float32 scores are returned
+        relative to the offsets ``used``, which the caller subtracts with the row maximum. Where
+        a row's maximum moves into this tile by more than :data:`OFFSET_DRIFT`, the row (or the
+        whole tile: :func:`~subquad._backends.offsets.far_rows`) is computed again with the new
         maximum as offset; ``next``: the offsets of the following tile.
         """
         shape = (q_op.rows.shape[0], q_op.rows.shape[1], seg.ke - seg.ks)
         k_t = self._kv(inp.k, inp, seg, q_op.rows.dtype, scratch, "k")
         b_ext = q_op.operand(k_t, scratch)  # built once: the tile's products and any redone rows
         r, s = scratch.get("r", shape, q_op.rows.dtype), scratch.get("s", shape, inp.stats_dtype)
-        if seg.ks == 0 or bool(torch.isneginf(m_run).all()):
-            # A sample of keys every row sees has its maximum at or below the tile's; a masked
-            # tile's may lie above a row's (keys that row does not see): no margin there.
-            sees_all = inp.attn_mask is None and seg.causal == "none" and not seg.needs_mask_mod
-            off = q_op.set_offset(_sampled_max(q_op, k_t).add_(FIRST_OFFSET_MARGIN if sees_all else 0.0))
+        off = first_offsets(inp, seg, q_op, k_t, m_run, off)
         s = self._add_bias(inp, s.copy_(q_op.product(b_ext, r)), qs, qe, seg)
         m_tile = s.amax(dim=-1).add_(off.squeeze(-1))
-        moved = m_tile > m_run
-        far = moved & ((m_tile - off.squeeze(-1)).abs() > OFFSET_DRIFT)
-        target = torch.where(moved, m_tile, off.squeeze(-1))
-        if not bool(far.any()):
-            return s, m_tile, off, q_op.set_offset(target)
-        new_off = q_op.set_offset(target)
-        batches = far.any(dim=-1).nonzero().squeeze(1).tolist()
-        if len(batches) > PARTIAL_REDO_BATCHES or int(far.sum()) * PARTIAL_REDO_SHARE > far.numel():
+        moved, far, batches = far_rows(m_tile, m_run, off)
+        new_off = q_op.set_offset(torch.where(moved, m_tile, off.squeeze(-1)))
+        if batches is None:
             s = self._add_bias(inp, s.copy_(q_op.product(b_ext, r)), qs, qe, seg)
             return s, s.amax(dim=-1).add_(new_off.squeeze(-1)), new_off, new_off
+        if not batches:
+            return s, m_tile, off, new_off
         # Only the rows that moved far are computed again (a tile of 8k rows has one nearly always):
         # their new products replace the old ones in the biased scores, s += new - old.
         for b in batches:
@@ -241,6 +247,52 @@ class Matmul(Backend):
             s[b].index_add_(0, rows, redo.float().sub_(old))
         used = torch.where(far.unsqueeze(-1), new_off, off)
         return s, s.amax(dim=-1).add_(used.squeeze(-1)), used, new_off
+
+    def _native_probabilities(
+        self,
+        inp: Inputs,
+        q_op: OffsetOperand,
+        qs: int,
+        qe: int,
+        seg: Segment,
+        m_run: Tensor,
+        off: Tensor,
+        scratch: Scratch,
+        kernel: ModuleType,
+    ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+        """:meth:`_offset_scores` and the softmax passes in one, with the native kernel
+        (:mod:`subquad._native`): ``(p, row sums, rows' max, next offsets)``, ``p`` rounded to the
+        products' dtype and relative to ``max(m_run, rows' max)`` (0 where nothing is visible), as
+        the eager passes leave it; rows computed again as there.
+        """
+        shape = (q_op.rows.shape[0], q_op.rows.shape[1], seg.ke - seg.ks)
+        k_t = self._kv(inp.k, inp, seg, q_op.rows.dtype, scratch, "k")
+        b_ext = q_op.operand(k_t, scratch)
+        r = scratch.get("r", shape, q_op.rows.dtype)
+        off = first_offsets(inp, seg, q_op, k_t, m_run, off)
+        p = self._add_bias(inp, q_op.product(b_ext, r), qs, qe, seg)
+        row_sums, m_tile = kernel.exp2_rows_bf16(p, m_run, off.squeeze(-1).contiguous())
+        moved, far, batches = far_rows(m_tile, m_run, off)
+        new_off = q_op.set_offset(torch.where(moved, m_tile, off.squeeze(-1)))
+        if batches is None:
+            p = self._add_bias(inp, q_op.product(b_ext, r), qs, qe, seg)
+            row_sums, m_tile = kernel.exp2_rows_bf16(p, m_run, new_off.squeeze(-1).contiguous())
+            return p, row_sums, m_tile, new_off
+        # The rows that moved far, again with their maximum as offset, and their maximum read
+        # again from the new product; what the first left at 0 (masked, or below 2^-126 of the
+        # row's largest) stays 0.
+        for b in batches:
+            rows = far[b].nonzero().squeeze(1)
+            hidden = p[b].index_select(0, rows) == 0
+            a = q_op.rows[b].index_select(0, rows)
+            redo = torch.addmm(a.new_empty(hidden.shape), a, b_ext[b].t(), beta=0.0, alpha=q_op.alpha)
+            redo = redo.float().masked_fill_(hidden, NEG_INF)
+            used = new_off[b, rows]
+            m_tile[b, rows] = top = redo.amax(dim=-1).add_(used.squeeze(-1))
+            redo.sub_(torch.maximum(m_run[b, rows], top).unsqueeze(-1) - used).exp2_()
+            row_sums[b, rows] = redo.sum(dim=-1)
+            p[b].index_copy_(0, rows, redo.to(p.dtype))
+        return p, row_sums, m_tile, new_off
 
     def forward_rows(
         self, inp: Inputs, qs: int, qe: int, segments: Iterable[Segment], out: Optional[Tensor], seed: int
@@ -268,9 +320,14 @@ class Matmul(Backend):
             q_op = OffsetOperand(self._q_operand(inp, qs, qe, cdt), inp.scale * unit)
         else:
             q_t = self._q_operand(inp, qs, qe, sdt, unit)
+        kernel = tile_kernel() if offset_s and inp.dropout_p == 0.0 and inp.device_type == "cpu" else None
         for seg in segments:
             shape = (B * Hk, G * qn, seg.ke - seg.ks)
-            if offset_s:
+            if kernel is not None:
+                p, row_sums, m_tile, nxt = self._native_probabilities(
+                    inp, q_op, qs, qe, seg, state.m, nxt, scratch, kernel
+                )
+            elif offset_s:
                 s, m_tile, used, nxt = self._offset_scores(inp, q_op, qs, qe, seg, state.m, nxt, scratch)
             else:
                 k_t = self._kv(inp.k, inp, seg, sdt, scratch, "k").transpose(1, 2)
@@ -278,10 +335,12 @@ class Matmul(Backend):
                 m_tile = s.amax(dim=-1)
             m_new = torch.maximum(state.m, m_tile)
             m_ref = m_new.masked_fill(m_new == NEG_INF, 0.0)  # rows with nothing visible yet stay finite
-            s.sub_(m_ref.unsqueeze(-1) - used)
-            p = s.exp2_() if log2 else exp_(s)
+            if kernel is None:
+                s.sub_(m_ref.unsqueeze(-1) - used)
+                p = s.exp2_() if log2 else exp_(s)
+                row_sums = p.sum(dim=-1)
             correction = torch.exp2(state.m - m_ref) if log2 else torch.exp(state.m - m_ref)
-            state.l.mul_(correction).add_(p.sum(dim=-1))
+            state.l.mul_(correction).add_(row_sums)
             state.acc.mul_(correction.unsqueeze(-1))
             if inp.dropout_p > 0.0:
                 p.view(B, Hq, qn, -1).mul_(dropout_scale(inp, seed, qs, qe, seg.ks, seg.ke, sdt))
@@ -292,11 +351,11 @@ class Matmul(Backend):
                 # p in [0, 1] rounded to the operands' dtype, as the fused kernels do; the GEMM
                 # accumulates in float32 and its result is rounded once per tile.
                 # In the buffer of the tile's product (read by now): one tile fewer through the caches.
-                p_h = scratch.copy("r", p, cdt)
+                p_h = p if p.dtype == cdt else scratch.copy("r", p, cdt)
                 pv = scratch.get("pv", (B * Hk, G * qn, inp.Ev), cdt)
                 state.acc.add_(torch.bmm(p_h, scratch.contiguous(v_t, "v"), out=pv))
             state.m.copy_(m_new)
-            del s, p
+            del p
         l_safe = state.l.masked_fill(state.l == 0, 1.0)  # fully masked rows: acc is 0, so output 0
         out[:, :, qs:qe].copy_(state.acc.div_(l_safe.unsqueeze(-1)).view(B, Hq, qn, inp.Ev))
         if log2:
@@ -356,71 +415,87 @@ class Matmul(Backend):
             d_op = OffsetOperand(do_t, 1.0)
             d_used = d_op.set_offset(D.squeeze(-1) * (1.0 - inp.dropout_p))
         dq_acc = torch.zeros(q_t.shape, dtype=sdt, device=inp.device) if grads.dq is not None else None
+        kernel = None
+        if q_op is not None and d_op is not None and inp.dropout_p == 0.0 and grads.dmask is None:
+            kernel = tile_kernel() if inp.device_type == "cpu" else None
+            shift = (lse_t - s_used).squeeze(-1).contiguous()  # P = exp(S - lse), S offset by s_used
+            c_dp = (d_used - D).squeeze(-1).contiguous()  # dP - D, dP offset by d_used
         for seg in segments:
             kn = seg.ke - seg.ks
             k_t = self._kv(inp.k, inp, seg, cdt, scratch, "k")
             v_t = self._kv(inp.v, inp, seg, cdt, scratch, "v")
             shape = (B * Hk, G * qn, kn)
-            if q_op is not None:
-                k_ext = q_op.operand(k_t, scratch)
-                raw = scratch.copy("s", q_op.product(k_ext, scratch.get("r", shape, cdt)), sdt)
+            if kernel is not None and q_op is not None and d_op is not None:
+                # P and the scaled dS in one pass (subquad._native), each rounded once to bfloat16 in
+                # its product's buffer: P for dV, dS for dQ and dK.
+                p_h = scratch.get("r", shape, cdt)
+                p_h = self._add_bias(inp, q_op.product(q_op.operand(k_t, scratch), p_h), qs, qe, seg)
+                ds = d_op.product(d_op.operand(v_t, scratch), scratch.get("r2", shape, cdt))
+                kernel.softmax_grad_rows_bf16(p_h, ds, shift, c_dp, inp.scale)
+                if grads.dv is not None:
+                    dv = torch.bmm(p_h.transpose(1, 2), do_t, out=scratch.get("dkv", (B * Hk, kn, inp.Ev), cdt))
+                    add_into(grads.dv[:, :, seg.ks : seg.ke], scratch.widened(dv, sdt).view(B, Hk, kn, inp.Ev))
             else:
-                k_s = k_t if k_t.dtype == sdt else self._kv(inp.k, inp, seg, sdt, scratch, "k")
-                raw = torch.bmm(q_s, k_s.transpose(1, 2), out=scratch.get("s", shape, sdt))
-            s_in: Optional[Tensor] = None
-            s_mod: Optional[Tensor] = None
-            if inp.score_mod is None:
-                s = self._add_bias(inp, raw, qs, qe, seg)
-            else:
-                with torch.enable_grad():
-                    s_in = raw.view(B, Hq, qn, kn).detach().requires_grad_()
-                    leaves = CapturedAsLeaves(grads.proxies, [s_in])
-                    s_mod = apply_score_mod(inp, s_in, qs, qe, seg.ks, seg.ke, leaves)
-                s = self._add_bias(inp, s_mod.detach().reshape(B * Hk, G * qn, kn).clone(), qs, qe, seg)
-            del raw
-            p = exp_(s.sub_(lse_t - s_used))
-            if d_op is None:
-                dp = torch.bmm(do_t, v_t.transpose(1, 2), out=scratch.get("dp", shape, sdt))
-            else:
-                v_ext = d_op.operand(v_t, scratch)
-                dp = scratch.copy("dp", d_op.product(v_ext, scratch.get("r", shape, cdt)), sdt)
-                dp.add_(d_used)
-            pd = p
-            if inp.dropout_p > 0.0:
-                z = (
-                    dropout_scale(inp, seed, qs, qe, seg.ks, seg.ke, sdt)
-                    .expand(B, Hq, qn, kn)
-                    .reshape(B * Hk, G * qn, kn)
-                )
-                pd = p * z
-                dp.mul_(z)
-                del z
-            if grads.dv is not None:
-                pd_h = pd if cdt == sdt else scratch.copy("r", pd, cdt)  # the products are read by now
-                dv = torch.bmm(pd_h.transpose(1, 2), do_t, out=scratch.get("dkv", (B * Hk, kn, inp.Ev), cdt))
-                add_into(grads.dv[:, :, seg.ks : seg.ke], scratch.widened(dv, sdt).view(B, Hk, kn, inp.Ev))
-                del dv
-            del pd
-            ds = p.mul_(dp.sub_(D))
-            del dp
-            if grads.dmask is not None:
-                target = grads.dmask
-                if target.shape[-2] != 1:
-                    target = target[..., qs:qe, :]
-                if target.shape[-1] != 1:
-                    target = target[..., seg.ks : seg.ke]
-                add_into(target, ds.view(B, Hq, qn, kn))
-            if s_mod is not None and s_in is not None:
-                proxies = list(grads.proxies.values())
-                pulled = torch.autograd.grad(s_mod, [s_in, *proxies], ds.view(B, Hq, qn, kn), allow_unused=True)
-                for acc_g, g in zip(grads.dcaptured, pulled[1:]):
-                    if g is not None:
-                        acc_g += g
-                ds = pulled[0].reshape(B * Hk, G * qn, kn) if pulled[0] is not None else torch.zeros_like(ds)
-                del s_mod, s_in, pulled
-            if half:
-                # The scale goes into dS as it is rounded (q_t is unscaled here).
-                ds = torch.mul(ds, inp.scale, out=scratch.get("r", shape, cdt))
+                if q_op is not None:
+                    k_ext = q_op.operand(k_t, scratch)
+                    raw = scratch.copy("s", q_op.product(k_ext, scratch.get("r", shape, cdt)), sdt)
+                else:
+                    k_s = k_t if k_t.dtype == sdt else self._kv(inp.k, inp, seg, sdt, scratch, "k")
+                    raw = torch.bmm(q_s, k_s.transpose(1, 2), out=scratch.get("s", shape, sdt))
+                s_in: Optional[Tensor] = None
+                s_mod: Optional[Tensor] = None
+                if inp.score_mod is None:
+                    s = self._add_bias(inp, raw, qs, qe, seg)
+                else:
+                    with torch.enable_grad():
+                        s_in = raw.view(B, Hq, qn, kn).detach().requires_grad_()
+                        leaves = CapturedAsLeaves(grads.proxies, [s_in])
+                        s_mod = apply_score_mod(inp, s_in, qs, qe, seg.ks, seg.ke, leaves)
+                    s = self._add_bias(inp, s_mod.detach().reshape(B * Hk, G * qn, kn).clone(), qs, qe, seg)
+                del raw
+                p = exp_(s.sub_(lse_t - s_used))
+                if d_op is None:
+                    dp = torch.bmm(do_t, v_t.transpose(1, 2), out=scratch.get("dp", shape, sdt))
+                else:
+                    v_ext = d_op.operand(v_t, scratch)
+                    dp = scratch.copy("dp", d_op.product(v_ext, scratch.get("r", shape, cdt)), sdt)
+                    dp.add_(d_used)
+                pd = p
+                if inp.dropout_p > 0.0:
+                    z = (
+                        dropout_scale(inp, seed, qs, qe, seg.ks, seg.ke, sdt)
+                        .expand(B, Hq, qn, kn)
+                        .reshape(B * Hk, G * qn, kn)
+                    )
+                    pd = p * z
+                    dp.mul_(z)
+                    del z
+                if grads.dv is not None:
+                    pd_h = pd if cdt == sdt else scratch.copy("r", pd, cdt)  # the products are read by now
+                    dv = torch.bmm(pd_h.transpose(1, 2), do_t, out=scratch.get("dkv", (B * Hk, kn, inp.Ev), cdt))
+                    add_into(grads.dv[:, :, seg.ks : seg.ke], scratch.widened(dv, sdt).view(B, Hk, kn, inp.Ev))
+                    del dv
+                del pd
+                ds = p.mul_(dp.sub_(D))
+                del dp
+                if grads.dmask is not None:
+                    target = grads.dmask
+                    if target.shape[-2] != 1:
+                        target = target[..., qs:qe, :]
+                    if target.shape[-1] != 1:
+                        target = target[..., seg.ks : seg.ke]
+                    add_into(target, ds.view(B, Hq, qn, kn))
+                if s_mod is not None and s_in is not None:
+                    proxies = list(grads.proxies.values())
+                    pulled = torch.autograd.grad(s_mod, [s_in, *proxies], ds.view(B, Hq, qn, kn), allow_unused=True)
+                    for acc_g, g in zip(grads.dcaptured, pulled[1:]):
+                        if g is not None:
+                            acc_g += g
+                    ds = pulled[0].reshape(B * Hk, G * qn, kn) if pulled[0] is not None else torch.zeros_like(ds)
+                    del s_mod, s_in, pulled
+                if half:
+                    # The scale goes into dS as it is rounded (q_t is unscaled here).
+                    ds = torch.mul(ds, inp.scale, out=scratch.get("r", shape, cdt))
             if dq_acc is not None:
                 if half:
                     dq = scratch.get("dq", tuple(dq_acc.shape), cdt)
@@ -438,31 +513,14 @@ class Matmul(Backend):
             add_into(grads.dq[:, :, qs:qe], dq_acc.view(B, Hq, qn, inp.E))
 
 
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
-
-PARTIAL_REDO_BATCHES = 16
-PARTIAL_REDO_SHARE = 8
-"""A tile whose offsets moved too far in at most this many of its batch entries (heads), and in
-at most 1/``PARTIAL_REDO_SHARE`` of its rows, computes those rows again; otherwise the whole tile."""
-
-OFFSET_DRIFT = 2.0 * LOG2E
-"""How far (in log2 units: 2 in score units) a row's maximum may lie from the offset of its
-half-precision product before the product is redone with a new offset: within it, the entries
-the softmax weighs most are rounded to 2^-7 (in log2 units) or better. With 1.0 (in score units)
-nearly every tile of 1x8x4096x64 was computed twice: among thousands of rows one always moves."""
-
-FIRST_OFFSET_MARGIN = 0.5 * LOG2E
-"""Added to a row block's first offsets (log2 units; 0.5 in score units) where the first tile has
-no mask. A sample's maximum lies at or below the tile's, so with the margin a row's maximum may
-lie up to the margin + :data:`OFFSET_DRIFT` above its sample's before the row is computed again.
-(In a masked tile the sample may hold keys a row does not see, its maximum above the row's: a
-margin there redid 72 rows of a causal call's first, diagonal, tile instead of 29.) 1x8x4096x64
-bf16, seeds 0-4: 37-49 rows computed again instead of 108-158 (causal, seeds 0-2: 63-74 instead
-of 82-99); in-process pairs measured 0.94-0.98x the time (two threads; causal 0.96x) and 1.00x
-(1x8x2048x64, one thread). Over 24 calls of 1x4x1024x64 (scores ~1-16, causal or not) the
-largest error against float64 did not change and the mean error rose 0.4%. A margin of 1.0 (then
-on masked first tiles too) cut the rows to 24-36 and raised the mean error 1.9%."""
+HALF_PRODUCTS_MIN_HEAD_DIM = 32
+"""The smallest head dim whose tiles take bfloat16 products. A bfloat16 product rounds each score
+(minus its row's offset) to 8 bits, which puts an error of about 2e-3 into the forward's lse (a
+float32 product: 1e-6; the fused kernel: 5e-5) and so into every P of the backward; with many
+dimensions the gradients' own rounding dominates, with few it does not: head dim 1 (2x2x40x50,
+scores up to ~15) gave dQ 2.4x SDPA's bfloat16 error against float64 (float32 products: 1.0x). And
+at head dims below 32 the products are a small share of a tile's time: 1x8x2048xE bfloat16, two
+threads, float32 / bfloat16 products 1.13 (E = 1), 1.00 (8), 0.74 (16), 0.83 (32), 0.98 (64)."""
 
 
 def native_bf16_products() -> bool:
@@ -508,59 +566,6 @@ def _fp16_gemm_slowdown() -> float:
             best = min(best, time.perf_counter() - t0)
         times[dtype] = max(best, 1e-9)
     return times[torch.float16] / times[torch.float32]
-
-
-class OffsetOperand:
-    """A half-precision GEMM operand ``a`` (batch, rows, E) with one more column for each row's
-    offset: a product is ``alpha · [a, -o/alpha] @ [b, 1]ᵀ = alpha · a @ bᵀ - o``.
-
-    The GEMM accumulates in float32 and rounds its result once, to the operands' dtype (8
-    significant bits for bfloat16): with the offset inside, what it rounds is each value's
-    distance to its row's offset, so the entries near it (those the softmax weighs) keep an
-    absolute error of 2^-9 of that distance, not of their magnitude (scores of 40 would
-    otherwise be off by 0.06, 6% once exponentiated). Both operands are contiguous copies (a
-    bfloat16 GEMM on strided tiles ran 35% slower here), the offset column costs one more step
-    of the reduction (E + 1), and ``alpha`` is applied in float32 before the rounding.
-    """
-
-    def __init__(self, a: Tensor, alpha: float) -> None:
-        batch, rows, e = a.shape
-        self.e, self.alpha = e, alpha
-        self.rows = torch.empty((batch, rows, e + 1), dtype=a.dtype, device=a.device)
-        self.rows[..., :e].copy_(a)
-
-    def set_offset(self, off: Tensor) -> Tensor:
-        """Set each row's offset from ``off`` (batch, rows), values near its largest: rounded to
-        the operands' dtype, 0 where not finite. Returns the offsets the products subtract, in
-        ``off``'s dtype, ``(batch, rows, 1)``."""
-        finite = torch.nan_to_num(off, nan=0.0, posinf=0.0, neginf=0.0)
-        col = finite.div(self.alpha).to(self.rows.dtype)
-        self.rows[..., self.e].copy_(col.neg())
-        return col.to(off.dtype).mul_(self.alpha).unsqueeze(-1)
-
-    def product(self, b_ext: Tensor, out: Tensor) -> Tensor:
-        """``alpha · a @ bᵀ - offset`` for ``b_ext = [b, 1]`` from :meth:`operand`, rounded once,
-        written to ``out``."""
-        return torch.baddbmm(out, self.rows, b_ext.transpose(1, 2), beta=0.0, alpha=self.alpha, out=out)
-
-    def operand(self, b: Tensor, scratch: Scratch) -> Tensor:
-        """``[b, 1]`` (batch, n, E + 1), in a scratch buffer."""
-        batch, n, e = b.shape
-        b_ext = scratch.get("operand", (batch, n, e + 1), self.rows.dtype)
-        b_ext[..., :e].copy_(b)
-        b_ext[..., e].fill_(1.0)
-        return b_ext
-
-
-def _sampled_max(q_op: OffsetOperand, k_t: Tensor) -> Tensor:
-    """The rows' largest score over a sample of the keys (every ``kn // 128``-th), float32: a
-    row block's first offsets, so that its first tile is rarely computed twice."""
-    step = max(1, k_t.shape[1] // _OFFSET_SAMPLE_KEYS)
-    sample = torch.bmm(q_op.rows[..., : q_op.e], k_t[:, ::step].transpose(1, 2))
-    return sample.amax(dim=-1).float().mul_(q_op.alpha)
-
-
-_OFFSET_SAMPLE_KEYS = 128
 
 
 def _raw_softmax(inp: Inputs) -> bool:

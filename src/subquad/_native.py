@@ -1,0 +1,155 @@
+"""subquad's optional native tile kernels: one pass per row where eager PyTorch makes several
+over each tile.
+
+A bfloat16 tile of the ``matmul`` backend (a CPU with AVX512-BF16 or AMX) goes through six
+elementwise passes in eager PyTorch in the forward (a conversion to float32, the rows' maximum, a
+subtraction, ``exp2``, the row sums and a cast back) and ten in the backward, each streaming the
+whole tile through the shared cache. ``_native_tiles.cpp`` does that work row by row, each row
+held in the core's own cache. It is C++ that PyTorch's extension builder compiles on this machine
+(a C++ compiler and ``ninja`` are needed, as for ``torch.compile`` on a CPU), 35-45 s once on a
+2-core VM; the build is cached per source, torch version, Python and CPU.
+
+``SUBQUAD_NATIVE`` decides when it is used:
+
+- ``auto`` (the default): when it is already built (``subquad build``, or :func:`build`);
+- ``build``: built on the first call that needs it, if not built yet;
+- ``off``: never.
+
+Without it, or where it does not build (no compiler, Windows, macOS's compiler without OpenMP),
+the eager passes run; the two differ by the rounding of the bfloat16 results (one unit in the last place).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.machinery
+import importlib.util
+import os
+import platform
+import sys
+import threading
+import warnings
+from pathlib import Path
+from types import ModuleType
+from typing import Dict, List, Optional
+
+import torch
+
+_SOURCE = Path(__file__).with_name("_native_tiles.cpp")
+_MODES = ("auto", "build", "off")
+_LOCK = threading.Lock()
+_LOADED: Dict[str, Optional[ModuleType]] = {}  # "module": the kernel or None, once decided
+
+
+def _flags() -> List[str]:
+    flags = ["-O3", "-fopenmp"]
+    if platform.machine() in ("x86_64", "AMD64"):
+        flags.append("-march=native")  # the build is this CPU's: the cache key holds its flags
+    return flags
+
+
+def _cpu_signature() -> str:
+    """This CPU's model and feature flags (a build for ``-march=native`` runs only on its like)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor() or platform.machine()
+    keep = [ln for ln in lines if ln.split(":")[0].strip() in ("model name", "flags", "Features")]
+    return "\n".join(sorted(set(keep)))
+
+
+def _name() -> str:
+    key = "\n".join([_SOURCE.read_text(), torch.__version__, sys.version, " ".join(_flags()), _cpu_signature()])
+    return "subquad_tiles_" + hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def build_directory() -> Path:
+    """Where builds are kept: ``$SUBQUAD_NATIVE_DIR``, else ``$XDG_CACHE_HOME/subquad/native``
+    (``~/.cache/subquad/native``)."""
+    root = os.environ.get("SUBQUAD_NATIVE_DIR")
+    if root:
+        return Path(root)
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(cache) / "subquad" / "native"
+
+
+def _library() -> Path:
+    name = _name()
+    return build_directory() / name / f"{name}.so"
+
+
+def _import(path: Path) -> ModuleType:
+    name = path.stem
+    loader = importlib.machinery.ExtensionFileLoader(name, str(path))
+    spec = importlib.util.spec_from_file_location(name, str(path), loader=loader)
+    assert spec is not None
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    return module
+
+
+def build(verbose: bool = False) -> ModuleType:
+    """Compile the kernel for this machine (or load the cached build) and return it.
+
+    Raises whatever PyTorch's extension builder raises where it cannot (no compiler, no ninja).
+    """
+    from torch.utils import cpp_extension  # 0.1 s and setuptools: imported only to build
+
+    with _LOCK:
+        path = _library()
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            cpp_extension.load(
+                name=path.stem,
+                sources=[str(_SOURCE)],
+                extra_cflags=_flags(),
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(path.parent),
+                verbose=verbose,
+            )
+        return _import(path)
+
+
+def mode() -> str:
+    """``SUBQUAD_NATIVE``: ``auto`` (default), ``build`` or ``off``."""
+    value = os.environ.get("SUBQUAD_NATIVE", "auto").strip().lower() or "auto"
+    if value not in _MODES:
+        raise ValueError(f"SUBQUAD_NATIVE must be one of {', '.join(_MODES)}, got {value!r}")
+    return value
+
+
+def tile_kernel() -> Optional[ModuleType]:
+    """The kernel if it is to be used (see the module's docstring), else ``None``; decided once per
+    process (a failed build warns once)."""
+    if "module" in _LOADED:
+        return _LOADED["module"]
+    how = mode()
+    module: Optional[ModuleType] = None
+    if how != "off":
+        try:
+            if _library().exists():
+                module = _import(_library())
+            elif how == "build":
+                module = build()
+        except Exception as e:  # a failed build or load leaves the eager passes, said once
+            warnings.warn(f"subquad: the native tile kernel is not used ({type(e).__name__}: {e})", stacklevel=2)
+            module = None
+    _LOADED["module"] = module
+    return module
+
+
+def status() -> str:
+    """One line for ``subquad info``: whether the kernel is built and used."""
+    try:
+        how = mode()
+    except ValueError as e:
+        return str(e)
+    built = _library().exists()
+    where = str(_library())
+    if how == "off":
+        return f"off (SUBQUAD_NATIVE=off){'; built at ' + where if built else ''}"
+    if built:
+        return f"built, used ({where})"
+    if how == "build":
+        return "not built yet: the first bfloat16 tile builds it (SUBQUAD_NATIVE=build)"
+    return "not built (run `subquad build`; the eager passes run meanwhile)"

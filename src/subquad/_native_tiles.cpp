@@ -1,0 +1,156 @@
+// subquad's native tile kernels (optional; built on request by subquad._native, see there).
+//
+// Each makes one pass over bfloat16 tiles, row by row, a row held in the core's own cache, where
+// eager PyTorch makes several passes over the whole tile, each streaming it through the shared
+// cache. Forward: the rows' maximum, 2^(x - shift), the row sums and the rounding back to
+// bfloat16 (eager: a conversion, amax, a subtraction, exp2, sum and a cast). Backward: P and dS
+// from the offset products S - lse and dP - D (eager: two conversions, a subtraction, two
+// multiplications, exp2, an addition, a subtraction and two casts).
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+inline float bf16_to_float(uint16_t h) {
+  uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+// Round to nearest, ties to even (what PyTorch's casts do); a NaN stays a NaN.
+inline uint16_t float_to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  u += 0x7FFFu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+// 2^x for x in [-inf, 127]: 0 below -126 (-inf included); a NaN gives a NaN. 2^x = 2^k · 2^f,
+// k = round(x), f in [-1/2, 1/2], 2^f by its Taylor series to degree 7 (error < 1e-8, below
+// float32's rounding). Written without branches or library calls so that the compiler vectorizes it.
+inline float exp2_approx(float x) {
+  x = x < -127.0f ? -127.0f : x;
+  x = x > 127.0f ? 127.0f : x;
+  const float k = (x + 12582912.0f) - 12582912.0f;  // round to nearest: 1.5 · 2^23
+  const float f = x - k;
+  float p = 1.5252733804059841e-5f;                  // ln2^7 / 7!
+  p = p * f + 1.5403530393381606e-4f;
+  p = p * f + 1.3333558146428443e-3f;
+  p = p * f + 9.6181291076284772e-3f;
+  p = p * f + 5.5504108664821580e-2f;
+  p = p * f + 2.4022650695910071e-1f;
+  p = p * f + 6.9314718055994531e-1f;
+  p = p * f + 1.0f;
+  int32_t e = static_cast<int32_t>(k) + 127;
+  e = e < 0 ? 0 : e;
+  const uint32_t bits = static_cast<uint32_t>(e) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+}  // namespace
+
+// r: (batch, rows, n) bfloat16, contiguous: scores minus each row's offset `used`, in log2 units
+// (-inf where masked). m_run, used: (batch, rows) float32: each row's maximum so far and offset.
+// Per row: m_tile = max(r) + used; m_new = max(m_run, m_tile) (0 where that is -inf); r is
+// overwritten by p = 2^(r - (m_new - used)), rounded to bfloat16; sums = the float32 sum of the
+// unrounded p. Returns (sums, m_tile).
+std::vector<torch::Tensor> exp2_rows_bf16(torch::Tensor r, torch::Tensor m_run, torch::Tensor used) {
+  TORCH_CHECK(r.dim() == 3 && r.scalar_type() == torch::kBFloat16 && r.is_contiguous() && r.device().is_cpu(),
+              "r: a contiguous (batch, rows, n) bfloat16 CPU tensor");
+  const int64_t rows = r.size(0) * r.size(1);
+  const int64_t n = r.size(2);
+  for (const auto& t : {m_run, used}) {
+    TORCH_CHECK(t.scalar_type() == torch::kFloat && t.is_contiguous() && t.numel() == rows && t.device().is_cpu(),
+                "m_run, used: contiguous float32 CPU tensors of one entry per row of r");
+  }
+  auto sums = torch::empty({r.size(0), r.size(1)}, m_run.options());
+  auto m_tile = torch::empty({r.size(0), r.size(1)}, m_run.options());
+  uint16_t* data = reinterpret_cast<uint16_t*>(r.data_ptr());
+  const float* run = m_run.data_ptr<float>();
+  const float* off = used.data_ptr<float>();
+  float* out_sums = sums.data_ptr<float>();
+  float* out_max = m_tile.data_ptr<float>();
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(n, 1));
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> buf(static_cast<size_t>(n));
+    float* x = buf.data();
+    for (int64_t i = begin; i < end; ++i) {
+      uint16_t* row = data + i * n;
+      float mx = neg_inf;
+#pragma omp simd reduction(max : mx)
+      for (int64_t j = 0; j < n; ++j) {
+        const float v = bf16_to_float(row[j]);
+        x[j] = v;
+        mx = v > mx ? v : mx;
+      }
+      const float tile_max = mx + off[i];
+      out_max[i] = tile_max;
+      float ref = run[i] > tile_max ? run[i] : tile_max;
+      ref = ref == neg_inf ? 0.0f : ref;
+      const float shift = ref - off[i];
+      float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t j = 0; j < n; ++j) {
+        const float p = exp2_approx(x[j] - shift);
+        sum += p;
+        row[j] = float_to_bf16(p);
+      }
+      out_sums[i] = sum;
+    }
+  });
+  return {sums, m_tile};
+}
+
+// s, dp: (batch, rows, n) bfloat16, contiguous: S minus each row's offset (-inf where masked) and
+// dP minus each row's offset. shift, c: (batch, rows) float32. In place, per entry:
+// p = exp(s - shift) (shift = lse - S's offset), s <- p and dp <- scale · p · (dp + c)
+// (c = dP's offset - D: dS = P ∘ (dP - D)), each rounded once to bfloat16.
+void softmax_grad_rows_bf16(torch::Tensor s, torch::Tensor dp, torch::Tensor shift, torch::Tensor c, double scale) {
+  for (const auto& t : {s, dp}) {
+    TORCH_CHECK(t.dim() == 3 && t.scalar_type() == torch::kBFloat16 && t.is_contiguous() && t.device().is_cpu(),
+                "s, dp: contiguous (batch, rows, n) bfloat16 CPU tensors");
+  }
+  TORCH_CHECK(s.sizes() == dp.sizes(), "s, dp: one shape");
+  const int64_t rows = s.size(0) * s.size(1);
+  const int64_t n = s.size(2);
+  for (const auto& t : {shift, c}) {
+    TORCH_CHECK(t.scalar_type() == torch::kFloat && t.is_contiguous() && t.numel() == rows && t.device().is_cpu(),
+                "shift, c: contiguous float32 CPU tensors of one entry per row of s");
+  }
+  uint16_t* sp = reinterpret_cast<uint16_t*>(s.data_ptr());
+  uint16_t* dpp = reinterpret_cast<uint16_t*>(dp.data_ptr());
+  const float* sh = shift.data_ptr<float>();
+  const float* cc = c.data_ptr<float>();
+  const float log2e = 1.4426950408889634f;
+  const float sc = static_cast<float>(scale);
+  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(n, 1));
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      uint16_t* srow = sp + i * n;
+      uint16_t* drow = dpp + i * n;
+      const float base = sh[i] * log2e;
+      const float ci = cc[i];
+#pragma omp simd
+      for (int64_t j = 0; j < n; ++j) {
+        const float p = exp2_approx(bf16_to_float(srow[j]) * log2e - base);
+        srow[j] = float_to_bf16(p);
+        drow[j] = float_to_bf16(sc * p * (bf16_to_float(drow[j]) + ci));
+      }
+    }
+  });
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("exp2_rows_bf16", &exp2_rows_bf16, "one pass of a bfloat16 tile's online softmax (_native_tiles.cpp)");
+  m.def("softmax_grad_rows_bf16", &softmax_grad_rows_bf16, "P and dS of a bfloat16 tile in one pass (_native_tiles.cpp)");
+}
