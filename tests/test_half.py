@@ -74,6 +74,12 @@ def _case(name, magnitude, seed=0):
 @pytest.mark.parametrize("magnitude", [1.0, 4.0], ids=["scores~1", "scores~16"])
 @pytest.mark.parametrize("name", list(CASES))
 def test_bf16_tiles_forward_and_gradients_match_float64(products, name, magnitude):
+    check_case_against_float64(name, magnitude)
+
+
+def check_case_against_float64(name, magnitude):
+    """The tiles' output and gradients on a case of ``CASES``, against float64 (also run with the
+    native kernel, tests/test_native.py)."""
     q, k, v, kw, chunk = _case(name, magnitude)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     out = subquad.attention(q, k, v, backend="matmul", chunk_size=chunk, **kw)
@@ -124,7 +130,9 @@ def test_raw_scores_are_exponentiated_in_log2_units(products, dtype):
         assert any(n.startswith("aten.mul") for n in on_tiles) == multiplies, on_tiles
         scores = (q.double() @ k.double().transpose(-1, -2)) / math.sqrt(32)
         assert_close_to_golden(out, torch.softmax(scores, -1) @ v.double(), float32_scores_reference(q, k, v))
-        torch.testing.assert_close(lse.double(), torch.logsumexp(scores, -1), atol=2e-2 if dtype == BF16 else 1e-5, rtol=0)
+        torch.testing.assert_close(
+            lse.double(), torch.logsumexp(scores, -1), atol=2e-2 if dtype == BF16 else 1e-5, rtol=0
+        )
 
 
 def test_offsets_keep_large_scores_exact(monkeypatch):
@@ -222,7 +230,9 @@ class _NewStorages(_python_dispatch.TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        given = {t.untyped_storage().data_ptr() for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        given = {
+            t.untyped_storage().data_ptr() for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)
+        }
         result = func(*args, **kwargs)
         for t in pytree.tree_leaves(result):
             if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in given:
@@ -242,6 +252,7 @@ def test_tile_buffers_are_allocated_once_per_pass_not_per_tile_or_row_block(prod
         q = torch.randn(1, 4, lq, 64, generator=g).to(BF16).requires_grad_(backward)
         k, v = (torch.randn(1, 4, lk, 64, generator=g).to(BF16).requires_grad_(backward) for _ in range(2))
         d_out = torch.randn(1, 4, lq, 64, generator=g).to(BF16)
+
         def call():
             out = subquad.attention(q, k, v, backend="matmul", chunk_size=(128, 128))
             if backward:
@@ -263,12 +274,15 @@ def test_tile_buffers_are_allocated_once_per_pass_not_per_tile_or_row_block(prod
 
 
 # ----------------------------------------------------------------- the time model per dtype
-@pytest.mark.parametrize("native,dtype,want", [
-    (True, BF16, BF16),
-    (False, BF16, torch.float32),
-    (True, torch.float16, torch.float32),
-    (True, torch.float32, torch.float32),
-])
+@pytest.mark.parametrize(
+    "native,dtype,want",
+    [
+        (True, BF16, BF16),
+        (False, BF16, torch.float32),
+        (True, torch.float16, torch.float32),
+        (True, torch.float32, torch.float32),
+    ],
+)
 def test_time_model_times_the_products_the_tiles_run(monkeypatch, native, dtype, want):
     monkeypatch.setattr(matmul, "_NATIVE_BF16", native)
     monkeypatch.setattr(_planner, "_RATES", {})
@@ -384,14 +398,20 @@ def test_float16_kernels_run_on_float32_copies_where_the_cpu_emulates_float16(mo
     ts = [t.detach().clone().requires_grad_(grad) for t in (q, k, v)]
     if call == "packed":
         out = subquad.varlen_attention(*ts, kw, kw, is_causal=True, enable_gqa=True)
-        golden = torch.cat([
-            naive_attention(*(t[s:e].transpose(0, 1).double() for t in ts), is_causal=True, enable_gqa=True).transpose(0, 1)
-            for s, e in zip(kw[:-1].tolist(), kw[1:].tolist())
-        ])
+        golden = torch.cat(
+            [
+                naive_attention(
+                    *(t[s:e].transpose(0, 1).double() for t in ts), is_causal=True, enable_gqa=True
+                ).transpose(0, 1)
+                for s, e in zip(kw[:-1].tolist(), kw[1:].tolist())
+            ]
+        )
     else:
         out = subquad.attention(*ts, backend="fused", **kw)
         ref_kw = {n: x for n, x in kw.items() if n != "chunk_size"}
-        golden = naive_attention(*to64(*ts), **{n: (x.double() if isinstance(x, torch.Tensor) else x) for n, x in ref_kw.items()})
+        golden = naive_attention(
+            *to64(*ts), **{n: (x.double() if isinstance(x, torch.Tensor) else x) for n, x in ref_kw.items()}
+        )
     assert out.dtype == torch.float16
     assert_close_to_golden(out, golden, golden.to(torch.float16), fudge=2.0)
     if grad:
@@ -400,13 +420,25 @@ def test_float16_kernels_run_on_float32_copies_where_the_cpu_emulates_float16(mo
         ref = [t.detach().double().requires_grad_() for t in ts]
         if call == "packed":
             want = torch.autograd.grad(
-                torch.cat([
-                    naive_attention(*(t[s:e].transpose(0, 1) for t in ref), is_causal=True, enable_gqa=True).transpose(0, 1)
-                    for s, e in zip(kw[:-1].tolist(), kw[1:].tolist())
-                ]), ref, d_out.double())
+                torch.cat(
+                    [
+                        naive_attention(
+                            *(t[s:e].transpose(0, 1) for t in ref), is_causal=True, enable_gqa=True
+                        ).transpose(0, 1)
+                        for s, e in zip(kw[:-1].tolist(), kw[1:].tolist())
+                    ]
+                ),
+                ref,
+                d_out.double(),
+            )
         else:
-            want = torch.autograd.grad(naive_attention(*ref, **{
-                n: (x.double() if isinstance(x, torch.Tensor) else x) for n, x in ref_kw.items()}), ref, d_out.double())
+            want = torch.autograd.grad(
+                naive_attention(
+                    *ref, **{n: (x.double() if isinstance(x, torch.Tensor) else x) for n, x in ref_kw.items()}
+                ),
+                ref,
+                d_out.double(),
+            )
         for n, g_, w in zip("qkv", got, want):
             assert g_.dtype == torch.float16
             assert_close_to_golden(g_, w, w.to(torch.float16), fudge=3.0, name=f"d{n}")

@@ -26,7 +26,7 @@ from _devices import OpRecorder
 from conftest import assert_close_to_golden, naive_attention, to64
 from subquad import _cli, _native
 from subquad._backends import matmul
-from test_half import CASES, _case
+from test_half import CASES, check_case_against_float64
 
 BF16 = torch.bfloat16
 
@@ -149,23 +149,7 @@ def test_the_kernel_refuses_what_it_does_not_take(kernel):
 def test_bf16_tiles_with_the_kernel_match_float64(kernel, name, magnitude):
     # tests/test_half.py's cases: the kernel takes the calls whose softmax sees the raw scores, the
     # others (a float mask, a score_mod) keep the eager passes; all are held to the same bound.
-    q, k, v, kw, chunk = _case(name, magnitude)
-    q, k, v = (t.requires_grad_() for t in (q, k, v))
-    out = subquad.attention(q, k, v, backend="matmul", chunk_size=chunk, **kw)
-    d_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(7)).to(BF16)
-    grads = torch.autograd.grad(out, (q, k, v), d_out)
-
-    def reference(dtype):
-        ts = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
-        extra = {n: (m.to(dtype) if torch.is_tensor(m) and m.is_floating_point() else m) for n, m in kw.items()}
-        o = naive_attention(*ts, **extra)
-        return o, torch.autograd.grad(o, ts, d_out.to(dtype))
-
-    golden, golden_grads = reference(torch.float64)
-    ref32, ref32_grads = reference(torch.float32)
-    assert_close_to_golden(out, golden, ref32.to(BF16))
-    for n, got, gold, ref in zip("qkv", grads, golden_grads, ref32_grads):
-        assert_close_to_golden(got, gold, ref.to(BF16), name=f"d{n}")
+    check_case_against_float64(name, magnitude)
 
 
 AWKWARD = {

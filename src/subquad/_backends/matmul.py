@@ -202,6 +202,18 @@ class Matmul(Backend):
             s.view(inp.B, inp.Hq, qe - qs, seg.ke - seg.ks).add_(bias)
         return s
 
+    def _offset_product(
+        self, inp: Inputs, q_op: OffsetOperand, seg: Segment, m_run: Tensor, off: Tensor, scratch: Scratch
+    ) -> Tuple[Tensor, Tensor, Tensor]:
+        """A tile's half-precision product, offset by
+        :func:`~subquad._backends.offsets.first_offsets`, in the scratch buffer ``r``:
+        ``(product, the keys' [k, 1] operand, the offsets it used)``."""
+        k_t = self._kv(inp.k, inp, seg, q_op.rows.dtype, scratch, "k")
+        b_ext = q_op.operand(k_t, scratch)  # built once: the tile's products and any redone rows
+        off = first_offsets(inp, seg, q_op, k_t, m_run, off)
+        shape = (q_op.rows.shape[0], q_op.rows.shape[1], seg.ke - seg.ks)
+        return q_op.product(b_ext, scratch.get("r", shape, q_op.rows.dtype)), b_ext, off
+
     def _offset_scores(
         self,
         inp: Inputs,
@@ -223,12 +235,8 @@ class Matmul(Backend):
         whole tile: :func:`~subquad._backends.offsets.far_rows`) is computed again with the new
         maximum as offset; ``next``: the offsets of the following tile.
         """
-        shape = (q_op.rows.shape[0], q_op.rows.shape[1], seg.ke - seg.ks)
-        k_t = self._kv(inp.k, inp, seg, q_op.rows.dtype, scratch, "k")
-        b_ext = q_op.operand(k_t, scratch)  # built once: the tile's products and any redone rows
-        r, s = scratch.get("r", shape, q_op.rows.dtype), scratch.get("s", shape, inp.stats_dtype)
-        off = first_offsets(inp, seg, q_op, k_t, m_run, off)
-        s = self._add_bias(inp, s.copy_(q_op.product(b_ext, r)), qs, qe, seg)
+        r, b_ext, off = self._offset_product(inp, q_op, seg, m_run, off, scratch)
+        s = self._add_bias(inp, scratch.copy("s", r, inp.stats_dtype), qs, qe, seg)
         m_tile = s.amax(dim=-1).add_(off.squeeze(-1))
         moved, far, batches = far_rows(m_tile, m_run, off)
         new_off = q_op.set_offset(torch.where(moved, m_tile, off.squeeze(-1)))
@@ -242,9 +250,7 @@ class Matmul(Backend):
         for b in batches:
             rows = far[b].nonzero().squeeze(1)
             old = r[b].index_select(0, rows).float()
-            a = q_op.rows[b].index_select(0, rows)
-            redo = torch.addmm(a.new_empty(rows.numel(), r.shape[-1]), a, b_ext[b].t(), beta=0.0, alpha=q_op.alpha)
-            s[b].index_add_(0, rows, redo.float().sub_(old))
+            s[b].index_add_(0, rows, q_op.rows_product(b_ext, b, rows).float().sub_(old))
         used = torch.where(far.unsqueeze(-1), new_off, off)
         return s, s.amax(dim=-1).add_(used.squeeze(-1)), used, new_off
 
@@ -265,12 +271,8 @@ class Matmul(Backend):
         products' dtype and relative to ``max(m_run, rows' max)`` (0 where nothing is visible), as
         the eager passes leave it; rows computed again as there.
         """
-        shape = (q_op.rows.shape[0], q_op.rows.shape[1], seg.ke - seg.ks)
-        k_t = self._kv(inp.k, inp, seg, q_op.rows.dtype, scratch, "k")
-        b_ext = q_op.operand(k_t, scratch)
-        r = scratch.get("r", shape, q_op.rows.dtype)
-        off = first_offsets(inp, seg, q_op, k_t, m_run, off)
-        p = self._add_bias(inp, q_op.product(b_ext, r), qs, qe, seg)
+        r, b_ext, off = self._offset_product(inp, q_op, seg, m_run, off, scratch)
+        p = self._add_bias(inp, r, qs, qe, seg)
         row_sums, m_tile = kernel.exp2_rows_bf16(p, m_run, off.squeeze(-1).contiguous())
         moved, far, batches = far_rows(m_tile, m_run, off)
         new_off = q_op.set_offset(torch.where(moved, m_tile, off.squeeze(-1)))
@@ -284,9 +286,7 @@ class Matmul(Backend):
         for b in batches:
             rows = far[b].nonzero().squeeze(1)
             hidden = p[b].index_select(0, rows) == 0
-            a = q_op.rows[b].index_select(0, rows)
-            redo = torch.addmm(a.new_empty(hidden.shape), a, b_ext[b].t(), beta=0.0, alpha=q_op.alpha)
-            redo = redo.float().masked_fill_(hidden, NEG_INF)
+            redo = q_op.rows_product(b_ext, b, rows).float().masked_fill_(hidden, NEG_INF)
             used = new_off[b, rows]
             m_tile[b, rows] = top = redo.amax(dim=-1).add_(used.squeeze(-1))
             redo.sub_(torch.maximum(m_run[b, rows], top).unsqueeze(-1) - used).exp2_()

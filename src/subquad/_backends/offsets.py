@@ -73,6 +73,11 @@ class OffsetOperand:
         written to ``out``."""
         return torch.baddbmm(out, self.rows, b_ext.transpose(1, 2), beta=0.0, alpha=self.alpha, out=out)
 
+    def rows_product(self, b_ext: Tensor, batch: int, rows: Tensor) -> Tensor:
+        """:meth:`product` for some ``rows`` of one ``batch`` entry only, as a new tensor."""
+        a = self.rows[batch].index_select(0, rows)
+        return torch.addmm(a.new_empty(rows.numel(), b_ext.shape[1]), a, b_ext[batch].t(), beta=0.0, alpha=self.alpha)
+
     def operand(self, b: Tensor, scratch: Scratch) -> Tensor:
         """``[b, 1]`` (batch, n, E + 1), in a scratch buffer."""
         batch, n, e = b.shape
