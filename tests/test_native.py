@@ -247,6 +247,21 @@ def test_the_kernel_replaces_the_eager_passes_over_a_tile(kernel):
     assert not on_tiles["native"], on_tiles
 
 
+def test_inference_with_the_kernel_takes_tiles_of_its_bfloat16_size(kernel):
+    # Where the kernel does an inference forward's elementwise work, a tile streams 2 bytes per
+    # score (its bfloat16 product), not 4 (float32 scores): twice the scores fit the same target.
+    q = torch.empty(1, 8, 4096, 64, dtype=BF16)
+    qg = q.clone().requires_grad_()
+    with_kernel = subquad.explain(q, q, q, backend="matmul").chunk_size
+    training = subquad.explain(qg, qg, qg, backend="matmul").chunk_size
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(_native._LOADED, "module", None)
+        eager = subquad.explain(q, q, q, backend="matmul").chunk_size
+    assert with_kernel is not None and eager is not None and training is not None
+    assert with_kernel[0] * with_kernel[1] == 2 * eager[0] * eager[1], (with_kernel, eager)
+    assert training == eager
+
+
 def test_dropout_a_mask_gradient_and_float32_keep_the_eager_passes(kernel):
     counting = Counting(kernel)
     q = torch.randn(1, 2, 40, 32).to(BF16).requires_grad_()
