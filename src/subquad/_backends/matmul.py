@@ -420,9 +420,9 @@ class Matmul(Backend):
             d_op = OffsetOperand(do_t, 1.0)
             d_used = d_op.set_offset(D.squeeze(-1) * (1.0 - inp.dropout_p))
         dq_acc = torch.zeros(q_t.shape, dtype=sdt, device=inp.device) if grads.dq is not None else None
-        kernel = None
-        if q_op is not None and d_op is not None and inp.dropout_p == 0.0 and grads.dmask is None:
-            kernel = tile_kernel() if inp.device_type == "cpu" else None
+        plain = inp.dropout_p == 0.0 and grads.dmask is None and inp.device_type == "cpu"
+        kernel = tile_kernel() if plain and q_op is not None and d_op is not None else None
+        if kernel is not None:
             shift = (lse_t - s_used).squeeze(-1).contiguous()  # P = exp(S - lse), S offset by s_used
             c_dp = (d_used - D).squeeze(-1).contiguous()  # dP - D, dP offset by d_used
         for seg in segments:
