@@ -32,24 +32,27 @@ inline uint16_t float_to_bf16(float f) {
   return static_cast<uint16_t>(u >> 16);
 }
 
-// 2^x for x in [-inf, 127]: 0 below -126 (-inf included); a NaN gives a NaN. 2^x = 2^k · 2^f,
-// k = round(x), f in [-1/2, 1/2], 2^f by its Taylor series to degree 7 (error < 1e-8, below
-// float32's rounding). Written without branches or library calls so that the compiler vectorizes it.
+// 2^x for x below 2^31: 0 below -126 (-inf included), +inf from 128 on; a NaN gives a NaN. The
+// kernels' x lie at or just above 0 at most (scores minus their row's maximum, or minus the lse).
+// 2^x = 2^k · 2^f, k = round(x), f in [-1/2, 1/2], 2^f by a degree-6 polynomial fitted for the
+// least largest relative error (1.9e-9; float32's own rounding is 6e-8). Written without branches
+// or library calls so that the compiler vectorizes it. x is clamped below only and the exponent
+// k + 127 in integers: a float clamp above, with the Taylor polynomial of degree 7 used before,
+// made the forward pass 15-20% slower (one thread, 2M scores: 1131 against 920-980 us).
 inline float exp2_approx(float x) {
   x = x < -127.0f ? -127.0f : x;
-  x = x > 127.0f ? 127.0f : x;
   const float k = (x + 12582912.0f) - 12582912.0f;  // round to nearest: 1.5 · 2^23
   const float f = x - k;
-  float p = 1.5252733804059841e-5f;                  // ln2^7 / 7!
-  p = p * f + 1.5403530393381606e-4f;
-  p = p * f + 1.3333558146428443e-3f;
-  p = p * f + 9.6181291076284772e-3f;
-  p = p * f + 5.5504108664821580e-2f;
-  p = p * f + 2.4022650695910071e-1f;
-  p = p * f + 6.9314718055994531e-1f;
-  p = p * f + 1.0f;
+  float p = 1.5345768873419225e-4f;
+  p = p * f + 1.3399921717254148e-3f;
+  p = p * f + 9.6184890194597646e-3f;
+  p = p * f + 5.5503288012084352e-2f;
+  p = p * f + 2.4022646891035759e-1f;
+  p = p * f + 6.9314720572566602e-1f;
+  p = p * f + 1.0000000005539629f;
   int32_t e = static_cast<int32_t>(k) + 127;
   e = e < 0 ? 0 : e;
+  e = e > 255 ? 255 : e;  // 255: the exponent of +inf
   const uint32_t bits = static_cast<uint32_t>(e) << 23;
   float scale;
   std::memcpy(&scale, &bits, sizeof scale);

@@ -344,13 +344,13 @@ def seconds_per_call(
 
 def predict_seconds(inp: Inputs, plan: Plan, need_grad: bool) -> float:
     """An estimate of a call's time: each backend's forward (:func:`forward_seconds`), the backward
-    :data:`BACKWARD_PER_FORWARD` times its backend's forward, a ``score_mod``'s time, and a
+    :func:`backward_per_forward` times its backend's forward, a ``score_mod``'s time, and a
     per-tile overhead."""
     t = forward_seconds(inp, plan.backend, plan.chunk_size)
     if need_grad:
         bwd = plan.backward_backend or plan.backend
         tiles = plan.backward_chunk_size if plan.backward_backend else plan.chunk_size
-        t += BACKWARD_PER_FORWARD * forward_seconds(inp, bwd, tiles)
+        t += backward_per_forward(inp) * forward_seconds(inp, bwd, tiles)
     t += computed_scores(inp, None, None) * score_mod_seconds(inp) * (CALLBACK_PASSES_WITH_GRAD if need_grad else 1)
     return t + plan.tiles * inp.n_groups * _TILE_OVERHEAD_S.get(inp.device_type, 50e-6)
 
@@ -375,6 +375,19 @@ def forward_seconds(inp: Inputs, backend: str, tiles: Optional[Tuple[int, int]])
 BACKWARD_PER_FORWARD = 2.5
 """A backward's time over its forward's, same backend: 1x4x2048x64 on the 2-core CPU, the fused
 kernel 2.7 (float32) and 1.95 (bfloat16), the tiles 2.6, 2.3 and 2.6 (float16)."""
+BF16_CPU_BACKWARD_PER_FORWARD = 2.0
+"""The same for bfloat16 on a CPU: the fused kernel 1.95-2.02, the tiles 2.08 with the eager
+passes and 1.91 with the native kernel (1x4x2048x64, 2 threads, medians of 7; float32: 2.77 and
+2.57). With 2.5, ``bench_half.py``'s bfloat16 fwd+bwd measured 0.56-1.14x its prediction on the
+tiles and 0.70-0.99x on the fused kernel (10 runs)."""
+
+
+def backward_per_forward(inp: Inputs) -> float:
+    """A backward's time over its forward's (:data:`BF16_CPU_BACKWARD_PER_FORWARD` for bfloat16 on
+    a CPU, else :data:`BACKWARD_PER_FORWARD`)."""
+    if inp.device_type == "cpu" and inp.dtype == torch.bfloat16:
+        return BF16_CPU_BACKWARD_PER_FORWARD
+    return BACKWARD_PER_FORWARD
 
 
 def computed_scores(inp: Inputs, backend: Optional[str], tiles: Optional[Tuple[int, int]]) -> float:
