@@ -25,7 +25,7 @@ import subquad
 from _devices import OpRecorder
 from conftest import assert_close_to_golden, naive_attention, to64
 from subquad import _cli, _native
-from subquad._backends import matmul
+from subquad._backends import matmul, offsets
 from test_half import CASES, check_case_against_float64
 
 BF16 = torch.bfloat16
@@ -127,6 +127,52 @@ def test_the_backward_kernel_matches_its_definition(kernel):
     assert bool((p[0, 2] == 0).all()) and bool((ds[0, 2] == 0).all())
 
 
+def test_next_offsets_match_the_eager_bookkeeping(kernel):
+    # far_rows and OffsetOperand.set_offset, which the eager path runs: the same far rows, the
+    # same offsets returned and written into the operand's strided offset column.
+    g = torch.Generator().manual_seed(12)
+    m_run = torch.randn(3, 40, generator=g) * 4
+    m_run[0, :5] = -math.inf  # nothing seen yet
+    m_tile = m_run + torch.randn(3, 40, generator=g) * 3
+    m_tile[1, :3] = -math.inf  # a fully masked row of the tile
+    m_tile[2, 0] = math.nan
+    used = (m_run + torch.randn(3, 40, generator=g)).to(BF16).float()
+    used[0, 5] = math.inf  # not finite: offset 0
+    alpha = 0.125 * matmul.LOG2E
+    want_op = offsets.OffsetOperand(torch.zeros(3, 40, 16, dtype=BF16), alpha)
+    moved, want_far, _ = offsets.far_rows(m_tile, m_run, used.unsqueeze(-1))
+    want = want_op.set_offset(torch.where(moved, m_tile, used)).squeeze(-1)
+    got_op = offsets.OffsetOperand(torch.zeros(3, 40, 16, dtype=BF16), alpha)
+    got, far, n_far = kernel.next_offsets(m_tile, m_run, used, got_op.rows[..., 16], alpha, offsets.OFFSET_DRIFT)
+    assert torch.equal(far, want_far) and n_far == int(want_far.sum()) > 0
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert torch.equal(got_op.rows.view(torch.int16), want_op.rows.view(torch.int16))  # -0.0 included
+
+
+def test_online_update_matches_the_eager_state_update(kernel):
+    g = torch.Generator().manual_seed(13)
+    m_run = torch.randn(2, 30, generator=g) * 3
+    m_run[0, :4] = -math.inf  # nothing seen yet
+    m_tile = m_run + torch.randn(2, 30, generator=g)
+    m_tile[0, :2] = -math.inf  # nor in this tile: stays -inf, state stays 0
+    m_tile[1, 7] = math.nan
+    sums = torch.rand(2, 30, generator=g) * 5
+    sums[0, :2] = 0.0
+    l = torch.rand(2, 30, generator=g) * 3
+    l[0, :4] = 0.0
+    acc = torch.randn(2, 30, 9, generator=g)
+    acc[0, :4] = 0.0
+    m_new = torch.maximum(m_run, m_tile)
+    correction = torch.exp2(m_run - m_new.masked_fill(m_new == -math.inf, 0.0))
+    want = (m_new, l * correction + sums, acc * correction.unsqueeze(-1))
+    got = (m_run.clone(), l.clone(), acc.clone())
+    kernel.online_update(got[0], got[1], got[2], m_tile, sums)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=2e-7, atol=0, equal_nan=True)
+    assert bool(torch.isnan(got[0][1, 7])) and bool(torch.isnan(got[2][1, 7]).all())
+    assert bool((got[2][0, :2] == 0).all()) and bool((got[1][0, :2] == 0).all())
+
+
 def test_the_kernel_refuses_what_it_does_not_take(kernel):
     r = torch.zeros(2, 3, 8, dtype=BF16)
     ok = torch.zeros(2, 3)
@@ -142,6 +188,14 @@ def test_the_kernel_refuses_what_it_does_not_take(kernel):
         kernel.softmax_grad_rows_bf16(r, r[:, :, :4].contiguous(), ok, ok, 1.0)
     with pytest.raises(RuntimeError, match="shift, c"):
         kernel.softmax_grad_rows_bf16(r, r.clone(), ok, torch.zeros(5), 1.0)
+    with pytest.raises(RuntimeError, match="col: a"):
+        kernel.next_offsets(ok, ok, ok, ok, 1.0, 1.0)
+    with pytest.raises(RuntimeError, match="m_tile, m_run, used"):
+        kernel.next_offsets(ok, ok, torch.zeros(7), torch.zeros(2, 3, dtype=BF16), 1.0, 1.0)
+    with pytest.raises(RuntimeError, match="acc: a contiguous"):
+        kernel.online_update(ok, ok, torch.zeros(2, 3), ok, ok)
+    with pytest.raises(RuntimeError, match="m_run, l, m_tile, sums"):
+        kernel.online_update(ok, ok, torch.zeros(2, 3, 4), ok, torch.zeros(2, 4))
 
 
 @pytest.mark.parametrize("magnitude", [1.0, 4.0], ids=["scores~1", "scores~16"])
@@ -241,8 +295,10 @@ def test_the_kernel_replaces_the_eager_passes_over_a_tile(kernel):
                 out = subquad.attention(q, k, v, backend="matmul", chunk_size=(32, 64))
                 out.backward(torch.ones_like(out))
         on_tiles[name] = {op.name for op in rec.ops if tile in op.out_shapes and op.name.startswith(passes)}
-    # Two row blocks, one tile of keys each, forward and backward.
-    assert counting.calls == [("exp2_rows_bf16", tile)] * 2 + [("softmax_grad_rows_bf16", tile)] * 2
+    # Two row blocks, one tile of keys each, forward (with its rows' bookkeeping) and backward.
+    rows = (2, 32)
+    forward = [("exp2_rows_bf16", tile), ("next_offsets", rows), ("online_update", rows)]
+    assert counting.calls == forward * 2 + [("softmax_grad_rows_bf16", tile)] * 2
     assert {n.split(".")[1] for n in on_tiles["eager"]} >= {"copy_", "sub_", "exp2_", "mul"}, on_tiles
     assert not on_tiles["native"], on_tiles
 
@@ -274,7 +330,12 @@ def test_dropout_a_mask_gradient_and_float32_keep_the_eager_passes(kernel):
         subquad.attention(x, x, x, backend="matmul")
         assert not counting.calls
         subquad.attention(q, q, q, backend="matmul").sum().backward()
-        assert [name for name, _ in counting.calls] == ["exp2_rows_bf16", "softmax_grad_rows_bf16"]
+        assert [name for name, _ in counting.calls] == [
+            "exp2_rows_bf16",
+            "next_offsets",
+            "online_update",
+            "softmax_grad_rows_bf16",
+        ]
 
 
 def test_modes(native_dir, tmp_path, monkeypatch):

@@ -5,9 +5,12 @@ A bfloat16 tile of the ``matmul`` backend (a CPU with AVX512-BF16 or AMX) goes t
 elementwise passes in eager PyTorch in the forward (a conversion to float32, the rows' maximum, a
 subtraction, ``exp2``, the row sums and a cast back) and ten in the backward, each streaming the
 whole tile through the shared cache. ``_native_tiles.cpp`` does that work row by row, each row
-held in the core's own cache. It is C++ that PyTorch's extension builder compiles on this machine
-(a C++ compiler and ``ninja`` are needed, as for ``torch.compile`` on a CPU), 35-45 s once on a
-2-core VM; the build is cached per source, torch version, Python and CPU.
+held in the core's own cache; two more functions do a forward tile's per-row bookkeeping (the
+rows whose offsets moved far and the next offsets; the running maximum, sum and accumulator),
+where eager PyTorch makes about twenty small calls of 5-15 us each. It is C++ that PyTorch's
+extension builder compiles on this machine (a C++ compiler and ``ninja`` are needed, as for
+``torch.compile`` on a CPU), 35-45 s once on a 2-core VM; the build is cached per source, torch
+version, Python and CPU.
 
 ``SUBQUAD_NATIVE`` decides when it is used:
 

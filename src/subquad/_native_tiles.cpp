@@ -10,9 +10,12 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <tuple>
 #include <vector>
 
 namespace {
@@ -153,7 +156,91 @@ void softmax_grad_rows_bf16(torch::Tensor s, torch::Tensor dp, torch::Tensor shi
   });
 }
 
+namespace {
+
+void check_rows(const torch::Tensor& t, int64_t rows, const char* what) {
+  TORCH_CHECK(t.scalar_type() == torch::kFloat && t.is_contiguous() && t.numel() == rows && t.device().is_cpu(),
+              what, ": contiguous float32 CPU tensors of one entry per row");
+}
+
+}  // namespace
+
+// A forward tile's next offsets, in one call where the eager code makes about a dozen small ones.
+// m_tile, m_run, used: (batch, rows) float32: the tile's rows' maxima, the maxima before it, the
+// offsets its product used. col: (batch, rows) bfloat16, any strides: the offset column of the
+// rows' operand (subquad/_backends/offsets.py, OffsetOperand). Per row: moved = m_tile > m_run;
+// far = moved and |m_tile - used| > drift; the next offset o = m_tile where moved, else used (0
+// where not finite) is written to col as -bf16(o / alpha) and returned as bf16(o / alpha) · alpha.
+// Returns (next offsets (batch, rows) float32, far (batch, rows) bool, the number of far rows).
+std::tuple<torch::Tensor, torch::Tensor, int64_t> next_offsets(torch::Tensor m_tile, torch::Tensor m_run,
+                                                               torch::Tensor used, torch::Tensor col, double alpha,
+                                                               double drift) {
+  TORCH_CHECK(col.dim() == 2 && col.scalar_type() == torch::kBFloat16 && col.device().is_cpu(),
+              "col: a (batch, rows) bfloat16 CPU tensor");
+  const int64_t batch = col.size(0), rows = col.size(1);
+  for (const auto& t : {m_tile, m_run, used}) check_rows(t, batch * rows, "m_tile, m_run, used");
+  auto next = torch::empty({batch, rows}, m_tile.options());
+  auto far = torch::empty({batch, rows}, m_tile.options().dtype(torch::kBool));
+  const float* mt = m_tile.data_ptr<float>();
+  const float* mr = m_run.data_ptr<float>();
+  const float* u = used.data_ptr<float>();
+  float* nx = next.data_ptr<float>();
+  bool* fr = far.data_ptr<bool>();
+  uint16_t* c = reinterpret_cast<uint16_t*>(col.data_ptr());
+  const int64_t s0 = col.stride(0), s1 = col.stride(1);
+  const float a = static_cast<float>(alpha), d = static_cast<float>(drift);
+  int64_t n_far = 0;
+  for (int64_t b = 0; b < batch; ++b) {
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t i = b * rows + r;
+      const bool moved = mt[i] > mr[i];
+      const bool is_far = moved && std::fabs(mt[i] - u[i]) > d;
+      fr[i] = is_far;
+      n_far += is_far;
+      float o = moved ? mt[i] : u[i];
+      o = std::isfinite(o) ? o : 0.0f;
+      const uint16_t h = float_to_bf16(o / a);
+      c[b * s0 + r * s1] = static_cast<uint16_t>(h ^ 0x8000u);  // -h: the sign bit flipped
+      nx[i] = bf16_to_float(h) * a;
+    }
+  }
+  return {next, far, n_far};
+}
+
+// The online softmax's state after a tile, in one call (eager: eight small ones). m_run, l, m_tile,
+// sums: (batch, rows) float32; acc: (batch, rows, ev) float32, contiguous. Per row:
+// m_new = max(m_run, m_tile) (NaN where either is); ref = m_new, 0 where it is -inf;
+// c = 2^(m_run - ref); l <- l · c + sums; acc's row *= c; m_run <- m_new.
+void online_update(torch::Tensor m_run, torch::Tensor l, torch::Tensor acc, torch::Tensor m_tile, torch::Tensor sums) {
+  TORCH_CHECK(acc.dim() == 3 && acc.scalar_type() == torch::kFloat && acc.is_contiguous() && acc.device().is_cpu(),
+              "acc: a contiguous (batch, rows, ev) float32 CPU tensor");
+  const int64_t rows = acc.size(0) * acc.size(1), ev = acc.size(2);
+  for (const auto& t : {m_run, l, m_tile, sums}) check_rows(t, rows, "m_run, l, m_tile, sums");
+  float* mr = m_run.data_ptr<float>();
+  float* lp = l.data_ptr<float>();
+  float* ap = acc.data_ptr<float>();
+  const float* mt = m_tile.data_ptr<float>();
+  const float* sp = sums.data_ptr<float>();
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(ev, 1));
+  at::parallel_for(0, rows, grain, [=](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const float old = mr[i], tile = mt[i];
+      float m_new = tile > old ? tile : old;
+      if (std::isnan(tile) || std::isnan(old)) m_new = std::numeric_limits<float>::quiet_NaN();
+      const float ref = m_new == neg_inf ? 0.0f : m_new;
+      const float c = std::exp2(old - ref);
+      lp[i] = lp[i] * c + sp[i];
+      float* row = ap + i * ev;
+      for (int64_t j = 0; j < ev; ++j) row[j] *= c;
+      mr[i] = m_new;
+    }
+  });
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("exp2_rows_bf16", &exp2_rows_bf16, "one pass of a bfloat16 tile's online softmax (_native_tiles.cpp)");
   m.def("softmax_grad_rows_bf16", &softmax_grad_rows_bf16, "P and dS of a bfloat16 tile in one pass (_native_tiles.cpp)");
+  m.def("next_offsets", &next_offsets, "a forward tile's next offsets and far rows (_native_tiles.cpp)");
+  m.def("online_update", &online_update, "the online softmax's state after a tile (_native_tiles.cpp)");
 }

@@ -40,11 +40,11 @@ tiles of keys and values cast or copied for a GEMM and the products with them):
   ``score_mod`` or a float mask S's product stays in float32.
 - the same with the native kernel (:mod:`subquad._native`, built by ``subquad build``; calls
   without dropout whose softmax sees the raw scores): after the offset product, one pass per
-  tile in C++ instead of the eager ones. Forward: reads ``r``, writes ``p`` over it in bfloat16
-  and returns the rows' sums and maxima (no ``s``, no conversion, ``amax``, subtraction,
-  ``exp2``, ``sum`` or cast over the tile). Backward: S's and ``dP``'s offset products go into
-  two bfloat16 buffers and one pass turns them into ``p`` and the scaled ``dS`` in place (no
-  float32 tile). Rows whose maximum moved are redone as above, from the new product.
+  tile in C++. Forward: ``p`` written over ``r`` in bfloat16, the rows' sums and maxima returned
+  (no ``s``, conversion, ``amax``, subtraction, ``exp2``, ``sum`` or cast over the tile), and
+  two more calls for the rows' bookkeeping (far rows and next offsets; m, l and acc), each in
+  place of about ten small eager ops. Backward: S's and ``dP``'s offset products in two bfloat16
+  buffers, turned into ``p`` and the scaled ``dS`` in place. Far rows are redone as above.
 
 On MPS (no Mac here, nothing of this measured): half-precision inputs take the first path,
 float32 products (``q``/``k``/``v`` converted per tile), the same float32 passes and no
@@ -69,7 +69,7 @@ from .._inputs import Inputs
 from .._native import tile_kernel
 from .._tiles import NEG_INF, Grads, RowState, Segment, add_into, dropout_scale, tile_bias
 from .base import Backend, Options, _bh, _grad_accum_bytes
-from .offsets import LN2, LOG2E, OffsetOperand, far_rows, first_offsets
+from .offsets import LN2, LOG2E, OFFSET_DRIFT, OffsetOperand, far_rows, first_offsets, redo_batches
 from .scratch import Scratch, call_buffers, pass_scratch
 
 
@@ -271,16 +271,16 @@ class Matmul(Backend):
         scratch: Scratch,
         kernel: ModuleType,
     ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-        """:meth:`_offset_scores` and the softmax passes in one, with the native kernel
-        (:mod:`subquad._native`): ``(p, row sums, rows' max, next offsets)``, ``p`` rounded to the
-        products' dtype and relative to ``max(m_run, rows' max)`` (0 where nothing is visible), as
-        the eager passes leave it; rows computed again as there.
-        """
+        """:meth:`_offset_scores` and the softmax passes with the native kernel (:mod:`subquad._native`):
+        ``(p, row sums, rows' max, next offsets)``, ``p`` in the products' dtype, relative to
+        ``max(m_run, rows' max)`` (0 where nothing is visible), as the eager passes leave it."""
         r, b_ext, off = self._offset_product(inp, q_op, seg, m_run, off, scratch)
         p = self._add_bias(inp, r, qs, qe, seg)
-        row_sums, m_tile = kernel.exp2_rows_bf16(p, m_run, off.squeeze(-1).contiguous())
-        moved, far, batches = far_rows(m_tile, m_run, off)
-        new_off = q_op.set_offset(torch.where(moved, m_tile, off.squeeze(-1)))
+        off_rows = off.squeeze(-1).contiguous()
+        row_sums, m_tile = kernel.exp2_rows_bf16(p, m_run, off_rows)
+        # far_rows and OffsetOperand.set_offset of the eager path, in one call:
+        new, far, n_far = kernel.next_offsets(m_tile, m_run, off_rows, q_op.rows[..., q_op.e], q_op.alpha, OFFSET_DRIFT)
+        new_off, batches = new.unsqueeze(-1), redo_batches(far, n_far)
         if batches is None:
             p = self._add_bias(inp, q_op.product(b_ext, r), qs, qe, seg)
             row_sums, m_tile = kernel.exp2_rows_bf16(p, m_run, new_off.squeeze(-1).contiguous())
@@ -338,15 +338,19 @@ class Matmul(Backend):
                 k_t = self._kv(inp.k, inp, seg, sdt, scratch, "k").transpose(1, 2)
                 s = self._finish_scores(inp, torch.bmm(q_t, k_t, out=scratch.get("s", shape, sdt)), qs, qe, seg)
                 m_tile = s.amax(dim=-1)
-            m_new = torch.maximum(state.m, m_tile)
-            m_ref = m_new.masked_fill(m_new == NEG_INF, 0.0)  # rows with nothing visible yet stay finite
-            if kernel is None:
+            if kernel is not None:
+                # What the eager branch below does to m, l and acc, in one call.
+                kernel.online_update(state.m, state.l, state.acc, m_tile, row_sums)
+            else:
+                m_new = torch.maximum(state.m, m_tile)
+                m_ref = m_new.masked_fill(m_new == NEG_INF, 0.0)  # rows with nothing visible yet stay finite
                 s.sub_(m_ref.unsqueeze(-1) - used)
                 p = s.exp2_() if log2 else exp_(s)
                 row_sums = p.sum(dim=-1)
-            correction = torch.exp2(state.m - m_ref) if log2 else torch.exp(state.m - m_ref)
-            state.l.mul_(correction).add_(row_sums)
-            state.acc.mul_(correction.unsqueeze(-1))
+                correction = torch.exp2(state.m - m_ref) if log2 else torch.exp(state.m - m_ref)
+                state.l.mul_(correction).add_(row_sums)
+                state.acc.mul_(correction.unsqueeze(-1))
+                state.m.copy_(m_new)
             if inp.dropout_p > 0.0:
                 p.view(B, Hq, qn, -1).mul_(dropout_scale(inp, seed, qs, qe, seg.ks, seg.ke, sdt))
             v_t = self._kv(inp.v, inp, seg, cdt, scratch, "v")
@@ -359,7 +363,6 @@ class Matmul(Backend):
                 p_h = p if p.dtype == cdt else scratch.copy("r", p, cdt)
                 pv = scratch.get("pv", (B * Hk, G * qn, inp.Ev), cdt)
                 state.acc.add_(torch.bmm(p_h, scratch.contiguous(v_t, "v"), out=pv))
-            state.m.copy_(m_new)
             del p
         l_safe = state.l.masked_fill(state.l == 0, 1.0)  # fully masked rows: acc is 0, so output 0
         out[:, :, qs:qe].copy_(state.acc.div_(l_safe.unsqueeze(-1)).view(B, Hq, qn, inp.Ev))

@@ -118,7 +118,15 @@ def far_rows(m_tile: Tensor, m_run: Tensor, off: Tensor) -> Tuple[Tensor, Tensor
     far = moved & ((m_tile - off.squeeze(-1)).abs() > OFFSET_DRIFT)
     if not bool(far.any()):
         return moved, far, []
+    return moved, far, redo_batches(far, int(far.sum()))
+
+
+def redo_batches(far: Tensor, n_far: int) -> Optional[List[int]]:
+    """The batch entries that hold the ``n_far`` rows ``far`` marks, whose products are computed
+    again (``[]`` for none), or None when the whole tile is (too many)."""
+    if n_far == 0:
+        return []
     batches = far.any(dim=-1).nonzero().squeeze(1).tolist()
-    if len(batches) > PARTIAL_REDO_BATCHES or int(far.sum()) * PARTIAL_REDO_SHARE > far.numel():
-        return moved, far, None
-    return moved, far, batches
+    if len(batches) > PARTIAL_REDO_BATCHES or n_far * PARTIAL_REDO_SHARE > far.numel():
+        return None
+    return batches
