@@ -6,8 +6,9 @@
   ``subquad build`` again (finds it built) and a fresh process's first call of the kernel (loads
   the built library);
 - accuracy: bfloat16 forward 1x4x1024x64, scores of about 1, 4 and 16, causal or not, 4 seeds
-  each (24 calls), the bfloat16 tiles with the kernel and without it (the eager passes), the
-  fused kernel and ``F.scaled_dot_product_attention``, each against float64: the largest and the
+  each (24 calls), the bfloat16 tiles with the kernel's C++ forward loop (where it was built
+  for AVX512-BF16; otherwise the same as the next), with its passes over each tile and without
+  it (the eager passes), the fused kernel and ``F.scaled_dot_product_attention``, each against float64: the largest and the
   mean absolute error, and the lse's largest error for the tiles.
 
 The time per call, with the kernel and without it, is measured by ``bench_before_after.py``
@@ -30,7 +31,7 @@ import torch.nn.functional as F
 
 import subquad
 from subquad import _native
-from subquad._backends import matmul
+from subquad._backends import matmul, products, segments
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _harness import machine  # the benchmarks' own helper, beside this file
@@ -59,6 +60,13 @@ def _errors(out: torch.Tensor, golden: torch.Tensor) -> Dict[str, float]:
     return {"max": float(err.max()), "mean": float(err.mean())}
 
 
+TILES = (
+    ("tiles, C++ loop", True, True),  # the forward loop in C++ (where built for AVX512-BF16)
+    ("tiles, native kernel", True, False),  # the kernel's passes over each tile
+    ("tiles, eager passes", False, False),
+)
+
+
 def _accuracy(kernel: Any) -> Dict[str, Any]:
     cases: List[Dict[str, Any]] = []
     for magnitude in (1.0, 2.0, 4.0):  # scores of about magnitude² (q·k / sqrt(64))
@@ -73,15 +81,16 @@ def _accuracy(kernel: Any) -> Dict[str, Any]:
                     s = s.masked_fill(torch.ones(1024, 1024, dtype=torch.bool).triu(1), float("-inf"))
                 lse64 = torch.logsumexp(s, dim=-1)
                 row: Dict[str, Any] = {"scores": magnitude**2, "causal": causal, "seed": seed}
-                for name, module in (("tiles, native kernel", kernel), ("tiles, eager passes", None)):
-                    _native._LOADED["module"] = module
+                for name, module, loop in TILES:
+                    _native._LOADED["module"] = kernel if module else None
+                    matmul.segment_kernel = segments.segment_kernel if loop else (lambda inp: None)
                     out, lse = subquad.attention(q, k, v, is_causal=causal, backend="matmul", return_lse=True)
                     row[name] = dict(_errors(out, golden), lse_max=float((lse.double() - lse64).abs().max()))
                 row["fused kernel"] = _errors(subquad.attention(q, k, v, is_causal=causal, backend="fused"), golden)
                 row["F.sdpa"] = _errors(F.scaled_dot_product_attention(q, k, v, is_causal=causal), golden)
                 cases.append(row)
     summary = {}
-    for name in ("tiles, native kernel", "tiles, eager passes", "fused kernel", "F.sdpa"):
+    for name in [t[0] for t in TILES] + ["fused kernel", "F.sdpa"]:
         summary[name] = {
             "max": max(c[name]["max"] for c in cases),
             "mean": sum(c[name]["mean"] for c in cases) / len(cases),
@@ -101,9 +110,11 @@ def main() -> None:
         f"first build {costs['build_s']:.1f} s; `subquad build` once built {costs['build_again_s']:.2f} s; "
         f"a fresh process loads it in {costs['load_s'] * 1e3:.0f} ms"
     )
-    matmul._NATIVE_BF16 = True  # the offset bfloat16 products, which the kernel serves, whatever this CPU has
+    products._NATIVE_BF16 = True  # the offset bfloat16 products, which the kernel serves, whatever this CPU has
     kernel = _native.build()
     acc = _accuracy(kernel)
+    if not hasattr(kernel, "forward_segment_bf16"):
+        print("built without AVX512-BF16: the 'C++ loop' rows are the kernel's passes per tile")
     print("bfloat16 1x4x1024x64, 24 calls (scores ~1, 4, 16; causal or not; 4 seeds), error against float64:")
     for name, s in acc["summary"].items():
         lse = f", lse max {s['lse_max']:.2e}" if "lse_max" in s else ""

@@ -166,3 +166,20 @@ def fixed_rates(monkeypatch):
 
 def pytest_runtest_setup(item):
     _machine.sweep()
+
+
+@pytest.fixture(scope="session")
+def native_dir(tmp_path_factory):
+    """The native kernel (``subquad build``) built once for the session in a temporary folder,
+    shared by the xdist workers (a lock: one compiles, the others find it built)."""
+    import fcntl  # POSIX: the tests that build are skipped on Windows
+
+    from subquad import _native
+
+    shared = tmp_path_factory.getbasetemp().parent / "subquad-native"
+    shared.mkdir(exist_ok=True)
+    with open(shared / ".lock", "w") as lock, pytest.MonkeyPatch.context() as mp:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        mp.setenv("SUBQUAD_NATIVE_DIR", str(shared))
+        _native.build()
+    return shared

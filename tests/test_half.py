@@ -23,6 +23,7 @@ from _devices import OpRecorder
 from conftest import assert_close_to_golden, float32_scores_reference, naive_attention, to64
 from subquad import _planner
 from subquad._backends import matmul
+from subquad._backends import products as cpu_products
 
 BF16 = torch.bfloat16
 
@@ -30,7 +31,7 @@ BF16 = torch.bfloat16
 @pytest.fixture(params=[True, False], ids=["bf16-products", "float32-products"])
 def products(request, monkeypatch):
     """Run the tiles with bfloat16 products (as on a CPU with AVX512-BF16/AMX) or float32 ones."""
-    monkeypatch.setattr(matmul, "_NATIVE_BF16", request.param)
+    monkeypatch.setattr(cpu_products, "_NATIVE_BF16", request.param)
     return request.param
 
 
@@ -104,7 +105,7 @@ def test_bf16_products_are_bf16_gemms_and_float32_products_are_not(monkeypatch):
     q, k, v, kw, chunk = _case("causal", 1.0)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     for native, want in [(True, BF16), (False, torch.float32)]:
-        monkeypatch.setattr(matmul, "_NATIVE_BF16", native)
+        monkeypatch.setattr(cpu_products, "_NATIVE_BF16", native)
         with OpRecorder() as rec:
             out = subquad.attention(q, k, v, backend="matmul", chunk_size=chunk, **kw)
             out.backward(torch.ones_like(out))
@@ -146,7 +147,7 @@ def test_offsets_keep_large_scores_exact(monkeypatch):
     v = torch.randn(1, 2, 300, 64, generator=g).to(BF16)
     scores = (q.double() @ k.double().transpose(-1, -2)) / 8
     assert scores.min() > 40, "the case needs large raw scores"
-    monkeypatch.setattr(matmul, "_NATIVE_BF16", True)
+    monkeypatch.setattr(cpu_products, "_NATIVE_BF16", True)
     out = subquad.attention(q, k, v, backend="matmul", chunk_size=(64, 64))
     golden = naive_attention(*to64(q, k, v))
     assert_close_to_golden(out, golden, float32_scores_reference(q, k, v), fudge=2.0)
@@ -156,7 +157,7 @@ def test_offsets_keep_large_scores_exact(monkeypatch):
 
 def test_a_row_whose_maximum_jumps_late_is_recomputed(monkeypatch):
     # Small scores in the first tiles, one large score in the last: the row's offset must follow.
-    monkeypatch.setattr(matmul, "_NATIVE_BF16", True)
+    monkeypatch.setattr(cpu_products, "_NATIVE_BF16", True)
     g = torch.Generator().manual_seed(4)
     q = torch.randn(1, 1, 8, 64, generator=g).to(BF16)
     k = torch.randn(1, 1, 256, 64, generator=g).mul(0.1).to(BF16)
@@ -181,7 +182,7 @@ def test_first_offsets_leave_a_margin_above_the_sampled_maximum(monkeypatch, gap
     # (`gap`, on an unsampled key) lies more than OFFSET_DRIFT (2) above the sample's largest (0):
     # with the margin (0.5) a gap of 2.3 is still close enough to the offset, one of 2.8 is not.
     # A tile with a mask (here one hiding nothing) gets no margin: its sample may hold hidden keys.
-    monkeypatch.setattr(matmul, "_NATIVE_BF16", True)
+    monkeypatch.setattr(cpu_products, "_NATIVE_BF16", True)
     g = torch.Generator().manual_seed(5)
     q = torch.zeros(1, 1, 8, 64, dtype=BF16)
     q[0, 0, 0, 0] = 8.0  # row 0's score with key j is k[j, 0] (scale 1/8)
@@ -284,7 +285,7 @@ def test_tile_buffers_are_allocated_once_per_pass_not_per_tile_or_row_block(prod
     ],
 )
 def test_time_model_times_the_products_the_tiles_run(monkeypatch, native, dtype, want):
-    monkeypatch.setattr(matmul, "_NATIVE_BF16", native)
+    monkeypatch.setattr(cpu_products, "_NATIVE_BF16", native)
     monkeypatch.setattr(_planner, "_RATES", {})
     timed = []
     monkeypatch.setattr(_planner, "_measure_rates", lambda device, dt: timed.append(dt) or (1e11, 1e-9))
@@ -294,7 +295,7 @@ def test_time_model_times_the_products_the_tiles_run(monkeypatch, native, dtype,
 
 def test_explain_predicts_bf16_from_its_own_rate(monkeypatch):
     # Rates injected: bfloat16 GEMMs 3x float32's; the prediction follows the call's dtype.
-    monkeypatch.setattr(matmul, "_NATIVE_BF16", True)
+    monkeypatch.setattr(cpu_products, "_NATIVE_BF16", True)
     monkeypatch.setattr(_planner, "_RATES", {("cpu", torch.float32): (1e11, 1e-9), ("cpu", BF16): (3e11, 1e-9)})
     monkeypatch.setattr(_planner, "backend_seconds", lambda device, dtype, backend: None)
     q32 = torch.empty(1, 8, 4096, 64)
@@ -311,7 +312,7 @@ def test_tiled_fused_backward_rounds_its_gradients_once(monkeypatch, dtype):
     # flash-attn's criterion (fp16 gradients within 3x PyTorch's error against float32) failed by
     # one ulp of dV: each tile's dV came back from the kernel rounded to fp16 before the tiles
     # were summed. GQA 8/2 heads, head dim 59, ALiBi, a local window, 64x64 tiles.
-    monkeypatch.setattr(matmul, "_NATIVE_BF16", False)  # bf16 as on a CPU without native products
+    monkeypatch.setattr(cpu_products, "_NATIVE_BF16", False)  # bf16 as on a CPU without native products
     g = torch.Generator().manual_seed(5)
     q = torch.randn(1, 8, 312, 59, generator=g)
     k, v = (torch.randn(1, 2, 156, 59, generator=g) for _ in range(2))
@@ -392,7 +393,7 @@ def test_float16_kernels_run_on_float32_copies_where_the_cpu_emulates_float16(mo
     # Without AVX512-FP16/AMX-FP16 a float16 GEMM is emulated (26x float32's time on the 2-core
     # CPU) and torch's flash kernel in float16 ran 1.3-2.3x its float32 forward and 7.6x its
     # backward; on float32 copies it runs at float32 speed, and rounds once.
-    monkeypatch.setattr(matmul, "_NATIVE_FP16", native)
+    monkeypatch.setattr(cpu_products, "_NATIVE_FP16", native)
     seen = _kernel_dtypes(monkeypatch)
     q, k, v, kw = _fp16_calls()[call]
     ts = [t.detach().clone().requires_grad_(grad) for t in (q, k, v)]
@@ -449,7 +450,7 @@ def test_float16_kernels_run_on_float32_copies_where_the_cpu_emulates_float16(mo
 def test_the_sdpa_fast_path_runs_float16_on_float32_copies_where_emulated(monkeypatch, native):
     # subquad.sdpa's fast path calls the kernel (and torch's SDPA, for small calls) on the
     # caller's tensors: in float32 copies where float16 is emulated, the output in float16.
-    monkeypatch.setattr(matmul, "_NATIVE_FP16", native)
+    monkeypatch.setattr(cpu_products, "_NATIVE_FP16", native)
     seen = _kernel_dtypes(monkeypatch)
     g = torch.Generator().manual_seed(4)
     for lq, lk in ((300, 700), (16, 16), (1, 512)):
@@ -469,22 +470,22 @@ def test_float16_gemm_verdict_is_a_wide_gap_timed_on_real_tensors(monkeypatch):
     from _devices import fake_tensors
 
     for slowdown, native in ((23.4, False), (1.1, True), (0.4, True)):
-        monkeypatch.setattr(matmul, "_NATIVE_FP16", None)
-        monkeypatch.setattr(matmul, "_fp16_gemm_slowdown", lambda s=slowdown: s)
-        assert matmul.native_fp16_products() is native
+        monkeypatch.setattr(cpu_products, "_NATIVE_FP16", None)
+        monkeypatch.setattr(cpu_products, "_fp16_gemm_slowdown", lambda s=slowdown: s)
+        assert cpu_products.native_fp16_products() is native
     made = []
-    monkeypatch.setattr(matmul, "_NATIVE_FP16", None)
-    monkeypatch.setattr(matmul, "_fp16_gemm_slowdown", lambda: made.append(torch.ones(1)) or 1.0)
+    monkeypatch.setattr(cpu_products, "_NATIVE_FP16", None)
+    monkeypatch.setattr(cpu_products, "_fp16_gemm_slowdown", lambda: made.append(torch.ones(1)) or 1.0)
     with fake_tensors():
-        matmul.native_fp16_products()
-        matmul.native_fp16_products()  # asked once per process
+        cpu_products.native_fp16_products()
+        cpu_products.native_fp16_products()  # asked once per process
     assert len(made) == 1 and not isinstance(made[0], FakeTensor)
 
 
 def test_small_head_dims_take_float32_products(monkeypatch):
     # Below HALF_PRODUCTS_MIN_HEAD_DIM a bfloat16 product's rounding of the scores (an lse off by
     # ~2e-3) would dominate the gradients' error: head dim 1 gave dQ 2.4x SDPA's error with them.
-    monkeypatch.setattr(matmul, "_NATIVE_BF16", True)
+    monkeypatch.setattr(cpu_products, "_NATIVE_BF16", True)
     g = torch.Generator().manual_seed(3)
     q = (torch.randn(2, 2, 40, 1, generator=g) * 2).to(BF16)
     k, v = ((torch.randn(2, 2, 50, 1, generator=g) * 2).to(BF16) for _ in range(2))

@@ -30,7 +30,7 @@ from torch import Tensor
 from . import _engine
 from ._backends import BACKENDS, MPS_MAX_MATMUL_ELEMENTS, TORCH_SDPA, cpu_flash_forward
 from ._backends.fused import groupable, grouped_attention, grouped_bytes
-from ._backends.matmul import native_fp16_products
+from ._backends.products import native_fp16_products
 from ._budget import resolve_budget
 from ._inputs import Inputs
 from ._planner import Plan

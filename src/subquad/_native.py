@@ -7,7 +7,9 @@ subtraction, ``exp2``, the row sums and a cast back) and ten in the backward, ea
 whole tile through the shared cache. ``_native_tiles.cpp`` does that work row by row, each row
 held in the core's own cache; two more functions do a forward tile's per-row bookkeeping (the
 rows whose offsets moved far and the next offsets; the running maximum, sum and accumulator),
-where eager PyTorch makes about twenty small calls of 5-15 us each. It is C++ that PyTorch's
+where eager PyTorch makes about twenty small calls of 5-15 us each. Built for a CPU with
+AVX512-BF16, it also runs a whole forward loop (:mod:`subquad._backends.segments`) for calls with
+no ``score_mod``, ``mask_mod`` or dropout. It is C++ that PyTorch's
 extension builder compiles on this machine (a C++ compiler and ``ninja`` are needed, as for
 ``torch.compile`` on a CPU), 35-45 s once on a 2-core VM; the build is cached per source, torch
 version, Python and CPU.

@@ -6,15 +6,25 @@
 // bfloat16 (eager: a conversion, amax, a subtraction, exp2, sum and a cast). Backward: P and dS
 // from the offset products S - lse and dP - D (eager: two conversions, a subtraction, two
 // multiplications, exp2, an addition, a subtraction and two casts).
+//
+// Where the compiler targets AVX512-BF16, forward_segment_bf16 runs a whole segment of keys for a
+// block of query rows: per thread, per block of 128 rows of one head, per 512 keys, q·kᵀ and p·v
+// with float32 accumulation (vdpbf16ps) and the online softmax between them, every intermediate
+// in the core's own cache, as torch's fused CPU kernel works.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <tuple>
 #include <vector>
 
@@ -238,9 +248,253 @@ void online_update(torch::Tensor m_run, torch::Tensor l, torch::Tensor acc, torc
   });
 }
 
+#if defined(__AVX512BF16__)
+namespace {
+
+// C (R x 16·NV float32) = A (R x 2·k2 bfloat16, row stride lda) · B, B in pairs ("VNNI"): k2 rows
+// of (columns x 2) bfloat16, ldb elements apart; vdpbf16ps accumulates each pair in float32.
+template <int R, int NV>
+inline void micro(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t ldb, int64_t k2, float* c, int64_t ldc) {
+  __m512 acc[R][NV];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < k2; ++p) {
+    __m512i bv[NV];
+    for (int v = 0; v < NV; ++v) bv[v] = _mm512_loadu_si512(b + p * ldb + v * 32);
+    for (int r = 0; r < R; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, a + r * lda + 2 * p, sizeof pair);
+      const __m512i av = _mm512_set1_epi32(pair);
+      for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], (__m512bh)av, (__m512bh)bv[v]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(c + r * ldc + v * 16, acc[r][v]);
+}
+
+template <int R>
+inline void micro_cols(int nv, const uint16_t* a, int64_t lda, const uint16_t* b, int64_t ldb, int64_t k2, float* c,
+                       int64_t ldc) {
+  if (nv == 2) micro<R, 2>(a, lda, b, ldb, k2, c, ldc);
+  else micro<R, 1>(a, lda, b, ldb, k2, c, ldc);
+}
+
+// C (rows x 16·n16) = A · B as above, in blocks of 8 rows x 32 columns.
+void gemm_pairs(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t ldb, int64_t k2, float* c, int64_t ldc,
+                int64_t rows, int64_t n16) {
+  for (int64_t i = 0; i < rows; i += 8) {
+    const int r = static_cast<int>(std::min<int64_t>(8, rows - i));
+    for (int64_t v = 0; v < n16; v += 2) {
+      const int nv = static_cast<int>(std::min<int64_t>(2, n16 - v));
+      const uint16_t* ai = a + i * lda;
+      const uint16_t* bj = b + v * 32;
+      float* cij = c + i * ldc + v * 16;
+      switch (r) {
+        case 8: micro_cols<8>(nv, ai, lda, bj, ldb, k2, cij, ldc); break;
+        case 7: micro_cols<7>(nv, ai, lda, bj, ldb, k2, cij, ldc); break;
+        case 6: micro_cols<6>(nv, ai, lda, bj, ldb, k2, cij, ldc); break;
+        case 5: micro_cols<5>(nv, ai, lda, bj, ldb, k2, cij, ldc); break;
+        case 4: micro_cols<4>(nv, ai, lda, bj, ldb, k2, cij, ldc); break;
+        case 3: micro_cols<3>(nv, ai, lda, bj, ldb, k2, cij, ldc); break;
+        case 2: micro_cols<2>(nv, ai, lda, bj, ldb, k2, cij, ldc); break;
+        default: micro_cols<1>(nv, ai, lda, bj, ldb, k2, cij, ldc); break;
+      }
+    }
+  }
+}
+
+inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+constexpr int64_t kNoMask = 0, kBoolMask = 1, kFloatMask = 2, kBFloat16Mask = 3, kHalfMask = 4;
+
+// The kind of an attn_mask viewed as (B, Hq, qn, kn), any strides (0 where broadcast).
+int64_t mask_kind_of(const torch::Tensor& m, int64_t batch, int64_t hq, int64_t qn, int64_t kn) {
+  TORCH_CHECK(m.dim() == 4 && m.size(0) == batch && m.size(1) == hq && m.size(2) == qn && m.size(3) == kn &&
+                  m.device().is_cpu(),
+              "mask: a (B, Hq, qn, kn) CPU tensor (expanded where it broadcasts)");
+  switch (m.scalar_type()) {
+    case torch::kBool: return kBoolMask;
+    case torch::kFloat: return kFloatMask;
+    case torch::kBFloat16: return kBFloat16Mask;
+    case torch::kHalf: return kHalfMask;
+    default: TORCH_CHECK(false, "mask: bool, float32, bfloat16 or float16");
+  }
+  return kNoMask;
+}
+
+// Row i of the mask from key j0 on, n entries, as what the scores in log2 units get added:
+// -inf where a bool mask is False, else 0; a float mask's values times log2 e.
+void mask_row(const torch::Tensor& m, int64_t kind, int64_t b, int64_t h, int64_t i, int64_t j0, int64_t n,
+              float* out) {
+  const int64_t s3 = m.stride(3);
+  const int64_t at = b * m.stride(0) + h * m.stride(1) + i * m.stride(2) + j0 * s3;
+  const float log2e = 1.4426950408889634f;
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  if (kind == kBoolMask) {
+    const bool* p = m.data_ptr<bool>() + at;
+    for (int64_t j = 0; j < n; ++j) out[j] = p[j * s3] ? 0.0f : neg_inf;
+  } else if (kind == kFloatMask) {
+    const float* p = m.data_ptr<float>() + at;
+    for (int64_t j = 0; j < n; ++j) out[j] = p[j * s3] * log2e;
+  } else if (kind == kBFloat16Mask) {
+    const uint16_t* p = reinterpret_cast<const uint16_t*>(m.data_ptr()) + at;
+    for (int64_t j = 0; j < n; ++j) out[j] = bf16_to_float(p[j * s3]) * log2e;
+  } else {
+    const at::Half* p = reinterpret_cast<const at::Half*>(m.data_ptr()) + at;
+    for (int64_t j = 0; j < n; ++j) out[j] = static_cast<float>(p[j * s3]) * log2e;
+  }
+}
+
+constexpr int64_t kSegmentRows = 128;  // a task's rows (fewer where the threads would idle)
+constexpr int64_t kSegmentKeys = 512;  // keys per step; a multiple of 32
+
+}  // namespace
+
+// One segment of keys for a block of query rows, the whole tile loop of a forward: per task (up to
+// kSegmentRows rows of one query head), per block of up to kSegmentKeys keys, s = alpha · q·kᵀ in float32 (log2
+// units), the online softmax on it (m, l and acc updated in place; masked entries, causal ones
+// only, are skipped), p rounded to bfloat16 and acc = acc · 2^(m_old - m_new) + p·v in float32.
+// q: (B, Hq, qn, E), k: (B, Hk, kn, E), v: (B, Hk, kn, Ev), bfloat16, last stride 1, any others
+// (a batch broadcast by stride 0 included); query head h reads key head h / (Hq / Hk). m_run, l:
+// (B·Hq·qn) float32, acc: (B·Hq·qn, Ev) float32, contiguous. Causal: query i (q0 + i overall)
+// sees key j (k0 + j) where k0 + j <= q0 + i + causal_offset. mask: None, or the attn_mask's
+// (B, Hq, qn, kn) view of these rows and keys (bool: False hides; float: added to the scaled
+// scores, as SDPA's), read in place. Keys and values are first copied
+// into pairs along the reduction (the layout vdpbf16ps reads): a segment-sized copy.
+void forward_segment_bf16(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor m_run, torch::Tensor l,
+                          torch::Tensor acc, double alpha, int64_t q0, int64_t k0, bool causal, int64_t causal_offset,
+                          std::optional<torch::Tensor> mask) {
+  for (const auto& t : {q, k, v}) {
+    TORCH_CHECK(t.dim() == 4 && t.scalar_type() == torch::kBFloat16 && (t.stride(3) == 1 || t.size(3) <= 1) &&
+                    t.device().is_cpu(),
+                "q, k, v: (batch, heads, length, dim) bfloat16 CPU tensors of last stride 1");
+  }
+  const int64_t batch = q.size(0), hq = q.size(1), qn = q.size(2), e = q.size(3);
+  const int64_t hk = k.size(1), kn = k.size(2), ev = v.size(3);
+  TORCH_CHECK(k.size(0) == batch && v.size(0) == batch && v.size(1) == hk && v.size(2) == kn && k.size(3) == e,
+              "q, k, v: shapes (B, Hq, qn, E), (B, Hk, kn, E), (B, Hk, kn, Ev)");
+  TORCH_CHECK(hk > 0 && hq % hk == 0, "q, k: the query heads must be a multiple of the key heads");
+  const int64_t rows_all = batch * hq * qn;
+  for (const auto& t : {m_run, l}) check_rows(t, rows_all, "m_run, l");
+  TORCH_CHECK(acc.scalar_type() == torch::kFloat && acc.is_contiguous() && acc.numel() == rows_all * ev &&
+                  acc.device().is_cpu(),
+              "acc: a contiguous float32 CPU tensor of (rows, Ev)");
+  const int64_t mask_kind = mask.has_value() ? mask_kind_of(*mask, batch, hq, qn, kn) : kNoMask;
+  if (rows_all == 0 || kn == 0) return;
+  const int64_t group = hq / hk, bhq = batch * hq, bhk = batch * hk;
+  const int64_t e2 = (e + 1) / 2, npad = round_up(kn, 32), ev16 = (ev + 15) / 16, evp = ev16 * 16;
+  // Keys in pairs of head-dim entries, kp[b·Hk + h][p][j][0..1] = k[b][h][j][2p..2p+1]; values in
+  // pairs of keys, vp[b·Hk + h][t][d][0..1] = v[b][h][2t..2t+1][d]; zero where padded.
+  auto kp = torch::zeros({bhk, e2, npad, 2}, k.options().memory_format(c10::MemoryFormat::Contiguous));
+  auto vp = torch::zeros({bhk, npad / 2, evp, 2}, v.options().memory_format(c10::MemoryFormat::Contiguous));
+  auto* kd = reinterpret_cast<uint16_t*>(kp.data_ptr());
+  auto* vd = reinterpret_cast<uint16_t*>(vp.data_ptr());
+  {
+    const auto* ks = reinterpret_cast<const uint16_t*>(k.data_ptr());
+    const auto* vs = reinterpret_cast<const uint16_t*>(v.data_ptr());
+    at::parallel_for(0, bhk * kn, 256, [&](int64_t begin, int64_t end) {
+      for (int64_t x = begin; x < end; ++x) {
+        const int64_t bh = x / kn, j = x % kn, b = bh / hk, h = bh % hk;
+        const uint16_t* krow = ks + b * k.stride(0) + h * k.stride(1) + j * k.stride(2);
+        uint16_t* kdst = kd + bh * e2 * npad * 2 + j * 2;
+        for (int64_t d = 0; d < e; ++d) kdst[(d / 2) * npad * 2 + (d % 2)] = krow[d];
+        const uint16_t* vrow = vs + b * v.stride(0) + h * v.stride(1) + j * v.stride(2);
+        uint16_t* vdst = vd + bh * (npad / 2) * evp * 2 + (j / 2) * evp * 2 + (j % 2);
+        for (int64_t d = 0; d < ev; ++d) vdst[d * 2] = vrow[d];
+      }
+    });
+  }
+  // Blocks of kSegmentRows rows, fewer where that leaves too few tasks for the threads.
+  int64_t qb = kSegmentRows;
+  while (qb > 16 && bhq * ((qn + qb - 1) / qb) < 4 * at::get_num_threads()) qb /= 2;
+  const int64_t nqb = (qn + qb - 1) / qb, kb = kSegmentKeys;
+  const auto* qs = reinterpret_cast<const uint16_t*>(q.data_ptr());
+  float* mp = m_run.data_ptr<float>();
+  float* lp = l.data_ptr<float>();
+  float* ap = acc.data_ptr<float>();
+  const float a = static_cast<float>(alpha);
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  at::parallel_for(0, bhq * nqb, 1, [&](int64_t begin, int64_t end) {
+    std::vector<uint16_t> q_buf(static_cast<size_t>(qb * e2 * 2), 0);
+    std::vector<float> s_buf(static_cast<size_t>(qb * kb));
+    std::vector<uint16_t> p_buf(static_cast<size_t>(qb * kb));
+    std::vector<float> pv_buf(static_cast<size_t>(qb * evp));
+    std::vector<float> c_buf(static_cast<size_t>(qb));
+    std::vector<float> mask_buf(mask_kind == kNoMask ? 0 : static_cast<size_t>(kb));
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t bh = t / nqb, i0 = (t % nqb) * qb, rows = std::min(qb, qn - i0);
+      const int64_t b = bh / hq, h = bh % hq, kvh = b * hk + h / group;
+      for (int64_t r = 0; r < rows; ++r) {
+        const uint16_t* src = qs + b * q.stride(0) + h * q.stride(1) + (i0 + r) * q.stride(2);
+        std::memcpy(q_buf.data() + r * e2 * 2, src, static_cast<size_t>(e) * sizeof(uint16_t));
+      }
+      for (int64_t j0 = 0; j0 < kn; j0 += kb) {
+        if (causal && k0 + j0 > q0 + i0 + rows - 1 + causal_offset) break;  // no row sees these keys
+        const int64_t nb = std::min(kb, kn - j0), nb2 = round_up(nb, 2);
+        float* s = s_buf.data();
+        gemm_pairs(q_buf.data(), e2 * 2, kd + kvh * e2 * npad * 2 + j0 * 2, npad * 2, e2, s, kb, rows, (nb + 15) / 16);
+        uint16_t* p = p_buf.data();
+        for (int64_t r = 0; r < rows; ++r) {
+          const int64_t row = bh * qn + i0 + r;
+          float* x = s + r * kb;
+          int64_t vis = nb;  // the row sees keys [0, vis) of the block
+          if (causal) vis = std::max<int64_t>(0, std::min<int64_t>(nb, q0 + i0 + r + causal_offset - (k0 + j0) + 1));
+          float mx = neg_inf;
+          if (mask_kind == kNoMask) {
+#pragma omp simd reduction(max : mx)
+            for (int64_t j = 0; j < vis; ++j) {
+              const float y = x[j] * a;
+              x[j] = y;
+              mx = y > mx ? y : mx;
+            }
+          } else {
+            float* mb = mask_buf.data();
+            mask_row(*mask, mask_kind, b, h, i0 + r, j0, vis, mb);
+#pragma omp simd reduction(max : mx)
+            for (int64_t j = 0; j < vis; ++j) {
+              const float y = x[j] * a + mb[j];
+              x[j] = y;
+              mx = y > mx ? y : mx;
+            }
+          }
+          const float old = mp[row];
+          float m_new = mx > old ? mx : old;
+          if (std::isnan(old) || std::isnan(mx)) m_new = std::numeric_limits<float>::quiet_NaN();
+          const float ref = m_new == neg_inf ? 0.0f : m_new;  // rows with nothing visible yet stay finite
+          c_buf[r] = std::exp2(old - ref);
+          float sum = 0.0f;
+          uint16_t* pr = p + r * kb;
+#pragma omp simd reduction(+ : sum)
+          for (int64_t j = 0; j < vis; ++j) {
+            const float pj = exp2_approx(x[j] - ref);
+            sum += pj;
+            pr[j] = float_to_bf16(pj);
+          }
+          for (int64_t j = vis; j < nb2; ++j) pr[j] = 0;
+          lp[row] = lp[row] * c_buf[r] + sum;
+          mp[row] = m_new;
+        }
+        gemm_pairs(p, kb, vd + kvh * (npad / 2) * evp * 2 + (j0 / 2) * evp * 2, evp * 2, nb2 / 2, pv_buf.data(), evp,
+                   rows, ev16);
+        for (int64_t r = 0; r < rows; ++r) {
+          float* arow = ap + (bh * qn + i0 + r) * ev;
+          const float* pvr = pv_buf.data() + r * evp;
+          const float c = c_buf[r];
+#pragma omp simd
+          for (int64_t d = 0; d < ev; ++d) arow[d] = arow[d] * c + pvr[d];
+        }
+      }
+    }
+  });
+}
+#endif
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("exp2_rows_bf16", &exp2_rows_bf16, "one pass of a bfloat16 tile's online softmax (_native_tiles.cpp)");
   m.def("softmax_grad_rows_bf16", &softmax_grad_rows_bf16, "P and dS of a bfloat16 tile in one pass (_native_tiles.cpp)");
   m.def("next_offsets", &next_offsets, "a forward tile's next offsets and far rows (_native_tiles.cpp)");
   m.def("online_update", &online_update, "the online softmax's state after a tile (_native_tiles.cpp)");
+#if defined(__AVX512BF16__)
+  m.def("forward_segment_bf16", &forward_segment_bf16, "a segment of keys for a block of rows (_native_tiles.cpp)");
+#endif
 }

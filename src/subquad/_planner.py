@@ -22,7 +22,8 @@ import torch
 from torch.utils import _python_dispatch
 
 from ._backends import BACKENDS, Options, priority
-from ._backends.matmul import exp_, native_bf16_products
+from ._backends.matmul import exp_
+from ._backends.products import native_bf16_products
 from ._budget import format_bytes, format_seconds
 from ._callbacks import apply_score_mod
 from ._errors import MemoryBudgetError

@@ -19,7 +19,7 @@ from .._inputs import Inputs
 from .._tiles import EMPTY_CHECK_ELEMENTS, NEG_INF, Grads, Segment, add_into, call_kernel, empty_rows, tile_bias
 from .._traced import TracedScoreMod
 from .base import Backend, Options, _bh, _generated_causal, _strided, _threads, candidates
-from .matmul import native_bf16_products, native_fp16_products
+from .products import native_bf16_products, native_fp16_products
 
 _OPS: List[Tuple[Any, Any]] = []
 

@@ -45,6 +45,10 @@ tiles of keys and values cast or copied for a GEMM and the products with them):
   two more calls for the rows' bookkeeping (far rows and next offsets; m, l and acc), each in
   place of about ten small eager ops. Backward: S's and ``dP``'s offset products in two bfloat16
   buffers, turned into ``p`` and the scaled ``dS`` in place. Far rows are redone as above.
+- bfloat16 forwards with no ``score_mod``, ``mask_mod`` or dropout, where the native kernel is
+  built for AVX512-BF16 (:mod:`subquad._backends.segments`): no tile at all.
+  The whole loop runs in C++, each thread on 128 rows of one head at a time, with float32 scores
+  (bfloat16 operands, float32 accumulation), no offsets and nothing computed twice.
 
 On MPS (no Mac here, nothing of this measured): half-precision inputs take the first path,
 float32 products (``q``/``k``/``v`` converted per tile), the same float32 passes and no
@@ -55,14 +59,11 @@ allow the second path; without a device to check their rounding it stays off.
 
 from __future__ import annotations
 
-import math
-import time
 from types import ModuleType
 from typing import ContextManager, Iterable, Optional, Tuple
 
 import torch
 from torch import Tensor
-from torch.utils import _python_dispatch
 
 from .._callbacks import CapturedAsLeaves, apply_score_mod
 from .._inputs import Inputs
@@ -70,7 +71,11 @@ from .._native import tile_kernel
 from .._tiles import NEG_INF, Grads, RowState, Segment, add_into, dropout_scale, tile_bias
 from .base import Backend, Options, _bh, _grad_accum_bytes
 from .offsets import LN2, LOG2E, OFFSET_DRIFT, OffsetOperand, far_rows, first_offsets, redo_batches
+from .products import native_bf16_products
 from .scratch import Scratch, call_buffers, pass_scratch
+from .segments import forward_rows as loop_forward_rows
+from .segments import segment_bytes, segment_kernel
+from .segments import tile_bytes as loop_tile_bytes
 
 
 class Matmul(Backend):
@@ -93,12 +98,18 @@ class Matmul(Backend):
         # does an inference forward's, the bfloat16 product alone. With the kernel, 512 x 512
         # tiles of 1x8x{4096,2048}x64 bf16 took 0.86x / 0.89x the time of 256 x 512 (fresh
         # processes alternating, 6 rounds; eager passes: 0.98x / 0.93x).
+        qc, kc = min(qc, max(inp.Lq, 1)), min(kc, max(inp.Lk, 1))
+        if not inp.requires_grad and segment_kernel(inp) is not None:  # no tile of scores
+            return loop_tile_bytes(inp, qc, kc)
         per_score = 2 if not inp.requires_grad and _forward_kernel(inp) is not None else inp.stats_itemsize
-        return _bh(inp) * min(qc, max(inp.Lq, 1)) * min(kc, max(inp.Lk, 1)) * per_score
+        return _bh(inp) * qc * kc * per_score
 
     def forward_bytes(self, inp: Inputs, qc: int, kc: int, need_lse: bool) -> int:
         qc, kc = min(qc, max(inp.Lq, 1)), min(kc, max(inp.Lk, 1))
         bh, st = _bh(inp), inp.stats_itemsize
+        lse = inp.lse_bytes() if need_lse else 0
+        if segment_kernel(inp) is not None:  # acc, m, l, lse and the result's rows; no tile
+            return int((bh * qc * (2 * inp.Ev + 4) * st + segment_bytes(inp, qc, kc) + lse) * 1.15) + (1 << 18)
         cs = torch.tensor([], dtype=Matmul.compute_dtype(inp)).element_size()
         tile = bh * qc * kc
         n = inp.B * inp.Hq * qc * inp.E * cs  # scaled q block
@@ -120,9 +131,7 @@ class Matmul(Backend):
             n += 2 * tile + tile * st + 2 * qc * kc * 8
         if inp.dropout_p > 0:
             n += tile * (8 * 2 + st + 1)
-        n += bh * qc * (inp.Ev * st * 2 + 6 * st)  # accumulator, p @ v, row statistics
-        if need_lse:
-            n += inp.lse_bytes()
+        n += bh * qc * (inp.Ev * st * 2 + 6 * st) + lse  # accumulator, p @ v, row statistics
         return int(n * 1.15) + 256 * 1024  # allocator rounding, index vectors
 
     def backward_bytes(self, inp: Inputs, qc: int, kc: int, opts: Options) -> int:
@@ -304,6 +313,9 @@ class Matmul(Backend):
     ) -> Tensor:
         """Online softmax over ``segments`` for rows ``[qs, qe)``; writes ``out`` and returns the lse."""
         assert out is not None, "returns_rows is off: the engine always passes the output buffer"
+        loop = segment_kernel(inp)
+        if loop is not None:  # the whole loop in C++ (subquad._backends.segments)
+            return loop_forward_rows(inp, qs, qe, segments, out, loop)
         B, Hq, Hk, G = inp.B, inp.Hq, inp.Hk, inp.G
         qn = qe - qs
         sdt = inp.stats_dtype
@@ -529,51 +541,6 @@ dimensions the gradients' own rounding dominates, with few it does not: head dim
 scores up to ~15) gave dQ 2.4x SDPA's bfloat16 error against float64 (float32 products: 1.0x). And
 at head dims below 32 the products are a small share of a tile's time: 1x8x2048xE bfloat16, two
 threads, float32 / bfloat16 products 1.13 (E = 1), 1.00 (8), 0.74 (16), 0.83 (32), 0.98 (64)."""
-
-
-def native_bf16_products() -> bool:
-    """Whether this CPU multiplies bfloat16 natively (AMX or AVX512-BF16): its bfloat16 GEMM then
-    runs at 2-3x (AVX512-BF16) to 10x (AMX) its float32 rate. Asked once per process."""
-    global _NATIVE_BF16
-    if _NATIVE_BF16 is None:
-        probes = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")
-        _NATIVE_BF16 = any(bool(getattr(torch.cpu, name, lambda: False)()) for name in probes)
-    return _NATIVE_BF16
-
-
-_NATIVE_BF16: Optional[bool] = None
-
-
-def native_fp16_products() -> bool:
-    """Whether this CPU's float16 GEMM runs at its float32 speed or better (AVX512-FP16, AMX-FP16,
-    Arm's FP16 arithmetic). torch has no query for all of these, so the two GEMMs are timed once
-    per process on a small product: where float16 is emulated it ran 26x slower than float32 on
-    the 2-core CPU (AVX512-BF16, no FP16), and the CPU flash kernel's float16 backward 7.6x
-    slower than its float32 one. The verdict needs a 3x gap, far outside timing noise."""
-    global _NATIVE_FP16
-    if _NATIVE_FP16 is None:
-        with _python_dispatch._disable_current_modes():  # real tensors under a FakeTensorMode
-            _NATIVE_FP16 = _fp16_gemm_slowdown() < FP16_EMULATED_SLOWDOWN
-    return _NATIVE_FP16
-
-
-_NATIVE_FP16: Optional[bool] = None
-FP16_EMULATED_SLOWDOWN = 3.0
-"""A float16 GEMM this many times slower than the float32 one is taken for emulated."""
-
-
-def _fp16_gemm_slowdown() -> float:
-    times = {}
-    for dtype in (torch.float32, torch.float16):
-        a = torch.ones(4, 64, 64, dtype=dtype)
-        torch.bmm(a, a)  # the first call picks the kernel
-        best = math.inf
-        for _ in range(3):
-            t0 = time.perf_counter()
-            torch.bmm(a, a)
-            best = min(best, time.perf_counter() - t0)
-        times[dtype] = max(best, 1e-9)
-    return times[torch.float16] / times[torch.float32]
 
 
 def _forward_kernel(inp: Inputs) -> Optional[ModuleType]:
