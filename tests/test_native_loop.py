@@ -302,3 +302,32 @@ def test_measured_peak_within_budget_and_prediction_honest(loop, native_dir):
         if r["predicted"] < 0.8 * extra:
             failures.append(f"{label}: predicted {r['predicted']} < 0.8 x measured extra {extra}")
     assert not failures, "\n".join(failures)
+
+
+def test_subquad_info_says_the_forward_loop_is_there(loop):
+    assert "built, used, with the forward loop" in _native.status()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(_native._LOADED, "module", None)  # built but not loadable
+        assert _native.status().startswith("built, not loaded")
+
+
+def test_auto_takes_the_loop_for_large_inference_calls_without_amx(loop, monkeypatch):
+    from subquad._backends import segments
+
+    monkeypatch.setattr(segments, "amx_tiles", lambda: False)
+    big = torch.empty(1, 8, 1024, 64, dtype=BF16)  # 2^23 scores
+    plan = subquad.explain(big, big, big)
+    assert plan.backend == "matmul" and any("forward loop in C++" in n for n in plan.notes), plan
+    assert plan.rejected.get("fused") == ["slower backend; the one above fits"]
+    causal = torch.randn(1, 8, 600, 64).to(BF16)
+    out = subquad.attention(causal, causal, causal, is_causal=True)
+    assert loop.calls and set(loop.calls) == {"forward_segment_bf16"}
+    golden = naive_attention(*to64(causal, causal, causal), is_causal=True)
+    assert_close_to_golden(out, golden, naive_attention(*(t.float() for t in (causal,) * 3), is_causal=True).to(BF16))
+    small = torch.empty(1, 8, 256, 64, dtype=BF16)  # 2^19 scores: the fused kernel is faster
+    assert subquad.explain(small, small, small).backend == "fused"
+    trained = big.clone().requires_grad_()
+    assert subquad.explain(trained, trained, trained).backend == "fused"  # training keeps the fused kernel
+    assert subquad.explain(big.float(), big.float(), big.float()).backend == "fused"
+    monkeypatch.setattr(segments, "amx_tiles", lambda: True)  # torch's kernel multiplies on AMX tiles there
+    assert subquad.explain(big, big, big).backend == "fused"

@@ -144,7 +144,7 @@ def tile_kernel() -> Optional[ModuleType]:
 
 
 def status() -> str:
-    """One line for ``subquad info``: whether the kernel is built and used."""
+    """One line for ``subquad info``: whether the kernel is built and used, and with the forward loop."""
     try:
         how = mode()
     except ValueError as e:
@@ -154,7 +154,11 @@ def status() -> str:
     if how == "off":
         return f"off (SUBQUAD_NATIVE=off){'; built at ' + where if built else ''}"
     if built:
-        return f"built, used ({where})"
+        module = tile_kernel()
+        if module is None:  # built, but it did not load (tile_kernel warned why)
+            return f"built, not loaded ({where})"
+        loop = "with" if hasattr(module, "forward_segment_bf16") else "without (no AVX512-BF16 at build time)"
+        return f"built, used, {loop} the forward loop ({where})"
     if how == "build":
         return "not built yet: the first bfloat16 tile builds it (SUBQUAD_NATIVE=build)"
     return "not built (run `subquad build`; the eager passes run meanwhile)"

@@ -20,6 +20,7 @@
 #endif
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -414,14 +415,18 @@ void forward_segment_bf16(torch::Tensor q, torch::Tensor k, torch::Tensor v, tor
   float* ap = acc.data_ptr<float>();
   const float a = static_cast<float>(alpha);
   const float neg_inf = -std::numeric_limits<float>::infinity();
-  at::parallel_for(0, bhq * nqb, 1, [&](int64_t begin, int64_t end) {
+  // Tasks are handed out one at a time (a shared counter), not in one fixed share per thread: a
+  // thread whose core the VM slows takes fewer of them instead of holding up the call.
+  const int64_t tasks = bhq * nqb;
+  std::atomic<int64_t> next_task{0};
+  at::parallel_for(0, std::min<int64_t>(tasks, at::get_num_threads()), 1, [&](int64_t, int64_t) {
     std::vector<uint16_t> q_buf(static_cast<size_t>(qb * e2 * 2), 0);
     std::vector<float> s_buf(static_cast<size_t>(qb * kb));
     std::vector<uint16_t> p_buf(static_cast<size_t>(qb * kb));
     std::vector<float> pv_buf(static_cast<size_t>(qb * evp));
     std::vector<float> c_buf(static_cast<size_t>(qb));
     std::vector<float> mask_buf(mask_kind == kNoMask ? 0 : static_cast<size_t>(kb));
-    for (int64_t t = begin; t < end; ++t) {
+    for (int64_t t = next_task++; t < tasks; t = next_task++) {
       const int64_t bh = t / nqb, i0 = (t % nqb) * qb, rows = std::min(qb, qn - i0);
       const int64_t b = bh / hq, h = bh % hq, kvh = b * hk + h / group;
       for (int64_t r = 0; r < rows; ++r) {

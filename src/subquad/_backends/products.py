@@ -55,3 +55,8 @@ def _fp16_gemm_slowdown() -> float:
             best = min(best, time.perf_counter() - t0)
         times[dtype] = max(best, 1e-9)
     return times[torch.float16] / times[torch.float32]
+
+
+def amx_tiles() -> bool:
+    """Whether this CPU has AMX tiles (torch's fused CPU kernel then multiplies bfloat16 on them)."""
+    return bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())

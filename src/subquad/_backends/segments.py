@@ -28,6 +28,7 @@ from .._inputs import Inputs
 from .._native import tile_kernel
 from .._tiles import NEG_INF, Segment
 from .offsets import LN2, LOG2E
+from .products import amx_tiles
 
 MASK_DTYPES = (torch.bool, torch.float32, torch.bfloat16, torch.float16)
 """The ``attn_mask`` dtypes the loop reads in place (a float64 mask takes the per-tile path)."""
@@ -48,6 +49,23 @@ def segment_kernel(inp: Inputs) -> Optional[ModuleType]:
         return None
     kernel = tile_kernel()
     return kernel if kernel is not None and hasattr(kernel, "forward_segment_bf16") else None
+
+
+LOOP_BEFORE_FUSED_SCORES = 1 << 21
+"""``auto`` takes the loop before the fused kernel from this many scores (``B·Hq·Lq·Lk``) on.
+Bfloat16, two threads, 2-core CPU (AVX512-BF16, no AMX), the loop's time over the fused
+kernel's, both through the full path: 1x8xLx64 at L = 256 (2^19 scores) 1.29, 512 (2^21) 0.81,
+1024 0.69, 2048 0.64; 4x8x4096x40 0.71; 2x10x4096x64 against 77 keys (2^22.6) 0.82; a decode
+step and calls of 16 tokens 0.4 and 7.0 (the fused kernel's fast path skips planning)."""
+
+
+def before_fused(inp: Inputs) -> bool:
+    """Whether ``auto`` takes the loop before the fused kernel: an inference call the loop takes
+    (:func:`segment_kernel`), of :data:`LOOP_BEFORE_FUSED_SCORES` scores or more, not packed, on
+    a CPU without AMX (where torch's kernel multiplies on AMX tiles; not measured here)."""
+    if inp.requires_grad or inp.packed is not None or segment_kernel(inp) is None or amx_tiles():
+        return False
+    return inp.n_groups * inp.B * inp.Hq * inp.Lq * inp.Lk >= LOOP_BEFORE_FUSED_SCORES
 
 
 def segment_bytes(inp: Inputs, qc: int, kc: int) -> int:

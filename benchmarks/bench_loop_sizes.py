@@ -1,0 +1,89 @@
+"""The tiles' C++ forward loop against the fused kernel, by call size (what ``auto`` decides on).
+
+    subquad build
+    python benchmarks/bench_loop_sizes.py [--json docs/benchmarks/loop-sizes.json]
+
+bfloat16 inference calls, each through the full path with the backend forced: ``backend="matmul"``
+(the loop, where the native kernel was built for AVX512-BF16) and ``backend="fused"``, alternating,
+two rounds of 9 calls each after two warm-up calls; the figure is the best round's median. Shapes:
+1x8xLx64 for L = 16 ... 2048, causal 1024, a decode step (32 query heads on 8 key heads, 512 keys),
+Stable Diffusion 1.5's self-attention at 512x512 (4x8x4096x40) and its cross-attention
+(2x10x4096x64 against 77 keys). ``segments.LOOP_BEFORE_FUSED_SCORES`` is read off these.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from typing import Any, Callable, Dict, List
+
+import torch
+
+import subquad
+from subquad import _native
+
+CASES = [
+    # (name, query shape, key/value shape, causal, enable_gqa)
+    ("decode 1x32x1x128, 8 kv heads x 512", (1, 32, 1, 128), (1, 8, 512, 128), False, True),
+    ("1x8x16x64", (1, 8, 16, 64), (1, 8, 16, 64), False, False),
+    ("1x8x128x64", (1, 8, 128, 64), (1, 8, 128, 64), False, False),
+    ("1x8x256x64", (1, 8, 256, 64), (1, 8, 256, 64), False, False),
+    ("1x8x512x64", (1, 8, 512, 64), (1, 8, 512, 64), False, False),
+    ("1x8x1024x64", (1, 8, 1024, 64), (1, 8, 1024, 64), False, False),
+    ("1x8x2048x64", (1, 8, 2048, 64), (1, 8, 2048, 64), False, False),
+    ("1x8x1024x64 causal", (1, 8, 1024, 64), (1, 8, 1024, 64), True, False),
+    ("SD 1.5 self 4x8x4096x40", (4, 8, 4096, 40), (4, 8, 4096, 40), False, False),
+    ("SD 1.5 cross 2x10x4096x64, 77 keys", (2, 10, 4096, 64), (2, 10, 77, 64), False, False),
+]
+
+
+def _median_ms(fn: Callable[[], Any], n: int = 9) -> float:
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def _call(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, gqa: bool, backend: str
+) -> Callable[[], Any]:
+    return lambda: subquad.attention(q, k, v, is_causal=causal, enable_gqa=gqa, backend=backend)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", default=None, help="write the results as JSON here")
+    args = ap.parse_args()
+    kernel = _native.tile_kernel()
+    if kernel is None or not hasattr(kernel, "forward_segment_bf16"):
+        raise SystemExit(f"the native kernel's forward loop is not available: {_native.status()}")
+    rows: List[Dict[str, Any]] = []
+    g = torch.Generator().manual_seed(0)
+    for name, sq, skv, causal, gqa in CASES:
+        q = torch.randn(sq, generator=g).to(torch.bfloat16)
+        k, v = (torch.randn(skv, generator=g).to(torch.bfloat16) for _ in range(2))
+        calls = {b: _call(q, k, v, causal, gqa, b) for b in ("matmul", "fused")}
+        best: Dict[str, float] = {}
+        for fn in calls.values():
+            fn(), fn()
+        for _ in range(2):
+            for b, fn in calls.items():
+                best[b] = min(best.get(b, float("inf")), _median_ms(fn))
+        scores = sq[0] * sq[1] * sq[2] * skv[2]
+        auto = subquad.explain(q, k, v, is_causal=causal, enable_gqa=gqa).backend
+        rows.append(dict(case=name, scores=scores, loop_ms=best["matmul"], fused_ms=best["fused"], auto=auto))
+        print(
+            f"{name:<38} {scores:>11,} scores  loop {best['matmul']:8.3f} ms  fused {best['fused']:8.3f} ms"
+            f"  loop/fused {best['matmul'] / best['fused']:5.2f}  auto: {auto}"
+        )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"torch_threads": torch.get_num_threads(), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
