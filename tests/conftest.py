@@ -183,3 +183,38 @@ def native_dir(tmp_path_factory):
         mp.setenv("SUBQUAD_NATIVE_DIR", str(shared))
         _native.build()
     return shared
+
+
+def run_memory_probe(cases, **env):
+    """Run ``cases`` in a fresh ``_memory_probe.py`` process (glibc returning freed memory to the
+    OS, ``env`` added) and return its results: each call's RSS high-water mark and its plan."""
+    import json
+    import subprocess
+    import sys
+
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072", **env)
+    here = os.path.dirname(os.path.abspath(__file__))
+    proc = subprocess.run(
+        [sys.executable, os.path.join(here, "_memory_probe.py"), json.dumps(cases)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=3600,  # an hour: only a hang gets near it
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(results) == len(cases)
+    return results
+
+
+def memory_bound_failures(r) -> list:
+    """What one probe result breaks: the measured peak within the budget (plus the output), and the
+    prediction honest (at least 0.8x the measured extra memory)."""
+    extra = r["measured"] - r["output"]
+    label = f"{r['case']} -> {r['backend']} {r['chunk']}"
+    failures = []
+    if r["measured"] > r["budget"] + r["output"]:
+        failures.append(f"{label}: measured {r['measured']} > budget {r['budget']} + output {r['output']}")
+    if r["predicted"] < 0.8 * extra:
+        failures.append(f"{label}: predicted {r['predicted']} < 0.8 x measured extra {extra}")
+    return failures

@@ -35,12 +35,9 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-@pytest.fixture
-def kernel(native_dir, monkeypatch):
-    """The tiles with the native kernel's passes over each tile and bfloat16 products (as on a CPU
-    with AVX512-BF16). The forward's loop in C++, which takes the calls without callbacks or
-    dropout where the kernel was built for AVX512-BF16, is off here: tests/test_native_loop.py."""
-    monkeypatch.setattr(matmul, "segment_kernel", lambda inp: None)
+def load_kernel(native_dir, monkeypatch):
+    """The session's build of the native kernel, used by subquad as on a CPU with AVX512-BF16
+    (bfloat16 products)."""
     monkeypatch.setenv("SUBQUAD_NATIVE_DIR", str(native_dir))
     monkeypatch.setenv("SUBQUAD_NATIVE", "auto")
     monkeypatch.setattr(products, "_NATIVE_BF16", True)
@@ -50,16 +47,32 @@ def kernel(native_dir, monkeypatch):
     return module
 
 
+@pytest.fixture
+def kernel(native_dir, monkeypatch):
+    """The tiles with the native kernel's passes over each tile. The forward's loop in C++, which
+    takes the calls without callbacks or dropout where the kernel was built for AVX512-BF16, is
+    off here: tests/test_native_loop.py."""
+    monkeypatch.setattr(matmul, "segment_kernel", lambda inp: None)
+    return load_kernel(native_dir, monkeypatch)
+
+
 class Counting:
-    """The kernel, with the calls of each of its functions counted (by name: the tile's shape)."""
+    """The kernel, with the calls of each of its functions recorded: ``(name, the first
+    argument's shape)``; ``names``: the names alone."""
 
     def __init__(self, kernel):
         self.kernel, self.calls = kernel, []
 
+    @property
+    def names(self):
+        return [name for name, _ in self.calls]
+
     def __getattr__(self, name):
+        fn = getattr(self.kernel, name)  # AttributeError for what the build lacks, as the module
+
         def call(*args):
             self.calls.append((name, tuple(args[0].shape)))
-            return getattr(self.kernel, name)(*args)
+            return fn(*args)
 
         return call
 

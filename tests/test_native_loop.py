@@ -10,55 +10,29 @@ without AVX512-BF16 (the per-tile kernel, tests/test_native.py, serves those CPU
 
 from __future__ import annotations
 
-import shutil
-import sys
 
 import pytest
 import torch
 
 import subquad
-from conftest import assert_close_to_golden, naive_attention, to64
+from conftest import assert_close_to_golden, memory_bound_failures, naive_attention, run_memory_probe, to64
 from subquad import _native, mods
-from subquad._backends import products
+import test_native  # its build fixture's skip mark, kernel loader and call recorder
 
 BF16 = torch.bfloat16
 
-pytestmark = pytest.mark.skipif(
-    shutil.which("ninja") is None or shutil.which("c++") is None or sys.platform == "win32",
-    reason="PyTorch's extension builder needs ninja and a C++ compiler (c++)",
-)
+pytestmark = test_native.pytestmark  # a C++ compiler and ninja
 
 
 @pytest.fixture
 def loop(native_dir, monkeypatch):
-    """The native kernel with its C++ forward loop, its calls counted."""
-    monkeypatch.setenv("SUBQUAD_NATIVE_DIR", str(native_dir))
-    monkeypatch.setenv("SUBQUAD_NATIVE", "auto")
-    monkeypatch.setattr(products, "_NATIVE_BF16", True)
-    monkeypatch.setattr(_native, "_LOADED", {})
-    module = _native.tile_kernel()
-    assert module is not None, _native.status()
+    """The native kernel with its C++ forward loop, its calls recorded."""
+    module = test_native.load_kernel(native_dir, monkeypatch)
     if not hasattr(module, "forward_segment_bf16"):
         pytest.skip("the native kernel was built without AVX512-BF16: no C++ forward loop")
-    counting = Counting(module)
+    counting = test_native.Counting(module)
     monkeypatch.setitem(_native._LOADED, "module", counting)
     return counting
-
-
-class Counting:
-    """The kernel with the names of the functions called, in order."""
-
-    def __init__(self, kernel):
-        self.kernel, self.calls = kernel, []
-
-    def __getattr__(self, name):
-        fn = getattr(self.kernel, name)  # AttributeError for what the build lacks, as the module
-
-        def call(*args):
-            self.calls.append(name)
-            return fn(*args)
-
-        return call
 
 
 def _lse64(q, k, v, is_causal=False, offset=0, enable_gqa=False, bias=None):
@@ -101,7 +75,7 @@ def test_the_loop_matches_float64(loop, name):
     v = (torch.randn(*shape_kv[:-1], ev, generator=g) * 2).to(BF16)
     q = q.transpose(1, 2).contiguous().transpose(1, 2)  # non-contiguous query
     out, lse = subquad.attention(q, k, v, backend="matmul", chunk_size=chunk, return_lse=True, **kw)
-    assert "forward_segment_bf16" in loop.calls and "exp2_rows_bf16" not in loop.calls
+    assert "forward_segment_bf16" in loop.names and "exp2_rows_bf16" not in loop.names
     golden = naive_attention(*to64(q, k, v), **kw)
     ref32 = naive_attention(q.float(), k.float(), v.float(), **kw)
     assert_close_to_golden(out, golden, ref32.to(BF16))
@@ -116,7 +90,7 @@ def test_bottom_right_causal_rows_that_see_nothing_give_zeros(loop):
     k, v = (torch.randn(1, 2, 30, 64, generator=g).to(BF16) for _ in range(2))
     mask = mods.causal_lower_right(50, 30)
     out, lse = subquad.attention(q, k, v, mask_mod=mask, backend="matmul", chunk_size=(16, 16), return_lse=True)
-    assert "forward_segment_bf16" in loop.calls
+    assert "forward_segment_bf16" in loop.names
     assert bool((out[:, :, :20] == 0).all()) and bool(torch.isneginf(lse[:, :, :20]).all())
     keep = torch.arange(30) <= torch.arange(50).view(-1, 1) - 20
     golden = naive_attention(*to64(q, k, v), attn_mask=keep)
@@ -134,7 +108,7 @@ def test_keys_shared_by_the_batch_and_transposed_layouts(loop):
     k = torch.randn(1, 2, 64, 90, generator=g).to(BF16).transpose(-1, -2)  # stride(-1) = 90
     v = torch.randn(1, 2, 90, 64, generator=g).to(BF16)
     out = subquad.attention(q, k.expand(3, -1, -1, -1), v.expand(3, -1, -1, -1), backend="matmul")
-    assert "forward_segment_bf16" in loop.calls
+    assert "forward_segment_bf16" in loop.names
     golden = naive_attention(*to64(q, k.expand(3, -1, -1, -1), v.expand(3, -1, -1, -1)))
     ref32 = naive_attention(q.float(), k.float().expand(3, -1, -1, -1), v.float().expand(3, -1, -1, -1))
     assert_close_to_golden(out, golden, ref32.to(BF16))
@@ -146,14 +120,14 @@ def test_the_loop_takes_calls_without_callbacks_or_dropout(loop):
     subquad.attention(q, q, q, mask_mod=lambda b, h, i, j: (i - j).abs() < 8, backend="matmul")
     subquad.attention(q, q, q, dropout_p=0.3, backend="matmul")
     subquad.attention(q.float(), q.float(), q.float(), backend="matmul")
-    assert "forward_segment_bf16" not in loop.calls and "exp2_rows_bf16" in loop.calls
+    assert "forward_segment_bf16" not in loop.names and "exp2_rows_bf16" in loop.names
     loop.calls.clear()
     mask = torch.rand(40, 40, generator=torch.Generator().manual_seed(14)) > 0.3
     subquad.attention(q, q, q, backend="matmul")
     subquad.attention(q, q, q, is_causal=True, backend="matmul")
     subquad.attention(q, q, q, attn_mask=mask, backend="matmul")
     subquad.attention(q, q, q, attn_mask=torch.zeros(40, 40, dtype=BF16), backend="matmul")
-    assert loop.calls == ["forward_segment_bf16"] * 4
+    assert loop.names == ["forward_segment_bf16"] * 4
 
 
 MASKS = {
@@ -199,7 +173,7 @@ def test_masks_are_read_in_place_and_match_float64(loop, name):
     k, v = ((torch.randn(*shape_kv, generator=g) * 2).to(BF16) for _ in range(2))
     mask = make(g)
     out, lse = subquad.attention(q, k, v, attn_mask=mask, backend="matmul", chunk_size=(64, 64), return_lse=True, **kw)
-    assert "forward_segment_bf16" in loop.calls and "exp2_rows_bf16" not in loop.calls
+    assert "forward_segment_bf16" in loop.names and "exp2_rows_bf16" not in loop.names
     golden = naive_attention(*to64(q, k, v), attn_mask=_as64(mask), **kw)
     ref32 = naive_attention(q.float(), k.float(), v.float(), attn_mask=_as64(mask).float(), **kw)
     assert_close_to_golden(out, golden, ref32.to(BF16))
@@ -220,7 +194,7 @@ def test_training_runs_the_loop_forward_and_the_tiles_backward(loop):
     d_out = torch.randn(1, 2, 100, 64, generator=g)
     out = subquad.attention(q, k, v, is_causal=True, backend="matmul")
     grads = torch.autograd.grad(out, (q, k, v), d_out.to(BF16))
-    assert loop.calls[0] == "forward_segment_bf16" and "softmax_grad_rows_bf16" in loop.calls
+    assert loop.names[0] == "forward_segment_bf16" and "softmax_grad_rows_bf16" in loop.names
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
     golden = naive_attention(q64, k64, v64, is_causal=True)
     golden_grads = torch.autograd.grad(golden, (q64, k64, v64), d_out.double())
@@ -273,10 +247,6 @@ def test_the_loop_refuses_what_it_does_not_take(loop):
 
 def test_measured_peak_within_budget_and_prediction_honest(loop, native_dir):
     # As tests/test_planner.py's grid, with the loop: a fresh process, RSS high-water mark.
-    import json
-    import os
-    import subprocess
-
     cases = [
         dict(shape=[1, 8, 4096, 4096, 64], budget="16MiB", dtype="bfloat16", backend="matmul"),
         dict(shape=[1, 8, 4096, 4096, 64], budget="64MiB", dtype="bfloat16", backend="matmul"),
@@ -284,23 +254,8 @@ def test_measured_peak_within_budget_and_prediction_honest(loop, native_dir):
         dict(shape=[1, 8, 2048, 2048, 64], budget="16MiB", dtype="bfloat16", backend="matmul", mask="causal"),
         dict(shape=[2, 8, 1024, 1024, 40], budget="8MiB", dtype="bfloat16", backend="matmul", mask="float"),
     ]
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072", SUBQUAD_NATIVE="auto", SUBQUAD_NATIVE_DIR=str(native_dir))
-    here = os.path.dirname(os.path.abspath(__file__))
-    proc = subprocess.run(
-        [sys.executable, os.path.join(here, "_memory_probe.py"), json.dumps(cases)],
-        capture_output=True, text=True, env=env, timeout=1800,
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    results = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(results) == len(cases)
-    failures = []
-    for r in results:
-        extra = r["measured"] - r["output"]
-        label = f"{r['case']} -> {r['backend']} {r['chunk']}"
-        if r["measured"] > r["budget"] + r["output"]:
-            failures.append(f"{label}: measured {r['measured']} > budget {r['budget']} + output {r['output']}")
-        if r["predicted"] < 0.8 * extra:
-            failures.append(f"{label}: predicted {r['predicted']} < 0.8 x measured extra {extra}")
+    results = run_memory_probe(cases, SUBQUAD_NATIVE="auto", SUBQUAD_NATIVE_DIR=str(native_dir))
+    failures = [f for r in results for f in memory_bound_failures(r)]
     assert not failures, "\n".join(failures)
 
 
@@ -321,7 +276,7 @@ def test_auto_takes_the_loop_for_large_inference_calls_without_amx(loop, monkeyp
     assert plan.rejected.get("fused") == ["slower backend; the one above fits"]
     causal = torch.randn(1, 8, 600, 64).to(BF16)
     out = subquad.attention(causal, causal, causal, is_causal=True)
-    assert loop.calls and set(loop.calls) == {"forward_segment_bf16"}
+    assert loop.names and set(loop.names) == {"forward_segment_bf16"}
     golden = naive_attention(*to64(causal, causal, causal), is_causal=True)
     assert_close_to_golden(out, golden, naive_attention(*(t.float() for t in (causal,) * 3), is_causal=True).to(BF16))
     small = torch.empty(1, 8, 256, 64, dtype=BF16)  # 2^19 scores: the fused kernel is faster
