@@ -24,7 +24,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from ._backends.matmul import LN2, LOG2E
+from ._backends.offsets import LN2, LOG2E
 from ._inputs import Inputs
 from ._tiles import TILES
 

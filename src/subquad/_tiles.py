@@ -7,6 +7,7 @@ and counts them (:data:`TILES`).
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Mapping, NamedTuple, Optional, Sequence, Tuple, TypeVar
 
 import torch
@@ -116,6 +117,17 @@ class RowState(NamedTuple):
     m: Tensor  # running max of the scores, (BHk, G*qn)
     l: Tensor  # running sum of exp(score - m)
     acc: Tensor  # running sum of exp(score - m) @ V, (BHk, G*qn, Ev)
+
+
+def finish_rows(inp: Inputs, qs: int, qe: int, state: RowState, out: Tensor, log2: bool) -> Tensor:
+    """Rows ``[qs, qe)`` done: ``acc / l`` written into ``out`` (0 where a row saw nothing: its acc
+    is 0), and their lse ``(B, Hq, qn)`` returned, from ``m`` in log2 units if ``log2``."""
+    B, Hq, qn = inp.B, inp.Hq, qe - qs
+    l_safe = state.l.masked_fill(state.l == 0, 1.0)
+    out[:, :, qs:qe].copy_(state.acc.div_(l_safe.unsqueeze(-1)).view(B, Hq, qn, inp.Ev))
+    if log2:
+        return (state.m + torch.log2(state.l)).mul_(math.log(2.0)).view(B, Hq, qn)
+    return (state.m + torch.log(state.l)).view(B, Hq, qn)
 
 
 class Grads(NamedTuple):

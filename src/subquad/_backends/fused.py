@@ -18,7 +18,7 @@ from .._callbacks import call_user, index_grids
 from .._inputs import Inputs
 from .._tiles import EMPTY_CHECK_ELEMENTS, NEG_INF, Grads, Segment, add_into, call_kernel, empty_rows, tile_bias
 from .._traced import TracedScoreMod
-from .base import Backend, Options, _bh, _generated_causal, _strided, _threads, candidates
+from .base import Backend, Options, _bh, _generated_causal, _strided, _threads, candidates, unit_stride
 from .products import native_bf16_products, native_fp16_products
 
 _OPS: List[Tuple[Any, Any]] = []
@@ -88,12 +88,7 @@ def _as_kernel_mask(bias: Optional[Tensor]) -> Optional[Tensor]:
 
 def _operands(in_float32: bool, *tiles: Tensor) -> Tuple[Tensor, ...]:
     """The kernel's operands: ``tiles`` with unit stride, as float32 copies if ``in_float32``."""
-    return tuple(_unit_stride(t.float() if in_float32 else t) for t in tiles)
-
-
-def _unit_stride(t: Tensor) -> Tensor:
-    # The fused kernel reads the last dim as contiguous (SDPA checks this before calling it).
-    return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
+    return tuple(unit_stride(t.float() if in_float32 else t) for t in tiles)
 
 
 _KV_BLOCK = 512

@@ -68,9 +68,9 @@ from torch import Tensor
 from .._callbacks import CapturedAsLeaves, apply_score_mod
 from .._inputs import Inputs
 from .._native import tile_kernel
-from .._tiles import NEG_INF, Grads, RowState, Segment, add_into, dropout_scale, tile_bias
+from .._tiles import NEG_INF, Grads, RowState, Segment, add_into, dropout_scale, finish_rows, tile_bias
 from .base import Backend, Options, _bh, _grad_accum_bytes
-from .offsets import LN2, LOG2E, OFFSET_DRIFT, OffsetOperand, far_rows, first_offsets, redo_batches
+from .offsets import LOG2E, OFFSET_DRIFT, OffsetOperand, far_rows, first_offsets, redo_batches
 from .products import native_bf16_products
 from .scratch import Scratch, call_buffers, pass_scratch
 from .segments import forward_rows as loop_forward_rows
@@ -376,11 +376,7 @@ class Matmul(Backend):
                 pv = scratch.get("pv", (B * Hk, G * qn, inp.Ev), cdt)
                 state.acc.add_(torch.bmm(p_h, scratch.contiguous(v_t, "v"), out=pv))
             del p
-        l_safe = state.l.masked_fill(state.l == 0, 1.0)  # fully masked rows: acc is 0, so output 0
-        out[:, :, qs:qe].copy_(state.acc.div_(l_safe.unsqueeze(-1)).view(B, Hq, qn, inp.Ev))
-        if log2:
-            return (state.m + torch.log2(state.l)).mul_(LN2).view(B, Hq, qn)
-        return (state.m + torch.log(state.l)).view(B, Hq, qn)
+        return finish_rows(inp, qs, qe, state, out, log2)
 
     def backward_rows(
         self,

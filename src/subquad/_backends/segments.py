@@ -26,8 +26,9 @@ from torch import Tensor
 
 from .._inputs import Inputs
 from .._native import tile_kernel
-from .._tiles import NEG_INF, Segment
-from .offsets import LN2, LOG2E
+from .._tiles import NEG_INF, RowState, Segment, finish_rows
+from .base import unit_stride
+from .offsets import LOG2E
 from .products import amx_tiles
 
 MASK_DTYPES = (torch.bool, torch.float32, torch.bfloat16, torch.float16)
@@ -102,17 +103,11 @@ def forward_rows(inp: Inputs, qs: int, qe: int, segments: Iterable[Segment], out
     m = torch.full((rows,), NEG_INF, dtype=torch.float32)
     l = torch.zeros(rows, dtype=torch.float32)
     acc = torch.zeros((rows, inp.Ev), dtype=torch.float32)
-    q = _last_dim_dense(inp.q[:, :, qs:qe])
+    q = unit_stride(inp.q[:, :, qs:qe])
     alpha = inp.scale * LOG2E  # scores in log2 units: exp2 needs no multiply
     for seg in segments:
         causal = inp.is_causal and seg.causal != "none"
-        k, v = (_last_dim_dense(t[:, :, seg.ks : seg.ke]) for t in (inp.k, inp.v))
+        k, v = (unit_stride(t[:, :, seg.ks : seg.ke]) for t in (inp.k, inp.v))
         mask = None if inp.attn_mask is None else inp.mask_tile(qs, qe, seg.ks, seg.ke).expand(B, Hq, qn, -1)
         kernel.forward_segment_bf16(q, k, v, m, l, acc, alpha, qs, seg.ks, causal, inp.causal_offset, mask)
-    l_safe = l.masked_fill(l == 0, 1.0)  # rows that see nothing: acc is 0, so output 0
-    out[:, :, qs:qe].copy_(acc.div_(l_safe.unsqueeze(-1)).view(B, Hq, qn, inp.Ev))
-    return (m + torch.log2(l)).mul_(LN2).view(B, Hq, qn)
-
-
-def _last_dim_dense(t: Tensor) -> Tensor:
-    return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()  # the kernel reads rows as dense
+    return finish_rows(inp, qs, qe, RowState(m, l, acc), out, log2=True)
