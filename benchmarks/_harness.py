@@ -16,7 +16,7 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Any, Callable, Dict, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -172,7 +172,8 @@ def fmt_gib(n: Optional[float]) -> str:
 
 
 def machine() -> Dict[str, Any]:
-    """What ran a benchmark: date, CPU model, cores, threads, memory, torch, subquad, Python."""
+    """What ran a benchmark: date, CPU model and its vector/matrix flags, cores, threads, memory,
+    torch, subquad, Python."""
     import datetime
     import platform
 
@@ -186,9 +187,17 @@ def machine() -> Dict[str, Any]:
             cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
+    flags: List[str] = []
+    try:
+        with open("/proc/cpuinfo") as f:
+            have = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+        flags = [f for f in ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_fp16") if f in have]
+    except OSError:
+        pass
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "cpu": cpu,
+        "cpu_flags": flags,
         "cpus": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),

@@ -8,7 +8,8 @@
   ``explain()``'s predicted time beside each;
 - the bfloat16 tiles in ``--processes`` fresh processes (median and best of 3 calls each):
   run-to-run spread, beside the fused kernel's in processes alternating with them (the machine's
-  own spread);
+  own spread), and each process's median over a float32 GEMM timed after each of its calls (the
+  spread with the machine's speed in that process divided out);
 - forward + backward with a soft-capping ``score_mod`` (tiles only), bfloat16, 1x4x2048x64, against
   the fused forward + backward without the callback;
 - forward + backward 1x4x2048x64 in each dtype through the tiles, the fused kernel and
@@ -17,7 +18,9 @@
 - the time model: measured / ``explain().predicted_seconds`` for every dtype and backend, forward
   (1x8x4096x64) and forward + backward (1x4x2048x64).
 
-Run it with nothing else on the machine. To measure an older checkout, run this file with
+Run it with nothing else on the machine, and without ``MALLOC_MMAP_THRESHOLD_`` (the peak-memory
+benchmarks' setting): with it every tile temporary is a fresh mmap, and the soft-cap forward +
+backward measured 4.6-4.8x where it is 2.5-2.9x with glibc's default threshold. To measure an older checkout, run this file with
 ``PYTHONPATH=<that checkout>/src``. The bfloat16 tiles use the native kernel where it is built
 (``subquad build``; ``SUBQUAD_NATIVE=off`` measures them without it): the machine line says which.
 """
@@ -162,13 +165,22 @@ def _timed_and_predicted(
 
 def _one_process(backend: str) -> None:
     q, k, v = (torch.randn(SHAPE).to(torch.bfloat16) for _ in range(3))
+    # A float32 GEMM timed after each call: how fast the machine ran this process, apart from
+    # anything the call itself brings (its allocations, its data).
+    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
     subquad.attention(q, k, v, backend=backend)
-    ts = []
+    torch.mm(a, b)
+    ts, refs = [], []
     for _ in range(3):
         t0 = time.perf_counter()
         subquad.attention(q, k, v, backend=backend)
-        ts.append(time.perf_counter() - t0)
-    print(json.dumps({"median": statistics.median(ts) * 1e3, "best": min(ts) * 1e3}))
+        t1 = time.perf_counter()
+        torch.mm(a, b)
+        torch.mm(a, b)
+        refs.append(time.perf_counter() - t1)
+        ts.append(t1 - t0)
+    out = {"median": statistics.median(ts) * 1e3, "best": min(ts) * 1e3, "reference": statistics.median(refs) * 1e3}
+    print(json.dumps(out))
 
 
 def main() -> None:
@@ -213,6 +225,11 @@ def main() -> None:
             results[f"bf16_{label}_per_process{key}_ms"] = ts
             machine_note = " (the machine)" if backend == "fused" else ""
             ratios[f"bf16 {label} slowest / fastest process, {stat}{machine_note}"] = max(ts) / min(ts)
+        # Each process's median over its own reference GEMM: the spread the code brings, with the
+        # machine's speed in that process divided out.
+        rel = [p["median"] / p["reference"] for p in per_process[backend]]
+        results[f"bf16_{label}_per_process_reference_ms"] = [p["reference"] for p in per_process[backend]]
+        ratios[f"bf16 {label} slowest / fastest process, median / reference GEMM"] = max(rel) / min(rel)
     bwd = interleaved(_backward_calls(), args.rounds)
     results["backward"] = {n: _summary(ts) for n, ts in bwd.items()}
     bmed = {n: s["median_ms"] for n, s in results["backward"].items()}
@@ -223,8 +240,10 @@ def main() -> None:
     for n, s in results["backward"].items():
         print(f"  {n:<34} {s['median_ms']:8.1f} [{s['min_ms']:.1f}-{s['max_ms']:.1f}]")
     for backend, label in (("matmul", "tiles"), ("fused", "fused kernel")):
-        times = ", ".join(f"{p['median']:.0f} ({p['best']:.0f})" for p in per_process[backend])
-        print(f"bf16 {label} in {args.processes} fresh processes, median (best) of 3 calls, ms: {times}")
+        times = ", ".join(f"{p['median']:.0f} ({p['best']:.0f}; {p['reference']:.0f})" for p in per_process[backend])
+        print(
+            f"bf16 {label} in {args.processes} fresh processes, median (best; reference GEMM) of 3 calls, ms: {times}"
+        )
     title = f"fwd+bwd {BWD_SHAPE} per dtype:"
     results["training"], tpreds, tmed = _timed_and_predicted(_training_calls(), args.rounds, BWD_SHAPE, True, title)
     results["training_predicted_ms"] = tpreds

@@ -1,7 +1,8 @@
-"""The tiles' C++ forward loop against the fused kernel, by call size (what ``auto`` decides on).
+"""The tiles' C++ loops against the fused kernel, by call size (what ``auto`` decides on).
 
     subquad build
     python benchmarks/bench_loop_sizes.py [--json docs/benchmarks/loop-sizes.json]
+    python benchmarks/bench_loop_sizes.py --backward [--json docs/benchmarks/loop-sizes-backward.json]
 
 bfloat16 inference calls, each through the full path with the backend forced: ``backend="matmul"``
 (the loop, where the native kernel was built for AVX512-BF16) and ``backend="fused"``, alternating,
@@ -9,13 +10,17 @@ two rounds of 9 calls each after two warm-up calls; the figure is the best round
 1x8xLx64 for L = 16 ... 2048, causal 1024, a decode step (32 query heads on 8 key heads, 512 keys),
 Stable Diffusion 1.5's self-attention at 512x512 (4x8x4096x40) and its cross-attention
 (2x10x4096x64 against 77 keys). ``segments.LOOP_BEFORE_FUSED_SCORES`` is read off these.
+``--backward`` times forward + backward (the backward loop where it runs), without the decode step,
+and two rounds of 5 calls at 4096 rows.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import sys
 import time
 from typing import Any, Callable, Dict, List
 
@@ -23,6 +28,9 @@ import torch
 
 import subquad
 from subquad import _native
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _harness import machine
 
 CASES = [
     # (name, query shape, key/value shape, causal, enable_gqa)
@@ -39,7 +47,7 @@ CASES = [
 ]
 
 
-def _median_ms(fn: Callable[[], Any], n: int = 9) -> float:
+def _median_ms(fn: Callable[[], Any], n: int) -> float:
     times = []
     for _ in range(n):
         t0 = time.perf_counter()
@@ -54,9 +62,23 @@ def _call(
     return lambda: subquad.attention(q, k, v, is_causal=causal, enable_gqa=gqa, backend=backend)
 
 
+def _train(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, gqa: bool, backend: str
+) -> Callable[[], Any]:
+    d_out = torch.randn(q.shape).to(q.dtype)
+
+    def call() -> None:
+        subquad.attention(q, k, v, is_causal=causal, enable_gqa=gqa, backend=backend).backward(d_out)
+        for t in (q, k, v):
+            t.grad = None
+
+    return call
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", default=None, help="write the results as JSON here")
+    ap.add_argument("--backward", action="store_true", help="forward + backward, not inference")
     args = ap.parse_args()
     kernel = _native.tile_kernel()
     if kernel is None or not hasattr(kernel, "forward_segment_bf16"):
@@ -64,15 +86,19 @@ def main() -> None:
     rows: List[Dict[str, Any]] = []
     g = torch.Generator().manual_seed(0)
     for name, sq, skv, causal, gqa in CASES:
-        q = torch.randn(sq, generator=g).to(torch.bfloat16)
-        k, v = (torch.randn(skv, generator=g).to(torch.bfloat16) for _ in range(2))
-        calls = {b: _call(q, k, v, causal, gqa, b) for b in ("matmul", "fused")}
+        if args.backward and sq[2] == 1:
+            continue  # a decode step needs no gradient
+        q = torch.randn(sq, generator=g).to(torch.bfloat16).requires_grad_(args.backward)
+        k, v = (torch.randn(skv, generator=g).to(torch.bfloat16).requires_grad_(args.backward) for _ in range(2))
+        make = _train if args.backward else _call
+        calls = {b: make(q, k, v, causal, gqa, b) for b in ("matmul", "fused")}
+        n = 5 if args.backward and sq[2] >= 4096 else 9
         best: Dict[str, float] = {}
         for fn in calls.values():
             fn(), fn()
         for _ in range(2):
             for b, fn in calls.items():
-                best[b] = min(best.get(b, float("inf")), _median_ms(fn))
+                best[b] = min(best.get(b, float("inf")), _median_ms(fn, n))
         scores = sq[0] * sq[1] * sq[2] * skv[2]
         auto = subquad.explain(q, k, v, is_causal=causal, enable_gqa=gqa).backend
         rows.append(dict(case=name, scores=scores, loop_ms=best["matmul"], fused_ms=best["fused"], auto=auto))
@@ -82,7 +108,12 @@ def main() -> None:
         )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"torch_threads": torch.get_num_threads(), "rows": rows}, f, indent=1)
+            mode = "forward + backward" if args.backward else "inference"
+            json.dump(
+                {"machine": machine(), "torch_threads": torch.get_num_threads(), "mode": mode, "rows": rows},
+                f,
+                indent=1,
+            )
 
 
 if __name__ == "__main__":

@@ -40,6 +40,7 @@ LAYERS: List[Tuple[str, ...]] = [
     ("subquad._backends",),
     ("subquad._native",),
     ("subquad._traced",),
+    ("subquad._graphs",),
     ("subquad.mods",),
     ("subquad._tiles",),
     ("subquad._callbacks",),

@@ -49,10 +49,11 @@ def load_kernel(native_dir, monkeypatch):
 
 @pytest.fixture
 def kernel(native_dir, monkeypatch):
-    """The tiles with the native kernel's passes over each tile. The forward's loop in C++, which
-    takes the calls without callbacks or dropout where the kernel was built for AVX512-BF16, is
-    off here: tests/test_native_loop.py."""
+    """The tiles with the native kernel's passes over each tile. The forward's and backward's
+    loops in C++, which take the calls without callbacks or dropout where the kernel was built for
+    AVX512-BF16, are off here: tests/test_native_loop.py."""
     monkeypatch.setattr(matmul, "segment_kernel", lambda inp: None)
+    monkeypatch.setattr(matmul, "backward_kernel", lambda inp, grads=None: None)
     return load_kernel(native_dir, monkeypatch)
 
 

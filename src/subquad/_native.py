@@ -8,8 +8,8 @@ whole tile through the shared cache. ``_native_tiles.cpp`` does that work row by
 held in the core's own cache; two more functions do a forward tile's per-row bookkeeping (the
 rows whose offsets moved far and the next offsets; the running maximum, sum and accumulator),
 where eager PyTorch makes about twenty small calls of 5-15 us each. Built for a CPU with
-AVX512-BF16, it also runs a whole forward loop (:mod:`subquad._backends.segments`) for calls with
-no ``score_mod``, ``mask_mod`` or dropout. It is C++ that PyTorch's
+AVX512-BF16, it also runs the whole forward and backward loops (:mod:`subquad._backends.segments`)
+for calls with no ``score_mod``, ``mask_mod`` or dropout. It is C++ that PyTorch's
 extension builder compiles on this machine (a C++ compiler and ``ninja`` are needed, as for
 ``torch.compile`` on a CPU), 35-45 s once on a 2-core VM; the build is cached per source, torch
 version, Python and CPU.
@@ -144,7 +144,7 @@ def tile_kernel() -> Optional[ModuleType]:
 
 
 def status() -> str:
-    """One line for ``subquad info``: whether the kernel is built and used, and with the forward loop."""
+    """One line for ``subquad info``: whether the kernel is built and used, and with the loops."""
     try:
         how = mode()
     except ValueError as e:
@@ -157,8 +157,13 @@ def status() -> str:
         module = tile_kernel()
         if module is None:  # built, but it did not load (tile_kernel warned why)
             return f"built, not loaded ({where})"
-        loop = "with" if hasattr(module, "forward_segment_bf16") else "without (no AVX512-BF16 at build time)"
-        return f"built, used, {loop} the forward loop ({where})"
+        if hasattr(module, "backward_segment_bf16"):
+            loops = "with the forward and backward loops"
+        elif hasattr(module, "forward_segment_bf16"):
+            loops = "with the forward loop"
+        else:
+            loops = "without the loops (no AVX512-BF16 at build time)"
+        return f"built, used, {loops} ({where})"
     if how == "build":
         return "not built yet: the first bfloat16 tile builds it (SUBQUAD_NATIVE=build)"
     return "not built (run `subquad build`; the eager passes run meanwhile)"

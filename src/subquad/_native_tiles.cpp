@@ -10,7 +10,11 @@
 // Where the compiler targets AVX512-BF16, forward_segment_bf16 runs a whole segment of keys for a
 // block of query rows: per thread, per block of 128 rows of one head, per 512 keys, q·kᵀ and p·v
 // with float32 accumulation (vdpbf16ps) and the online softmax between them, every intermediate
-// in the core's own cache, as torch's fused CPU kernel works.
+// in the core's own cache, as torch's fused CPU kernel works. backward_segment_bf16 does the same
+// for the backward (FlashAttention-2's five products per block of 128 rows and 128 keys), one
+// task per batch entry and key head so that each gradient has one writer. Both take a soft cap
+// (softcap > 0: each score becomes c · tanh(score / c), Gemma 2's, with its derivative in dS), the
+// one score_mod they run themselves.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -24,12 +28,15 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <initializer_list>
 #include <limits>
 #include <optional>
 #include <tuple>
 #include <vector>
 
 namespace {
+
+constexpr double kLog2e = 1.4426950408889634;
 
 inline float bf16_to_float(uint16_t h) {
   uint32_t u = static_cast<uint32_t>(h) << 16;
@@ -71,6 +78,14 @@ inline float exp2_approx(float x) {
   float scale;
   std::memcpy(&scale, &bits, sizeof scale);
   return p * scale;
+}
+
+// tanh from exp2_approx: 1 - 2 / (2^(2 z log2 e) + 1), z clamped to [-9, 9] (tanh(9) rounds to 1
+// in float32). Absolute error below 2e-7 (the cancellation near 0), branch-free to vectorize.
+inline float tanh_approx(float z) {
+  z = z < -9.0f ? -9.0f : (z > 9.0f ? 9.0f : z);
+  const float e = exp2_approx(z * 2.8853900817779268f);  // 2 log2 e
+  return 1.0f - 2.0f / (e + 1.0f);
 }
 
 }  // namespace
@@ -148,7 +163,7 @@ void softmax_grad_rows_bf16(torch::Tensor s, torch::Tensor dp, torch::Tensor shi
   uint16_t* dpp = reinterpret_cast<uint16_t*>(dp.data_ptr());
   const float* sh = shift.data_ptr<float>();
   const float* cc = c.data_ptr<float>();
-  const float log2e = 1.4426950408889634f;
+  const float log2e = static_cast<float>(kLog2e);
   const float sc = static_cast<float>(scale);
   const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(n, 1));
   at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
@@ -253,12 +268,13 @@ void online_update(torch::Tensor m_run, torch::Tensor l, torch::Tensor acc, torc
 namespace {
 
 // C (R x 16·NV float32) = A (R x 2·k2 bfloat16, row stride lda) · B, B in pairs ("VNNI"): k2 rows
-// of (columns x 2) bfloat16, ldb elements apart; vdpbf16ps accumulates each pair in float32.
-template <int R, int NV>
+// of (columns x 2) bfloat16, ldb elements apart; vdpbf16ps accumulates each pair in float32. ACC:
+// C += A · B instead.
+template <int R, int NV, bool ACC>
 inline void micro(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t ldb, int64_t k2, float* c, int64_t ldc) {
   __m512 acc[R][NV];
   for (int r = 0; r < R; ++r)
-    for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_ps();
+    for (int v = 0; v < NV; ++v) acc[r][v] = ACC ? _mm512_loadu_ps(c + r * ldc + v * 16) : _mm512_setzero_ps();
   for (int64_t p = 0; p < k2; ++p) {
     __m512i bv[NV];
     for (int v = 0; v < NV; ++v) bv[v] = _mm512_loadu_si512(b + p * ldb + v * 32);
@@ -273,14 +289,15 @@ inline void micro(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t ldb
     for (int v = 0; v < NV; ++v) _mm512_storeu_ps(c + r * ldc + v * 16, acc[r][v]);
 }
 
-template <int R>
+template <int R, bool ACC>
 inline void micro_cols(int nv, const uint16_t* a, int64_t lda, const uint16_t* b, int64_t ldb, int64_t k2, float* c,
                        int64_t ldc) {
-  if (nv == 2) micro<R, 2>(a, lda, b, ldb, k2, c, ldc);
-  else micro<R, 1>(a, lda, b, ldb, k2, c, ldc);
+  if (nv == 2) micro<R, 2, ACC>(a, lda, b, ldb, k2, c, ldc);
+  else micro<R, 1, ACC>(a, lda, b, ldb, k2, c, ldc);
 }
 
-// C (rows x 16·n16) = A · B as above, in blocks of 8 rows x 32 columns.
+// C (rows x 16·n16) = A · B as above (ACC: C += A · B), in blocks of 8 rows x 32 columns.
+template <bool ACC = false>
 void gemm_pairs(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t ldb, int64_t k2, float* c, int64_t ldc,
                 int64_t rows, int64_t n16) {
   for (int64_t i = 0; i < rows; i += 8) {
@@ -291,20 +308,67 @@ void gemm_pairs(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t ldb, 
       const uint16_t* bj = b + v * 32;
       float* cij = c + i * ldc + v * 16;
       switch (r) {
-        case 8: micro_cols<8>(nv, ai, lda, bj, ldb, k2, cij, ldc); break;
-        case 7: micro_cols<7>(nv, ai, lda, bj, ldb, k2, cij, ldc); break;
-        case 6: micro_cols<6>(nv, ai, lda, bj, ldb, k2, cij, ldc); break;
-        case 5: micro_cols<5>(nv, ai, lda, bj, ldb, k2, cij, ldc); break;
-        case 4: micro_cols<4>(nv, ai, lda, bj, ldb, k2, cij, ldc); break;
-        case 3: micro_cols<3>(nv, ai, lda, bj, ldb, k2, cij, ldc); break;
-        case 2: micro_cols<2>(nv, ai, lda, bj, ldb, k2, cij, ldc); break;
-        default: micro_cols<1>(nv, ai, lda, bj, ldb, k2, cij, ldc); break;
+        case 8: micro_cols<8, ACC>(nv, ai, lda, bj, ldb, k2, cij, ldc); break;
+        case 7: micro_cols<7, ACC>(nv, ai, lda, bj, ldb, k2, cij, ldc); break;
+        case 6: micro_cols<6, ACC>(nv, ai, lda, bj, ldb, k2, cij, ldc); break;
+        case 5: micro_cols<5, ACC>(nv, ai, lda, bj, ldb, k2, cij, ldc); break;
+        case 4: micro_cols<4, ACC>(nv, ai, lda, bj, ldb, k2, cij, ldc); break;
+        case 3: micro_cols<3, ACC>(nv, ai, lda, bj, ldb, k2, cij, ldc); break;
+        case 2: micro_cols<2, ACC>(nv, ai, lda, bj, ldb, k2, cij, ldc); break;
+        default: micro_cols<1, ACC>(nv, ai, lda, bj, ldb, k2, cij, ldc); break;
       }
     }
   }
 }
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+void check_bf16(std::initializer_list<torch::Tensor> ts, const char* what) {
+  for (const auto& t : ts) {
+    TORCH_CHECK(t.dim() == 4 && t.scalar_type() == torch::kBFloat16 && (t.stride(3) == 1 || t.size(3) <= 1) &&
+                    t.device().is_cpu(),
+                what, ": (batch, heads, length, dim) bfloat16 CPU tensors of last stride 1");
+  }
+}
+
+// t (B, H, n, d) bfloat16 as the B operand of a product that reduces over d (x · tᵀ): pairs of
+// head-dim entries, out[b·H + h][p][j][0..1] = t[b][h][j][2p..2p+1]: (B·H, ceil(d/2), npad, 2),
+// zero where padded.
+torch::Tensor pairs_of_dims(const torch::Tensor& t, int64_t npad) {
+  const int64_t heads = t.size(1), n = t.size(2), d = t.size(3), d2 = (d + 1) / 2;
+  auto out = torch::zeros({t.size(0) * heads, d2, npad, 2}, t.options().memory_format(c10::MemoryFormat::Contiguous));
+  auto* dst = reinterpret_cast<uint16_t*>(out.data_ptr());
+  const auto* src = reinterpret_cast<const uint16_t*>(t.data_ptr());
+  at::parallel_for(0, t.size(0) * heads * n, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t x = begin; x < end; ++x) {
+      const int64_t bh = x / n, j = x % n;
+      const uint16_t* row = src + (bh / heads) * t.stride(0) + (bh % heads) * t.stride(1) + j * t.stride(2);
+      uint16_t* o = dst + bh * d2 * npad * 2 + j * 2;
+      for (int64_t c = 0; c < d; ++c) o[(c / 2) * npad * 2 + (c % 2)] = row[c];
+    }
+  });
+  return out;
+}
+
+// t (B, H, n, d) bfloat16 as the B operand of a product that reduces over its rows (p · t): pairs
+// of rows, out[b·H + h][i][c][0..1] = t[b][h][2i..2i+1][c]: (B·H, npad / 2, dpad, 2), zero where
+// padded (npad even, dpad >= d).
+torch::Tensor pairs_of_rows(const torch::Tensor& t, int64_t npad, int64_t dpad) {
+  const int64_t heads = t.size(1), n = t.size(2), d = t.size(3);
+  auto out =
+      torch::zeros({t.size(0) * heads, npad / 2, dpad, 2}, t.options().memory_format(c10::MemoryFormat::Contiguous));
+  auto* dst = reinterpret_cast<uint16_t*>(out.data_ptr());
+  const auto* src = reinterpret_cast<const uint16_t*>(t.data_ptr());
+  at::parallel_for(0, t.size(0) * heads * n, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t x = begin; x < end; ++x) {
+      const int64_t bh = x / n, j = x % n;
+      const uint16_t* row = src + (bh / heads) * t.stride(0) + (bh % heads) * t.stride(1) + j * t.stride(2);
+      uint16_t* o = dst + bh * (npad / 2) * dpad * 2 + (j / 2) * dpad * 2 + (j % 2);
+      for (int64_t c = 0; c < d; ++c) o[c * 2] = row[c];
+    }
+  });
+  return out;
+}
 
 constexpr int64_t kNoMask = 0, kBoolMask = 1, kFloatMask = 2, kBFloat16Mask = 3, kHalfMask = 4;
 
@@ -329,7 +393,7 @@ void mask_row(const torch::Tensor& m, int64_t kind, int64_t b, int64_t h, int64_
               float* out) {
   const int64_t s3 = m.stride(3);
   const int64_t at = b * m.stride(0) + h * m.stride(1) + i * m.stride(2) + j0 * s3;
-  const float log2e = 1.4426950408889634f;
+  const float log2e = static_cast<float>(kLog2e);
   const float neg_inf = -std::numeric_limits<float>::infinity();
   if (kind == kBoolMask) {
     const bool* p = m.data_ptr<bool>() + at;
@@ -360,16 +424,13 @@ constexpr int64_t kSegmentKeys = 512;  // keys per step; a multiple of 32
 // (B·Hq·qn) float32, acc: (B·Hq·qn, Ev) float32, contiguous. Causal: query i (q0 + i overall)
 // sees key j (k0 + j) where k0 + j <= q0 + i + causal_offset. mask: None, or the attn_mask's
 // (B, Hq, qn, kn) view of these rows and keys (bool: False hides; float: added to the scaled
-// scores, as SDPA's), read in place. Keys and values are first copied
-// into pairs along the reduction (the layout vdpbf16ps reads): a segment-sized copy.
+// scores, as SDPA's), read in place. softcap: 0, or c > 0 for scores c · tanh(scale · q·k / c)
+// (before the mask). Keys and values are first copied into pairs along the reduction (the layout
+// vdpbf16ps reads): a segment-sized copy.
 void forward_segment_bf16(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor m_run, torch::Tensor l,
                           torch::Tensor acc, double alpha, int64_t q0, int64_t k0, bool causal, int64_t causal_offset,
-                          std::optional<torch::Tensor> mask) {
-  for (const auto& t : {q, k, v}) {
-    TORCH_CHECK(t.dim() == 4 && t.scalar_type() == torch::kBFloat16 && (t.stride(3) == 1 || t.size(3) <= 1) &&
-                    t.device().is_cpu(),
-                "q, k, v: (batch, heads, length, dim) bfloat16 CPU tensors of last stride 1");
-  }
+                          std::optional<torch::Tensor> mask, double softcap) {
+  check_bf16({q, k, v}, "q, k, v");
   const int64_t batch = q.size(0), hq = q.size(1), qn = q.size(2), e = q.size(3);
   const int64_t hk = k.size(1), kn = k.size(2), ev = v.size(3);
   TORCH_CHECK(k.size(0) == batch && v.size(0) == batch && v.size(1) == hk && v.size(2) == kn && k.size(3) == e,
@@ -384,27 +445,11 @@ void forward_segment_bf16(torch::Tensor q, torch::Tensor k, torch::Tensor v, tor
   if (rows_all == 0 || kn == 0) return;
   const int64_t group = hq / hk, bhq = batch * hq, bhk = batch * hk;
   const int64_t e2 = (e + 1) / 2, npad = round_up(kn, 32), ev16 = (ev + 15) / 16, evp = ev16 * 16;
-  // Keys in pairs of head-dim entries, kp[b·Hk + h][p][j][0..1] = k[b][h][j][2p..2p+1]; values in
-  // pairs of keys, vp[b·Hk + h][t][d][0..1] = v[b][h][2t..2t+1][d]; zero where padded.
-  auto kp = torch::zeros({bhk, e2, npad, 2}, k.options().memory_format(c10::MemoryFormat::Contiguous));
-  auto vp = torch::zeros({bhk, npad / 2, evp, 2}, v.options().memory_format(c10::MemoryFormat::Contiguous));
-  auto* kd = reinterpret_cast<uint16_t*>(kp.data_ptr());
-  auto* vd = reinterpret_cast<uint16_t*>(vp.data_ptr());
-  {
-    const auto* ks = reinterpret_cast<const uint16_t*>(k.data_ptr());
-    const auto* vs = reinterpret_cast<const uint16_t*>(v.data_ptr());
-    at::parallel_for(0, bhk * kn, 256, [&](int64_t begin, int64_t end) {
-      for (int64_t x = begin; x < end; ++x) {
-        const int64_t bh = x / kn, j = x % kn, b = bh / hk, h = bh % hk;
-        const uint16_t* krow = ks + b * k.stride(0) + h * k.stride(1) + j * k.stride(2);
-        uint16_t* kdst = kd + bh * e2 * npad * 2 + j * 2;
-        for (int64_t d = 0; d < e; ++d) kdst[(d / 2) * npad * 2 + (d % 2)] = krow[d];
-        const uint16_t* vrow = vs + b * v.stride(0) + h * v.stride(1) + j * v.stride(2);
-        uint16_t* vdst = vd + bh * (npad / 2) * evp * 2 + (j / 2) * evp * 2 + (j % 2);
-        for (int64_t d = 0; d < ev; ++d) vdst[d * 2] = vrow[d];
-      }
-    });
-  }
+  // Keys in pairs of head-dim entries, values in pairs of keys (see pairs_of_dims, pairs_of_rows).
+  const auto kp = pairs_of_dims(k, npad);
+  const auto vp = pairs_of_rows(v, npad, evp);
+  const auto* kd = reinterpret_cast<const uint16_t*>(kp.data_ptr());
+  const auto* vd = reinterpret_cast<const uint16_t*>(vp.data_ptr());
   // Blocks of kSegmentRows rows, fewer where that leaves too few tasks for the threads.
   int64_t qb = kSegmentRows;
   while (qb > 16 && bhq * ((qn + qb - 1) / qb) < 4 * at::get_num_threads()) qb /= 2;
@@ -414,6 +459,10 @@ void forward_segment_bf16(torch::Tensor q, torch::Tensor k, torch::Tensor v, tor
   float* lp = l.data_ptr<float>();
   float* ap = acc.data_ptr<float>();
   const float a = static_cast<float>(alpha);
+  TORCH_CHECK(softcap >= 0.0, "softcap: 0 (none) or the cap c of c · tanh(score / c)");
+  const bool capped = softcap > 0.0;
+  const float zc = capped ? static_cast<float>(alpha / (softcap * kLog2e)) : 0.0f;  // scale / c
+  const float yc = static_cast<float>(softcap * kLog2e);
   const float neg_inf = -std::numeric_limits<float>::infinity();
   // Tasks are handed out one at a time (a shared counter), not in one fixed share per thread: a
   // thread whose core the VM slows takes fewer of them instead of holding up the call.
@@ -444,11 +493,16 @@ void forward_segment_bf16(torch::Tensor q, torch::Tensor k, torch::Tensor v, tor
           float* x = s + r * kb;
           int64_t vis = nb;  // the row sees keys [0, vis) of the block
           if (causal) vis = std::max<int64_t>(0, std::min<int64_t>(nb, q0 + i0 + r + causal_offset - (k0 + j0) + 1));
-          float mx = neg_inf;
+          float mx = neg_inf, mul = a;
+          if (capped) {  // x = c · tanh(scale · q·k / c) in log2 units
+#pragma omp simd
+            for (int64_t j = 0; j < vis; ++j) x[j] = tanh_approx(x[j] * zc) * yc;
+            mul = 1.0f;
+          }
           if (mask_kind == kNoMask) {
 #pragma omp simd reduction(max : mx)
             for (int64_t j = 0; j < vis; ++j) {
-              const float y = x[j] * a;
+              const float y = x[j] * mul;
               x[j] = y;
               mx = y > mx ? y : mx;
             }
@@ -457,7 +511,7 @@ void forward_segment_bf16(torch::Tensor q, torch::Tensor k, torch::Tensor v, tor
             mask_row(*mask, mask_kind, b, h, i0 + r, j0, vis, mb);
 #pragma omp simd reduction(max : mx)
             for (int64_t j = 0; j < vis; ++j) {
-              const float y = x[j] * a + mb[j];
+              const float y = x[j] * mul + mb[j];
               x[j] = y;
               mx = y > mx ? y : mx;
             }
@@ -492,6 +546,190 @@ void forward_segment_bf16(torch::Tensor q, torch::Tensor k, torch::Tensor v, tor
     }
   });
 }
+namespace {
+
+constexpr int64_t kBackRows = 128;  // the backward's rows per block
+constexpr int64_t kBackKeys = 128;  // and keys per step; a multiple of 32
+
+void check_grad(const torch::Tensor& t, std::initializer_list<int64_t> shape, const char* what) {
+  TORCH_CHECK(t.dim() == 4 && t.sizes() == c10::IntArrayRef(shape) && t.scalar_type() == torch::kFloat &&
+                  (t.stride(3) == 1 || t.size(3) <= 1) && t.device().is_cpu(),
+              what, ": float32 CPU tensors of last stride 1, shaped as their input");
+}
+
+// Pack rows [i0, i0 + rows) of t (B, H, n, d) bfloat16 at (b, h): `flat` as A operands (rows of
+// 2·ceil(d/2) entries) and `paired` as a B operand reduced over the rows (pairs of rows, dpad
+// columns), both zero where padded.
+void pack_block(const torch::Tensor& t, int64_t b, int64_t h, int64_t i0, int64_t rows, uint16_t* flat,
+                uint16_t* paired, int64_t dpad) {
+  const int64_t d = t.size(3), d2 = (d + 1) / 2;
+  const auto* src = reinterpret_cast<const uint16_t*>(t.data_ptr()) + b * t.stride(0) + h * t.stride(1);
+  for (int64_t r = 0; r < round_up(rows, 2); ++r) {
+    uint16_t* f = flat + r * d2 * 2;
+    uint16_t* pr = paired + (r / 2) * dpad * 2 + (r % 2);
+    if (r < rows) {
+      const uint16_t* row = src + (i0 + r) * t.stride(2);
+      std::memcpy(f, row, static_cast<size_t>(d) * sizeof(uint16_t));
+      for (int64_t c = 0; c < d; ++c) pr[c * 2] = row[c];
+    } else {
+      std::memset(f, 0, static_cast<size_t>(d2 * 2) * sizeof(uint16_t));
+      for (int64_t c = 0; c < d; ++c) pr[c * 2] = 0;
+    }
+  }
+}
+
+// dst (b, h, rows i0.., d columns of a float32 4-D tensor, last stride 1) += src (rows x ld).
+void add_rows(torch::Tensor& dst, int64_t b, int64_t h, int64_t i0, int64_t rows, const float* src, int64_t ld) {
+  float* base = dst.data_ptr<float>() + b * dst.stride(0) + h * dst.stride(1);
+  const int64_t d = dst.size(3);
+  for (int64_t r = 0; r < rows; ++r) {
+    float* o = base + (i0 + r) * dst.stride(2);
+    const float* x = src + r * ld;
+#pragma omp simd
+    for (int64_t c = 0; c < d; ++c) o[c] += x[c];
+  }
+}
+
+}  // namespace
+
+// The backward of one segment of keys for a block of query rows (FlashAttention-2's), every
+// product on vdpbf16ps with float32 accumulation. Per task (a batch entry and key head, with all
+// of its query heads, so that dQ, dK and dV each have one writer), per block of kBackRows rows, per
+// block of kBackKeys keys:
+//   s = alpha · q·kᵀ (+ mask) in float32, log2 units; p = 2^(s - lse2); dp = dO·vᵀ;
+//   ds = scale · p ∘ (dp - D); p and ds rounded once to bfloat16;
+//   dV += pᵀ·dO, dK += dsᵀ·q (in the task's float32 buffers), dQ += ds·k.
+// q, dout: (B, Hq, qn, E / Ev), k, v: (B, Hk, kn, E / Ev), bfloat16, last stride 1. lse2: the
+// forward's lse in log2 units (+inf for rows that see nothing), dd: rowsum(dO ∘ O) minus the lse's
+// gradient, both (B·Hq·qn) float32, contiguous. dq, dk, dv: float32 (B, Hq, qn, E), (B, Hk, kn, E),
+// (B, Hk, kn, Ev), last stride 1, added into. alpha = scale · log2 e. Causal, mask and softcap as
+// in forward_segment_bf16 (with a cap, ds also takes the factor 1 - tanh²). Keys and values are
+// first copied into three sets of pairs (keys along their head dim and along the keys, values
+// along theirs): segment-sized copies.
+void backward_segment_bf16(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor dout, torch::Tensor lse2,
+                           torch::Tensor dd, torch::Tensor dq, torch::Tensor dk, torch::Tensor dv, double alpha,
+                           double scale, int64_t q0, int64_t k0, bool causal, int64_t causal_offset,
+                           std::optional<torch::Tensor> mask, double softcap) {
+  check_bf16({q, k, v, dout}, "q, k, v, dout");
+  const int64_t batch = q.size(0), hq = q.size(1), qn = q.size(2), e = q.size(3);
+  const int64_t hk = k.size(1), kn = k.size(2), ev = v.size(3);
+  TORCH_CHECK(k.size(0) == batch && v.size(0) == batch && v.size(1) == hk && v.size(2) == kn && k.size(3) == e,
+              "q, k, v: shapes (B, Hq, qn, E), (B, Hk, kn, E), (B, Hk, kn, Ev)");
+  TORCH_CHECK(dout.size(0) == batch && dout.size(1) == hq && dout.size(2) == qn && dout.size(3) == ev,
+              "dout: shape (B, Hq, qn, Ev)");
+  TORCH_CHECK(hk > 0 && hq % hk == 0, "q, k: the query heads must be a multiple of the key heads");
+  check_grad(dq, {batch, hq, qn, e}, "dq");
+  check_grad(dk, {batch, hk, kn, e}, "dk");
+  check_grad(dv, {batch, hk, kn, ev}, "dv");
+  const int64_t rows_all = batch * hq * qn;
+  for (const auto& t : {lse2, dd}) check_rows(t, rows_all, "lse2, dd");
+  const int64_t mask_kind = mask.has_value() ? mask_kind_of(*mask, batch, hq, qn, kn) : kNoMask;
+  if (rows_all == 0 || kn == 0) return;
+  const int64_t group = hq / hk, qb = kBackRows, kb = kBackKeys;
+  const int64_t e2 = (e + 1) / 2, ev2 = (ev + 1) / 2, ep = round_up(e, 16), evp = round_up(ev, 16);
+  const int64_t npad = round_up(kn, 32);
+  const auto kp = pairs_of_dims(k, npad);       // s = q·kᵀ
+  const auto vt = pairs_of_dims(v, npad);       // dp = dO·vᵀ
+  const auto kr = pairs_of_rows(k, npad, ep);   // dQ += ds·k
+  const auto* kpd = reinterpret_cast<const uint16_t*>(kp.data_ptr());
+  const auto* vtd = reinterpret_cast<const uint16_t*>(vt.data_ptr());
+  const auto* krd = reinterpret_cast<const uint16_t*>(kr.data_ptr());
+  const float* l2p = lse2.data_ptr<float>();
+  const float* ddp = dd.data_ptr<float>();
+  const float a = static_cast<float>(alpha), sc = static_cast<float>(scale);
+  TORCH_CHECK(softcap >= 0.0, "softcap: 0 (none) or the cap c of c · tanh(score / c)");
+  const bool capped = softcap > 0.0;
+  const float zc = capped ? static_cast<float>(alpha / (softcap * kLog2e)) : 0.0f;  // scale / c
+  const float yc = static_cast<float>(softcap * kLog2e);
+  const int64_t tasks = batch * hk;
+  std::atomic<int64_t> next_task{0};
+  at::parallel_for(0, std::min<int64_t>(tasks, at::get_num_threads()), 1, [&](int64_t, int64_t) {
+    std::vector<uint16_t> q_flat(static_cast<size_t>(qb * e2 * 2)), q_pair(static_cast<size_t>(qb * ep), 0);
+    std::vector<uint16_t> o_flat(static_cast<size_t>(qb * ev2 * 2)), o_pair(static_cast<size_t>(qb * evp), 0);
+    std::vector<float> s_buf(static_cast<size_t>(qb * kb)), dp_buf(static_cast<size_t>(qb * kb));
+    std::vector<uint16_t> pt(static_cast<size_t>(kb * qb)), ds(static_cast<size_t>(qb * kb)), dst(static_cast<size_t>(kb * qb));
+    std::vector<float> dq_buf(static_cast<size_t>(qb * ep));
+    std::vector<float> dk_acc(static_cast<size_t>(npad * ep)), dv_acc(static_cast<size_t>(npad * evp));
+    std::vector<float> mask_buf(mask_kind == kNoMask ? 0 : static_cast<size_t>(kb));
+    std::vector<float> cap_grad(capped ? static_cast<size_t>(kb) : 0);  // 1 - tanh², the cap's derivative
+    for (int64_t t = next_task++; t < tasks; t = next_task++) {
+      const int64_t b = t / hk, kh = t % hk, kvh = t;
+      std::fill(dk_acc.begin(), dk_acc.end(), 0.0f);
+      std::fill(dv_acc.begin(), dv_acc.end(), 0.0f);
+      for (int64_t h = kh * group; h < (kh + 1) * group; ++h) {
+        for (int64_t i0 = 0; i0 < qn; i0 += qb) {
+          const int64_t rows = std::min(qb, qn - i0), rows2 = round_up(rows, 2);
+          // Keys [0, j_end) of the segment are seen by some row of the block.
+          int64_t j_end = kn;
+          if (causal) j_end = std::min<int64_t>(kn, q0 + i0 + rows - 1 + causal_offset - k0 + 1);
+          if (j_end <= 0) continue;
+          pack_block(q, b, h, i0, rows, q_flat.data(), q_pair.data(), ep);
+          pack_block(dout, b, h, i0, rows, o_flat.data(), o_pair.data(), evp);
+          std::fill(dq_buf.begin(), dq_buf.end(), 0.0f);
+          for (int64_t j0 = 0; j0 < j_end; j0 += kb) {
+            const int64_t nb = std::min(kb, kn - j0), nb2 = round_up(nb, 2), n16 = (nb + 15) / 16;
+            float* s = s_buf.data();
+            float* dp = dp_buf.data();
+            gemm_pairs(q_flat.data(), e2 * 2, kpd + kvh * e2 * npad * 2 + j0 * 2, npad * 2, e2, s, kb, rows, n16);
+            gemm_pairs(o_flat.data(), ev2 * 2, vtd + kvh * ev2 * npad * 2 + j0 * 2, npad * 2, ev2, dp, kb, rows, n16);
+            for (int64_t r = 0; r < rows2; ++r) {
+              uint16_t* dsr = ds.data() + r * kb;
+              int64_t vis = r < rows ? nb : 0;  // the row sees keys [0, vis) of the block
+              if (causal && r < rows)
+                vis = std::max<int64_t>(0, std::min<int64_t>(nb, q0 + i0 + r + causal_offset - (k0 + j0) + 1));
+              if (vis > 0) {
+                const int64_t row = (b * hq + h) * qn + i0 + r;
+                const float l2 = l2p[row], d_row = ddp[row];
+                float* x = s + r * kb;
+                const float* y = dp + r * kb;
+                float mul = a;
+                float* g = cap_grad.data();
+                if (capped) {  // x = c · tanh(scale · q·k / c) in log2 units; g = its derivative's factor
+#pragma omp simd
+                  for (int64_t j = 0; j < vis; ++j) {
+                    const float th = tanh_approx(x[j] * zc);
+                    g[j] = 1.0f - th * th;
+                    x[j] = th * yc;
+                  }
+                  mul = 1.0f;
+                }
+                if (mask_kind != kNoMask) {
+                  mask_row(*mask, mask_kind, b, h, i0 + r, j0, vis, mask_buf.data());
+                  const float* mb = mask_buf.data();
+#pragma omp simd
+                  for (int64_t j = 0; j < vis; ++j) x[j] = x[j] * mul + mb[j];
+                } else {
+#pragma omp simd
+                  for (int64_t j = 0; j < vis; ++j) x[j] = x[j] * mul;
+                }
+                for (int64_t j = 0; j < vis; ++j) {
+                  const float pj = exp2_approx(x[j] - l2);
+                  const uint16_t pb = float_to_bf16(pj);
+                  const float dsj = sc * pj * (y[j] - d_row);
+                  const uint16_t db = float_to_bf16(capped ? dsj * g[j] : dsj);
+                  dsr[j] = db;
+                  pt[j * qb + r] = pb;
+                  dst[j * qb + r] = db;
+                }
+              }
+              for (int64_t j = vis; j < nb2; ++j) dsr[j] = 0;
+              for (int64_t j = vis; j < nb; ++j) pt[j * qb + r] = dst[j * qb + r] = 0;
+            }
+            gemm_pairs<true>(pt.data(), qb, o_pair.data(), evp * 2, rows2 / 2, dv_acc.data() + j0 * evp, evp, nb,
+                             evp / 16);
+            gemm_pairs<true>(dst.data(), qb, q_pair.data(), ep * 2, rows2 / 2, dk_acc.data() + j0 * ep, ep, nb,
+                             ep / 16);
+            gemm_pairs<true>(ds.data(), kb, krd + kvh * (npad / 2) * ep * 2 + (j0 / 2) * ep * 2, ep * 2, nb2 / 2,
+                             dq_buf.data(), ep, rows, ep / 16);
+          }
+          add_rows(dq, b, h, i0, rows, dq_buf.data(), ep);
+        }
+      }
+      add_rows(dk, b, kh, 0, kn, dk_acc.data(), ep);
+      add_rows(dv, b, kh, 0, kn, dv_acc.data(), evp);
+    }
+  });
+}
 #endif
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -501,5 +739,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("online_update", &online_update, "the online softmax's state after a tile (_native_tiles.cpp)");
 #if defined(__AVX512BF16__)
   m.def("forward_segment_bf16", &forward_segment_bf16, "a segment of keys for a block of rows (_native_tiles.cpp)");
+  m.def("backward_segment_bf16", &backward_segment_bf16, "the backward of a segment for a block of rows (_native_tiles.cpp)");
 #endif
 }

@@ -24,7 +24,7 @@ from torch.utils import _python_dispatch
 from ._backends import BACKENDS, Options, priority
 from ._backends.matmul import exp_
 from ._backends.products import native_bf16_products
-from ._backends.segments import before_fused
+from ._backends.segments import backward_kernel, before_fused, segment_kernel, softcap
 from ._budget import format_bytes, format_seconds
 from ._callbacks import apply_score_mod
 from ._errors import MemoryBudgetError
@@ -104,8 +104,8 @@ def make_plan(
     shape = describe(inp) if shape is None else shape
     need_grad = inp.requires_grad or opts.captured_requires_grad
     names = priority(inp.device_type) if backend == "auto" else [backend]
-    loop_first = backend == "auto" and not need_grad and before_fused(inp)
-    if loop_first:  # the tiles' C++ forward loop, faster than the fused kernel there
+    loop_first = backend == "auto" and before_fused(inp, need_grad)
+    if loop_first:  # the tiles' C++ loops, faster than the fused kernel there
         names = ["matmul"] + [n for n in names if n != "matmul"]
     rejected: Dict[str, List[str]] = {}
     smallest_overall: Optional[int] = None
@@ -152,7 +152,11 @@ def make_plan(
         plan.notes.extend(notes)
         if loop_first and name == "matmul":
             plan.notes.append(
-                "the tiles' forward loop in C++ (native kernel, AVX512-BF16, no AMX) before the fused kernel: "
+                "the tiles' forward and backward loops in C++ (native kernel, AVX512-BF16, no AMX) before the "
+                "fused kernel: 0.67-0.80x its time for forward + backward from 2^21 bfloat16 scores on an "
+                "AMD EPYC"
+                if need_grad
+                else "the tiles' forward loop in C++ (native kernel, AVX512-BF16, no AMX) before the fused kernel: "
                 "0.64-0.82x its time from 2^21 bfloat16 scores on the project's CPU"
             )
         if backend == "auto":
@@ -360,8 +364,14 @@ def predict_seconds(inp: Inputs, plan: Plan, need_grad: bool) -> float:
     if need_grad:
         bwd = plan.backward_backend or plan.backend
         tiles = plan.backward_chunk_size if plan.backward_backend else plan.chunk_size
-        t += backward_per_forward(inp) * forward_seconds(inp, bwd, tiles)
-    t += computed_scores(inp, None, None) * score_mod_seconds(inp) * (CALLBACK_PASSES_WITH_GRAD if need_grad else 1)
+        t += backward_per_forward(inp, bwd) * forward_seconds(inp, bwd, tiles)
+    # A soft cap runs inside the C++ loops (a tanh per score, in their rates); other callbacks per tile.
+    in_loop = plan.backend == "matmul" and softcap(inp) > 0
+    passes = 0 if in_loop and segment_kernel(inp) is not None else 1
+    if need_grad and not (in_loop and (plan.backward_backend or plan.backend) == "matmul" and backward_kernel(inp)):
+        passes += CALLBACK_PASSES_WITH_GRAD - 1
+    if passes:
+        t += computed_scores(inp, None, None) * score_mod_seconds(inp) * passes
     return t + plan.tiles * inp.n_groups * _TILE_OVERHEAD_S.get(inp.device_type, 50e-6)
 
 
@@ -390,11 +400,19 @@ BF16_CPU_BACKWARD_PER_FORWARD = 2.0
 passes and 1.91 with the native kernel (1x4x2048x64, 2 threads, medians of 7; float32: 2.77 and
 2.57). With 2.5, ``bench_half.py``'s bfloat16 fwd+bwd measured 0.56-1.14x its prediction on the
 tiles and 0.70-0.99x on the fused kernel (10 runs)."""
+LOOP_BACKWARD_PER_FORWARD = 3.0
+"""The same for the tiles' C++ loops (:mod:`subquad._backends.segments`), whose forward is the
+faster of the two: 2.91 (1x4x2048x64 and causal 1x8x2048x64, 1x8x4096x64) and 3.35 (4x8x1024x40),
+2 threads, medians of 7. Measured / predicted with 2.0: 1.06, 1.25, 1.51, 1.06; with 3.0: 0.80,
+0.86, 1.03, 0.81."""
 
 
-def backward_per_forward(inp: Inputs) -> float:
-    """A backward's time over its forward's (:data:`BF16_CPU_BACKWARD_PER_FORWARD` for bfloat16 on
-    a CPU, else :data:`BACKWARD_PER_FORWARD`)."""
+def backward_per_forward(inp: Inputs, backend: str = "matmul") -> float:
+    """A backward's time over its forward's on ``backend``: :data:`LOOP_BACKWARD_PER_FORWARD` where
+    the tiles' C++ loops run both, :data:`BF16_CPU_BACKWARD_PER_FORWARD` for other bfloat16 calls
+    on a CPU, else :data:`BACKWARD_PER_FORWARD`."""
+    if backend == "matmul" and backward_kernel(inp) is not None:
+        return LOOP_BACKWARD_PER_FORWARD
     if inp.device_type == "cpu" and inp.dtype == torch.bfloat16:
         return BF16_CPU_BACKWARD_PER_FORWARD
     return BACKWARD_PER_FORWARD

@@ -29,6 +29,7 @@ from torch.utils._pytree import tree_flatten
 
 from . import mods
 from ._callbacks import EMPTY, FULL, PARTIAL
+from ._graphs import PASS_THROUGH, SAME_SHAPE, same_dtype, same_shape, softcap_of
 from ._inputs import Inputs, MaskMod
 
 
@@ -39,12 +40,15 @@ class Structure:
 
     ``kind``: ``"additive"`` (``score + bias(b, h, q, kv)``, where ``bias`` may be ``-inf``:
     ``masks``), ``"mask"`` (``where(cond(b, h, q, kv), score, -inf)``), ``"identity"`` or
-    ``"general"`` (anything else; ``reason`` says why).
+    ``"general"`` (anything else; ``reason`` says why). ``softcap``: for a general one that is
+    exactly ``c * tanh(score / c)`` with a number ``c`` (Gemma 2's soft cap), ``c``; the native
+    kernel's loops run it themselves.
     """
 
     kind: str
     masks: bool = False
     reason: str = ""
+    softcap: Optional[float] = None
 
 
 _T = TypeVar("_T")
@@ -197,8 +201,6 @@ _SHAPE_ONLY = {
     "aten.sym_numel.default",
     "aten.sym_stride.int",
 }
-_PASS_THROUGH = {"aten.clone.default", "aten.alias.default", "aten.detach.default", "aten.lift_fresh_copy.default"}
-_SAME_SHAPE = {"aten.view.default", "aten.reshape.default", "aten.expand.default", "aten._unsafe_view.default"}
 
 
 def _classify(graph: Any) -> Structure:
@@ -213,6 +215,9 @@ def _classify(graph: Any) -> Structure:
         out = out[0] if len(out) == 1 else None
     if out not in dep:
         return Structure("general", reason="its result does not depend on the score")
+    cap = softcap_of(score, out, dep)
+    if cap is not None:
+        return Structure("general", reason="the score goes through aten.tanh.default (a soft cap)", softcap=cap)
     chain, adds, masks, cur = {score}, False, False, out
     while cur is not score:
         chain.add(cur)
@@ -239,9 +244,9 @@ def _classify(graph: Any) -> Structure:
             if args[0] in dep and args[1] not in dep and args[2] not in dep and _is_neg_inf(graph, args[2]):
                 nxt, masks = args[0], True
         elif (
-            target in _PASS_THROUGH
-            or (target in _SAME_SHAPE and _same_shape(cur, args[0]))
-            or (target == "aten._to_copy.default" and _same_dtype(cur, args[0]))
+            target in PASS_THROUGH
+            or (target in SAME_SHAPE and same_shape(cur, args[0]))
+            or (target == "aten._to_copy.default" and same_dtype(cur, args[0]))
         ):
             nxt = args[0]
         if nxt is None or nxt not in dep:
@@ -272,22 +277,12 @@ def _is_neg_inf(graph: Any, x: Any) -> bool:
     ):
         value = x.args[0] if str(x.target) == "aten.scalar_tensor.default" else x.args[1]
         return isinstance(value, (int, float)) and value == float("-inf")
-    if x.op == "call_function" and str(x.target) in _PASS_THROUGH | _SAME_SHAPE | {"aten._to_copy.default"}:
+    if x.op == "call_function" and str(x.target) in PASS_THROUGH | SAME_SHAPE | {"aten._to_copy.default"}:
         return _is_neg_inf(graph, x.args[0])
     if x.op == "get_attr":
         const = getattr(graph, x.target, None)
         return isinstance(const, Tensor) and const.numel() > 0 and bool(torch.isneginf(const).all())
     return False
-
-
-def _same_shape(node: Any, source: Any) -> bool:
-    a, b = node.meta.get("val"), getattr(source, "meta", {}).get("val")
-    return isinstance(a, Tensor) and isinstance(b, Tensor) and tuple(a.shape) == tuple(b.shape)
-
-
-def _same_dtype(node: Any, source: Any) -> bool:
-    a, b = node.meta.get("val"), getattr(source, "meta", {}).get("val")
-    return isinstance(a, Tensor) and isinstance(b, Tensor) and a.dtype == b.dtype and tuple(a.shape) == tuple(b.shape)
 
 
 class TracedScoreMod:
@@ -296,11 +291,13 @@ class TracedScoreMod:
     Called as the score_mod itself. ``additive_bias(b, h, q_idx, kv_idx)`` (only for the
     additive kind) is the callback on a zero score: exactly its bias (``-inf`` where it masks), the
     float tile a fused kernel adds to its scores. ``not_additive`` says why a general one is not.
+    ``softcap``: ``c`` for a soft cap ``c * tanh(score / c)``, else None.
     """
 
     def __init__(self, fn: Callable[..., Tensor], structure: Structure, dtype: torch.dtype) -> None:
         self.fn, self.structure, self.dtype = fn, structure, dtype
         self.may_mask = structure.masks
+        self.softcap = structure.softcap
         if structure.kind == "general":
             self.not_additive = structure.reason
 
@@ -540,6 +537,9 @@ def _traced_score_mod(inp: Inputs) -> Tuple[Inputs, Optional[str]]:
         note = "score_mod is where(cond, score, -inf) (traced): it runs as a mask_mod, empty tiles skipped"
         return dataclasses.replace(inp, score_mod=None, mask_mod=mask_mod), note
     traced = TracedScoreMod(fn, found, inp.stats_dtype)
+    if found.softcap is not None:
+        note = f"score_mod is the soft cap {found.softcap:g} * tanh(score / {found.softcap:g}) (traced)"
+        return dataclasses.replace(inp, score_mod=traced), note
     if found.kind == "general":
         return dataclasses.replace(inp, score_mod=traced), f"score_mod is not additive: {found.reason}"
     mask_mod = inp.mask_mod

@@ -73,8 +73,11 @@ from .base import Backend, Options, _bh, _grad_accum_bytes
 from .offsets import LOG2E, OFFSET_DRIFT, OffsetOperand, far_rows, first_offsets, redo_batches
 from .products import native_bf16_products
 from .scratch import Scratch, call_buffers, pass_scratch
+from .segments import backward_bytes as loop_backward_bytes
+from .segments import backward_kernel, segment_bytes, segment_kernel
+from .segments import backward_rows as loop_backward_rows
+from .segments import backward_tile_bytes as loop_backward_tile_bytes
 from .segments import forward_rows as loop_forward_rows
-from .segments import segment_bytes, segment_kernel
 from .segments import tile_bytes as loop_tile_bytes
 
 
@@ -101,6 +104,8 @@ class Matmul(Backend):
         qc, kc = min(qc, max(inp.Lq, 1)), min(kc, max(inp.Lk, 1))
         if not inp.requires_grad and segment_kernel(inp) is not None:  # no tile of scores
             return loop_tile_bytes(inp, qc, kc)
+        if inp.requires_grad and backward_kernel(inp) is not None:  # both passes in C++: no tile of scores either
+            return loop_backward_tile_bytes(inp, qc, kc)
         per_score = 2 if not inp.requires_grad and _forward_kernel(inp) is not None else inp.stats_itemsize
         return _bh(inp) * qc * kc * per_score
 
@@ -136,6 +141,8 @@ class Matmul(Backend):
 
     def backward_bytes(self, inp: Inputs, qc: int, kc: int, opts: Options) -> int:
         qc, kc = min(qc, max(inp.Lq, 1)), min(kc, max(inp.Lk, 1))
+        if backward_kernel(inp) is not None:  # the loop in C++: no tile of scores
+            return int(loop_backward_bytes(inp, qc, kc) * 1.15) + _grad_accum_bytes(inp) + 256 * 1024
         bh, st = _bh(inp), inp.stats_itemsize
         tile = bh * qc * kc
         n = bh * qc * (2 * inp.E + 3 * inp.Ev + 2) * st  # q, dq block, dO, O, D
@@ -402,6 +409,9 @@ class Matmul(Backend):
         a ``score_mod`` or a float mask S's product is float32 instead) and ``dP`` by ``D``
         (``dP - D`` cancels: rounding ``dP`` itself would lose ``dS``).
         """
+        loop = backward_kernel(inp)
+        if loop is not None:  # the whole loop in C++ (subquad._backends.segments)
+            return loop_backward_rows(inp, qs, qe, segments, grad_out, out, lse, grads, grad_lse, loop)
         B, Hq, Hk, G = inp.B, inp.Hq, inp.Hk, inp.G
         qn = qe - qs
         sdt = inp.stats_dtype

@@ -1,6 +1,7 @@
-"""The ``matmul`` forward's tile loop in C++ (:mod:`subquad._native`, a CPU with AVX512-BF16):
-bfloat16 calls without ``score_mod``, ``mask_mod`` or dropout, causal or not, with or without an
-``attn_mask`` (read in place, a row at a time).
+"""The ``matmul`` forward's and backward's tile loops in C++ (:mod:`subquad._native`, a CPU with
+AVX512-BF16): bfloat16 calls without ``mask_mod`` or dropout, without a ``score_mod`` other than a
+soft cap ``c * tanh(score / c)`` (found by tracing; the loops apply it and its derivative), causal
+or not, with or without an ``attn_mask`` (read in place, a row at a time).
 
 The eager loop (and the native kernel's per-tile passes) runs each tile over all heads at once:
 an 8 x 512 x 512 tile of products is 4 MiB of bfloat16, written by one GEMM and read by the
@@ -14,19 +15,28 @@ again (:mod:`subquad._backends.offsets`), and the lse is as exact as the fused k
 
 Per segment of keys (the planner's ``kv_chunk``) a call copies its keys and values into the
 pairs the instruction reads (``B·Hk·kn·(E + Ev)`` bfloat16, padded): :func:`segment_bytes`.
+
+The backward (:func:`backward_rows`) runs FlashAttention-2's per block of 128 rows and 128 keys:
+``s = q·kᵀ`` and ``dp = dO·vᵀ`` in float32; ``p = exp(s - lse)`` and ``ds = scale·p∘(dp - D)``,
+each rounded once to bfloat16; ``dV += pᵀ·dO``, ``dK += dsᵀ·q`` and ``dQ += ds·k`` in float32. A
+task is one batch entry and key head with all of its query heads, so that dQ, dK and dV each have
+one writer and the gradients are added into in place; a segment's keys and values are copied into
+three sets of pairs (:func:`backward_thread_bytes`). Against the per-tile backward (bfloat16
+products of offset scores, whose P carries the forward's 2e-3 lse error), its S is exact to
+float32 and nothing is computed twice.
 """
 
 from __future__ import annotations
 
 from types import ModuleType
-from typing import Iterable, Optional
+from typing import Iterable, Optional, Tuple
 
 import torch
 from torch import Tensor
 
 from .._inputs import Inputs
 from .._native import tile_kernel
-from .._tiles import NEG_INF, RowState, Segment, finish_rows
+from .._tiles import NEG_INF, Grads, RowState, Segment, add_into, finish_rows
 from .base import unit_stride
 from .offsets import LOG2E
 from .products import amx_tiles
@@ -40,11 +50,12 @@ ROWS, KEYS = 128, 512
 
 def segment_kernel(inp: Inputs) -> Optional[ModuleType]:
     """The native kernel where it runs this call's forward loop: a CPU build with AVX512-BF16,
-    bfloat16 inputs, no dropout, ``score_mod`` or ``mask_mod`` (one that declares itself causal
-    runs as ``is_causal``), an ``attn_mask`` of :data:`MASK_DTYPES` if any; else None."""
+    bfloat16 inputs, no dropout, no ``mask_mod`` (one that declares itself causal runs as
+    ``is_causal``), no ``score_mod`` but a soft cap (:func:`softcap`), an ``attn_mask`` of
+    :data:`MASK_DTYPES` if any; else None."""
     if inp.device_type != "cpu" or inp.dtype != torch.bfloat16 or inp.dropout_p > 0.0:
         return None
-    if inp.score_mod is not None or inp.mask_mod is not None:
+    if inp.mask_mod is not None or (inp.score_mod is not None and not softcap(inp)):
         return None
     if inp.attn_mask is not None and inp.attn_mask.dtype not in MASK_DTYPES:
         return None
@@ -52,19 +63,32 @@ def segment_kernel(inp: Inputs) -> Optional[ModuleType]:
     return kernel if kernel is not None and hasattr(kernel, "forward_segment_bf16") else None
 
 
+def softcap(inp: Inputs) -> float:
+    """The cap ``c`` of a ``score_mod`` that tracing found to be ``c * tanh(score / c)``
+    (:class:`~subquad._traced.TracedScoreMod`), which the loops apply themselves; else 0."""
+    cap = getattr(inp.score_mod, "softcap", None)
+    return float(cap) if isinstance(cap, float) and cap > 0 else 0.0
+
+
 LOOP_BEFORE_FUSED_SCORES = 1 << 21
 """``auto`` takes the loop before the fused kernel from this many scores (``B·Hq·Lq·Lk``) on.
 Bfloat16, two threads, 2-core CPU (AVX512-BF16, no AMX), the loop's time over the fused
 kernel's, both through the full path: 1x8xLx64 at L = 256 (2^19 scores) 1.29, 512 (2^21) 0.81,
 1024 0.69, 2048 0.64; 4x8x4096x40 0.71; 2x10x4096x64 against 77 keys (2^22.6) 0.82; a decode
-step and calls of 16 tokens 0.4 and 7.0 (the fused kernel's fast path skips planning)."""
+step and calls of 16 tokens 0.4 and 7.0 (the fused kernel's fast path skips planning). Forward +
+backward with both loops (``bench_loop_sizes.py --backward``): 1x8xLx64 at L = 128 0.59, 256
+1.19, 512 0.71, 1024 0.80, 2048 0.69, causal 1024 0.67; 4x8x4096x40 0.72; 2x10x4096x64 against 77
+keys 0.73."""
 
 
-def before_fused(inp: Inputs) -> bool:
-    """Whether ``auto`` takes the loop before the fused kernel: an inference call the loop takes
-    (:func:`segment_kernel`), of :data:`LOOP_BEFORE_FUSED_SCORES` scores or more, not packed, on
-    a CPU without AMX (where torch's kernel multiplies on AMX tiles; not measured here)."""
-    if inp.requires_grad or inp.packed is not None or segment_kernel(inp) is None or amx_tiles():
+def before_fused(inp: Inputs, need_grad: bool) -> bool:
+    """Whether ``auto`` takes the loop before the fused kernel: a call the loop takes
+    (:func:`segment_kernel`; with ``need_grad``, its backward too: :func:`backward_kernel`), of
+    :data:`LOOP_BEFORE_FUSED_SCORES` scores or more, not packed, on a CPU without AMX (where
+    torch's kernel multiplies on AMX tiles; not measured here)."""
+    if inp.packed is not None or segment_kernel(inp) is None or amx_tiles():
+        return False
+    if need_grad and backward_kernel(inp) is None:
         return False
     return inp.n_groups * inp.B * inp.Hq * inp.Lq * inp.Lk >= LOOP_BEFORE_FUSED_SCORES
 
@@ -105,9 +129,129 @@ def forward_rows(inp: Inputs, qs: int, qe: int, segments: Iterable[Segment], out
     acc = torch.zeros((rows, inp.Ev), dtype=torch.float32)
     q = unit_stride(inp.q[:, :, qs:qe])
     alpha = inp.scale * LOG2E  # scores in log2 units: exp2 needs no multiply
+    cap = softcap(inp)
     for seg in segments:
         causal = inp.is_causal and seg.causal != "none"
         k, v = (unit_stride(t[:, :, seg.ks : seg.ke]) for t in (inp.k, inp.v))
         mask = None if inp.attn_mask is None else inp.mask_tile(qs, qe, seg.ks, seg.ke).expand(B, Hq, qn, -1)
-        kernel.forward_segment_bf16(q, k, v, m, l, acc, alpha, qs, seg.ks, causal, inp.causal_offset, mask)
+        kernel.forward_segment_bf16(q, k, v, m, l, acc, alpha, qs, seg.ks, causal, inp.causal_offset, mask, cap)
     return finish_rows(inp, qs, qe, RowState(m, l, acc), out, log2=True)
+
+
+BACK_ROWS, BACK_KEYS = 128, 128
+"""The backward's rows per block and keys per step (``kBackRows``, ``kBackKeys``)."""
+
+
+def backward_kernel(inp: Inputs) -> Optional[ModuleType]:
+    """The native kernel where it runs this call's backward loop: a call whose forward loop it
+    runs (:func:`segment_kernel`), not packed, no gradient for ``attn_mask``, at least one task
+    (batch entry and key head) per thread. Else None: the per-tile backward."""
+    kernel = segment_kernel(inp)
+    if kernel is None or not hasattr(kernel, "backward_segment_bf16") or inp.packed is not None:
+        return None
+    if inp.attn_mask is not None and inp.attn_mask.requires_grad:
+        return None
+    if inp.B * inp.Hk < torch.get_num_threads():
+        return None
+    return kernel
+
+
+def backward_thread_bytes(inp: Inputs, kc: int) -> int:
+    """Each thread's buffers in the backward loop: a task's float32 dK and dV for ``kc`` keys and
+    :func:`backward_block_bytes`."""
+    pad = -(-kc // 32) * 32
+    ep, evp = -(-inp.E // 16) * 16, -(-inp.Ev // 16) * 16
+    return torch.get_num_threads() * pad * (ep + evp) * 4 + backward_block_bytes(inp)
+
+
+def backward_block_bytes(inp: Inputs) -> int:
+    """The threads' block buffers in the backward loop: scores, dP, P and dS in two layouts, the
+    rows' q, dO and dQ."""
+    ep, evp = -(-inp.E // 16) * 16, -(-inp.Ev // 16) * 16
+    block = BACK_ROWS * BACK_KEYS * 14 + BACK_ROWS * (ep + evp) * 4 + BACK_ROWS * ep * 4 + BACK_KEYS * 8
+    return torch.get_num_threads() * block
+
+
+def backward_bytes(inp: Inputs, qc: int, kc: int) -> int:
+    """The backward loop's peak over the gradients' float32 accumulators, rows ``qc`` and keys
+    ``kc`` per call: the rows' q and dO in bfloat16, D and the lse, the float32 product that gives
+    D, the keys and values in three sets of pairs, :func:`backward_thread_bytes`, dense copies of
+    strided inputs and the mask's tile."""
+    pad = -(-kc // 32) * 32
+    ep = -(-inp.E // 16) * 16
+    rows = inp.B * inp.Hq * qc
+    n = rows * (inp.E + inp.Ev) * 2 + rows * 4 * 4  # q, dO; D, lse in log2 units, their temporaries
+    n += rows * inp.Ev * 4 * 2  # dO and O in float32 for D
+    n += inp.B * inp.Hk * pad * (4 * -(-inp.E // 2) + 2 * -(-inp.Ev // 2) + 2 * ep) * 2  # the pairs
+    n += sum(inp.B * inp.Hk * kc * t.shape[-1] * 2 for t in (inp.k, inp.v) if t.stride(-1) != 1)
+    n += inp.mask_tile_elements(qc, kc) * (inp.stats_itemsize + 1)
+    n += (rows * inp.E + inp.B * inp.Hk * kc * (inp.E + inp.Ev)) * 4  # gradients it cannot add into in place
+    return n + backward_thread_bytes(inp, kc)
+
+
+def backward_tile_bytes(inp: Inputs, qc: int, kc: int) -> int:
+    """The planner's tile size for a call whose forward and backward both run the loops: the
+    threads' buffers alone, so the planner takes the largest tiles the budget allows. Neither
+    loop holds a tile of scores, and each call packs its keys and values again, so whole rows
+    cost fewer calls and copies. Forward + backward, bfloat16, two threads, medians of 7:
+    2x8x1024x128 on 1024 x 1024 129 ms against 147 on 512 x 1024 and 193 on 128 x 512;
+    4x8x1024x40 125 against 145 on 256 x 1024; causal 1x8x4096x64 251 against 287 on 512 x 1024;
+    1x8x8192x64 2.09-2.20 s on every tile from 1024 x 1024 to whole rows."""
+    return thread_bytes(inp) + backward_block_bytes(inp)
+
+
+def backward_rows(
+    inp: Inputs,
+    qs: int,
+    qe: int,
+    segments: Iterable[Segment],
+    grad_out: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    grads: Grads,
+    grad_lse: Optional[Tensor],
+    kernel: ModuleType,
+) -> None:
+    """:meth:`Matmul.backward_rows <subquad._backends.matmul.Matmul.backward_rows>` for rows
+    ``[qs, qe)`` with the C++ loop: adds into ``grads.dq``, ``grads.dk`` and ``grads.dv`` (through
+    a float32 block of the rows or keys where one is absent or not a float32 view with a dense
+    last dim)."""
+    B, Hq, Hk, qn = inp.B, inp.Hq, inp.Hk, qe - qs
+    q = unit_stride(inp.q[:, :, qs:qe])
+    do = unit_stride(grad_out[:, :, qs:qe].to(torch.bfloat16))
+    dd = (do.float() * out[:, :, qs:qe].float()).sum(dim=-1)  # D = rowsum(dO ∘ O) - dlse
+    if grad_lse is not None:
+        dd -= grad_lse[:, :, qs:qe].float()
+    lse2 = lse[:, :, qs:qe].float() * LOG2E
+    lse2 = lse2.masked_fill_(lse2 == NEG_INF, float("inf")).reshape(-1)  # rows that see nothing: P = 0
+    dd = dd.reshape(-1)
+    alpha, cap = inp.scale * LOG2E, softcap(inp)
+    dq = _in_place(grads.dq, slice(qs, qe), (B, Hq, qn, inp.E))
+    for seg in segments:
+        causal = inp.is_causal and seg.causal != "none"
+        k, v = (unit_stride(t[:, :, seg.ks : seg.ke]) for t in (inp.k, inp.v))
+        mask = None if inp.attn_mask is None else inp.mask_tile(qs, qe, seg.ks, seg.ke).expand(B, Hq, qn, -1)
+        keys = slice(seg.ks, seg.ke)
+        dk = _in_place(grads.dk, keys, (B, Hk, seg.ke - seg.ks, inp.E))
+        dv = _in_place(grads.dv, keys, (B, Hk, seg.ke - seg.ks, inp.Ev))
+        kernel.backward_segment_bf16(
+            q, k, v, do, lse2, dd, dq, dk, dv, alpha, inp.scale, qs, seg.ks, causal, inp.causal_offset, mask, cap
+        )
+        for g, block in ((grads.dk, dk), (grads.dv, dv)):
+            if g is not None and not _same(g[:, :, keys], block):
+                add_into(g[:, :, keys], block)
+    if grads.dq is not None and not _same(grads.dq[:, :, qs:qe], dq):
+        add_into(grads.dq[:, :, qs:qe], dq)
+
+
+def _in_place(g: Optional[Tensor], rows: slice, shape: Tuple[int, ...]) -> Tensor:
+    """``g``'s block of ``rows`` where the kernel can add into it; else a zeroed float32 block."""
+    if g is not None:
+        view = g[:, :, rows]
+        if tuple(view.shape) == shape and view.dtype == torch.float32 and (view.stride(-1) == 1 or shape[-1] <= 1):
+            return view
+    return torch.zeros(shape, dtype=torch.float32)
+
+
+def _same(a: Tensor, b: Tensor) -> bool:
+    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
