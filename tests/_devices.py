@@ -26,6 +26,7 @@ from typing import Any, Iterator, List, Optional, Tuple
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from subquad import _budget
 from subquad._inputs import Inputs
 
 SYNC_OPS = frozenset(
@@ -73,6 +74,9 @@ def device_memory(
         monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (cuda_free, total))
         monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: cuda_allocated)
         monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: cuda_reserved)
+        stats = {"allocated_bytes": {"all": {"current": cuda_allocated}}, "reserved_bytes": {"all": {"current": cuda_reserved}}}
+        monkeypatch.setattr(torch.cuda, "memory_stats_as_nested_dict", lambda device=None: stats)
+        monkeypatch.setattr(_budget, "_CUDA_FREE_CACHE", {})  # the driver's numbers are read afresh
         fraction = 1.0 if cuda_fraction is None else cuda_fraction  # 1.0: torch's default, no cap
         monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device=None: fraction, raising=False)
     if mps_recommended is not None:

@@ -275,3 +275,70 @@ def test_a_fatal_device_error_in_a_fused_kernel_is_not_read_as_a_refusal():
     assert not isinstance(caught.value, KernelRefused)
     with pytest.raises(KernelRefused):
         call_kernel(refusing)
+
+
+def test_the_gpu_sdpa_probe_times_the_whole_kernel_per_score():
+    # On CUDA the planner times torch's SDPA itself (its kernels hold no scores, which the rate
+    # probe's softmax passes stream). The probe is device-neutral: here it runs on the CPU.
+    from subquad import _planner
+
+    assert _planner._SDPA_PROBE_SHAPE[3] == _planner._CPU_PROBE_SHAPE[3]  # forward_seconds scales from one E
+    per_score, per_row = _planner._measure_whole(torch.device("cpu"), torch.float32, "sdpa")
+    assert per_row == 0.0 and 1e-13 < per_score < 1e-6, per_score
+    assert _planner.backend_seconds(torch.device("cpu"), torch.float32, "sdpa") is None  # the CPU: model + fused
+
+
+def test_cuda_budget_reads_the_allocator_without_flattening_its_statistics(monkeypatch):
+    # torch.cuda.memory_allocated/_reserved flatten every statistic (~0.25 ms a call on an H200
+    # host, more than SDPA's own time on small calls); the budget reads the nested ones, and the
+    # driver's free memory at most every 0.2 s (free + reserved does not move as torch allocates).
+    from subquad import _budget
+
+    device_memory(monkeypatch, cuda_free=10 << 30, cuda_allocated=1 << 30, cuda_reserved=3 << 30)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: pytest.fail("flattened stats read"))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: pytest.fail("flattened stats read"))
+    calls = []
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: calls.append(device) or (10 << 30, 80 << 30))
+    cuda = torch.device("cuda", 0)
+    assert _budget.free_memory_bytes(cuda) == (10 << 30) + (3 << 30) - (1 << 30)
+    # The allocator takes 2 GiB more from the driver for this process: the driver is not asked again.
+    stats = {"allocated_bytes": {"all": {"current": 3 << 30}}, "reserved_bytes": {"all": {"current": 5 << 30}}}
+    monkeypatch.setattr(torch.cuda, "memory_stats_as_nested_dict", lambda device=None: stats)
+    assert _budget.free_memory_bytes(cuda) == (10 << 30) + (3 << 30) - (3 << 30)
+    assert calls == [0]
+
+
+def test_cuda_matmul_tiles_are_large_and_cpu_tiles_stay_in_cache(monkeypatch):
+    # A GPU tile costs its launches unless it is large (H200: 1x8x4096x64 bf16, 34 ms in 128 tiles
+    # of 256x512, 2.2 ms in one); the CPU's stay near its caches. The budget still bounds both.
+    q, k, v = (torch.randn(1, 8, 4096, 64, dtype=torch.bfloat16) for _ in range(3))
+    cpu = subquad.explain(q, k, v, backend="matmul", memory_budget="8GiB").chunk_size
+    as_device(monkeypatch, "cuda")
+    cuda = subquad.explain(q, k, v, backend="matmul", memory_budget="8GiB").chunk_size
+    assert cuda[0] * cuda[1] >= 16 * cpu[0] * cpu[1], (cuda, cpu)
+    assert cuda[0] * cuda[1] * 8 * 4 <= backends_base.ACCELERATOR_TILE_BYTES
+    small = subquad.explain(q, k, v, backend="matmul", memory_budget="64MiB")
+    assert small.chunk_size[0] * small.chunk_size[1] < cuda[0] * cuda[1] and small.predicted_peak_bytes <= 64 << 20
+
+
+@pytest.mark.parametrize("choice,contexts", [(1, 0), (3, 0), (0, 1), (None, 1)], ids=["flash", "cudnn", "math", "unknown"])
+def test_cuda_sdpa_restricts_the_kernels_only_where_torch_would_not_take_a_fused_one(monkeypatch, choice, contexts):
+    # sdpa_kernel and a warnings filter cost 60-100 us a call on an H200 host; they are needed only
+    # where torch's own choice (torch._fused_sdp_choice) is its math fallback or cannot be asked.
+    import torch.nn.attention as attention
+
+    entered = []
+    real = attention.sdpa_kernel
+    monkeypatch.setattr(attention, "sdpa_kernel", lambda *a, **kw: entered.append(a) or real(*a, **kw))
+
+    def chooser(*args, **kwargs):
+        if choice is None:
+            raise TypeError("unexpected keyword argument")
+        return choice
+
+    monkeypatch.setattr(torch, "_fused_sdp_choice", chooser)
+    as_device(monkeypatch, "cuda")
+    q, k, v = (torch.randn(1, 2, 64, 16, dtype=torch.float64) for _ in range(3))
+    out, _ = BACKENDS["sdpa"].run_whole(subquad._inputs.Inputs(q, k, v, (1,), None, False, 0.25, 0.0), False)
+    assert len(entered) == contexts
+    assert torch.allclose(out, naive_attention(q, k, v, scale=0.25))

@@ -563,7 +563,7 @@ def test_auto_takes_the_loops_for_large_calls_without_amx(loop, monkeypatch, two
     assert_close_to_golden(out, golden, naive_attention(*(t.float() for t in (causal,) * 3), is_causal=True).to(BF16))
     small = torch.empty(1, 8, 256, 64, dtype=BF16)  # 2^19 scores: the fused kernel is faster
     assert subquad.explain(small, small, small).backend == "fused"
-    trained = big.clone().requires_grad_()  # both loops: forward + backward 0.67-0.80x the fused kernel
+    trained = big.clone().requires_grad_()  # both loops: forward + backward 0.65-0.88x the fused kernel
     plan = subquad.explain(trained, trained, trained)
     assert plan.backend == "matmul" and any("forward and backward loops in C++" in n for n in plan.notes), plan
     learnable = torch.zeros(1024, 1024, dtype=BF16, requires_grad=True)  # the backward loop takes no mask gradient

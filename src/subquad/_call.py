@@ -35,8 +35,8 @@ from ._buckets import BATCH_BYTES
 from ._budget import Budget, format_seconds, resolve_budget
 from ._callbacks import captured_tensors, from_callback
 from ._errors import ArgumentError, ArgumentTypeError
-from ._inputs import BlockPositions, Inputs, MaskMod, ScoreMod
-from ._planner import ESTIMATE_TIME_FROM_TILES, Plan, count_tiles, describe, make_plan, predict_seconds
+from ._inputs import BlockPositions, Inputs, MaskMod, ScoreMod, describe
+from ._planner import ESTIMATE_TIME_FROM_TILES, Plan, count_tiles, make_plan, predict_seconds
 from ._tiles import KernelRefused, halve, is_device_fatal, is_oom
 from ._traced import normalize
 from ._validate import check_bool, make_inputs, make_packed_inputs, parse_chunk_size

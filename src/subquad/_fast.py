@@ -87,7 +87,7 @@ def _fits(entry: Entry, inp: Inputs, Lq: int, Lk: int, need_lse: bool) -> bool:
     need = backend.forward_bytes(inp, Lq, longer, need_lse)
     if (
         need <= budget
-        and backend.tile_bytes(inp, Lq, longer) <= backend.target_tile_bytes
+        and backend.tile_bytes(inp, Lq, longer) <= backend.tile_target(inp)
         and _device_allows(inp, Lq, longer)
     ):
         entry.fits = (Lq, longer, need)
@@ -111,7 +111,7 @@ def _fits_exactly(entry: Entry, backend: Any, inp: Inputs, Lq: int, Lk: int, nee
         value=torch.empty((*v.shape[:2], Lk, v.shape[3]), dtype=v.dtype, device="meta"),
     )
     need = backend.forward_bytes(inp, Lq, Lk, need_lse)
-    if need > budget or backend.tile_bytes(inp, Lq, Lk) > backend.target_tile_bytes or not _device_allows(inp, Lq, Lk):
+    if need > budget or backend.tile_bytes(inp, Lq, Lk) > backend.tile_target(inp) or not _device_allows(inp, Lq, Lk):
         return False
     entry.fits = (Lq, Lk, need)
     return True

@@ -389,3 +389,34 @@ class BlockPositions:
             h_offset=self.h_offset,
             causal_offset=self.causal_offset if inp.is_causal else inp.causal_offset,
         )
+
+
+def describe(inp: Inputs) -> str:
+    """How plans and errors name a call: its shape, dtype, device and what it carries
+    (``B=1 H=8 Lq=4096 Lk=4096 E=64 bfloat16 on cpu, causal``)."""
+    heads = f"{inp.Hq}" if inp.G == 1 else f"{inp.Hq}q/{inp.Hk}kv"
+    ev = f", Ev={inp.Ev}" if inp.Ev != inp.E else ""
+    extras = []
+    if inp.attn_mask is not None:
+        extras.append(f"{inp.mask_kind} mask {tuple(inp.attn_mask.shape)}")
+    p = inp.packed
+    if inp.is_causal and p is not None:
+        extras.append("causal (bottom-right per sequence)" if p.bottom_right else "causal")
+    elif inp.is_causal:
+        extras.append("causal" if inp.causal_offset == 0 else f"causal (bottom-right, offset {inp.causal_offset})")
+    if p is not None and p.window is not None:
+        extras.append(f"window {p.window}")
+    if inp.score_mod is not None:
+        extras.append("score_mod")
+    if inp.mask_mod is not None:
+        extras.append("mask_mod")
+    if inp.dropout_p > 0:
+        extras.append(f"dropout {inp.dropout_p}")
+    tail = (", " + ", ".join(extras)) if extras else ""
+    dt = str(inp.dtype).replace("torch.", "")
+    if p is not None:
+        return (
+            f"{p.n} packed sequences (longest Lq={p.max_q}, Lk={p.max_k}; {inp.Lq} x {inp.Lk} rows in all) "
+            f"H={heads} E={inp.E}{ev} {dt} on {inp.device_type}{tail}"
+        )
+    return f"B={inp.B} H={heads} Lq={inp.Lq} Lk={inp.Lk} E={inp.E}{ev} {dt} on {inp.device_type}{tail}"

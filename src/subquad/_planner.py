@@ -24,11 +24,13 @@ from torch.utils import _python_dispatch
 from ._backends import BACKENDS, Options, priority
 from ._backends.matmul import exp_
 from ._backends.products import native_bf16_products
+from ._backends.segments import KEYS as LOOP_KEYS
+from ._backends.segments import ROWS as LOOP_ROWS
 from ._backends.segments import backward_kernel, before_fused, segment_kernel, softcap
 from ._budget import format_bytes, format_seconds
 from ._callbacks import apply_score_mod
 from ._errors import MemoryBudgetError
-from ._inputs import Inputs
+from ._inputs import Inputs, describe
 from ._tiles import Segment
 from ._traced import per_callback
 
@@ -153,7 +155,7 @@ def make_plan(
         if loop_first and name == "matmul":
             plan.notes.append(
                 "the tiles' forward and backward loops in C++ (native kernel, AVX512-BF16, no AMX) before the "
-                "fused kernel: 0.67-0.80x its time for forward + backward from 2^21 bfloat16 scores on an "
+                "fused kernel: 0.65-0.88x its time for forward + backward from 2^21 bfloat16 scores on an "
                 "AMD EPYC"
                 if need_grad
                 else "the tiles' forward loop in C++ (native kernel, AVX512-BF16, no AMX) before the fused kernel: "
@@ -387,7 +389,7 @@ def forward_seconds(inp: Inputs, backend: str, tiles: Optional[Tuple[int, int]])
     own = backend_seconds(inp.device, inp.dtype, backend)
     if own is None:
         return model * scores
-    e = _CPU_PROBE_SHAPE[3]  # both probes' head dim
+    e = _CPU_PROBE_SHAPE[3]  # every backend probe's head dim
     rows = inp.n_groups * inp.B * inp.Hq * sum(Lq for Lq, _, _ in _parts(inp))
     return own[0] * model / (4.0 * e / rate + per_score) * scores + own[1] * rows
 
@@ -400,11 +402,10 @@ BF16_CPU_BACKWARD_PER_FORWARD = 2.0
 passes and 1.91 with the native kernel (1x4x2048x64, 2 threads, medians of 7; float32: 2.77 and
 2.57). With 2.5, ``bench_half.py``'s bfloat16 fwd+bwd measured 0.56-1.14x its prediction on the
 tiles and 0.70-0.99x on the fused kernel (10 runs)."""
-LOOP_BACKWARD_PER_FORWARD = 3.0
+LOOP_BACKWARD_PER_FORWARD = 2.5
 """The same for the tiles' C++ loops (:mod:`subquad._backends.segments`), whose forward is the
-faster of the two: 2.91 (1x4x2048x64 and causal 1x8x2048x64, 1x8x4096x64) and 3.35 (4x8x1024x40),
-2 threads, medians of 7. Measured / predicted with 2.0: 1.06, 1.25, 1.51, 1.06; with 3.0: 0.80,
-0.86, 1.03, 0.81."""
+faster of the two: 2.57-2.88 (1x4x2048x64), 2.27-2.31 (causal 1x8x2048x64), 2.38-2.47
+(1x8x4096x64), 2.23-2.29 (4x8x1024x40); whole rows, 2 threads, medians of 7, two runs."""
 
 
 def backward_per_forward(inp: Inputs, backend: str = "matmul") -> float:
@@ -420,11 +421,14 @@ def backward_per_forward(inp: Inputs, backend: str = "matmul") -> float:
 
 def computed_scores(inp: Inputs, backend: Optional[str], tiles: Optional[Tuple[int, int]]) -> float:
     """The scores ``backend`` computes on ``tiles``: every visible one and, under a causal mask,
-    the hidden ones that share a block with a visible one (:meth:`Backend.computed_blocks`);
-    ``backend=None``: the visible ones."""
+    the hidden ones that share a block with a visible one (:meth:`Backend.computed_blocks`; the
+    C++ loops skip within a tile, per 128 rows and 512 keys); ``backend=None``: the visible ones."""
     n = 0.0
+    loop = backend == "matmul" and inp.is_causal and segment_kernel(inp) is not None
     for Lq, Lk, o in _parts(inp):
         blocks = BACKENDS[backend].computed_blocks(Lq, Lk, tiles) if backend and inp.is_causal else None
+        if loop:
+            blocks = (max(1, min(LOOP_ROWS, Lq)), max(1, min(LOOP_KEYS, Lk)))
         frac = visible_fraction(Lq, Lk, inp.is_causal, o) if blocks is None else block_fraction(Lq, Lk, o, blocks)
         n += float(Lq * Lk) * frac
     return inp.n_groups * inp.B * inp.Hq * n
@@ -451,9 +455,9 @@ _TIMED_BACKENDS = ("fused", "matmul")
 
 def backend_seconds(device: torch.device, dtype: torch.dtype, backend: str) -> Optional[Tuple[float, float]]:
     """A backend's own forward time ``(per score, per query row)`` on the CPU for the fused kernel
-    and the tiles (``None`` on other devices and for other backends: the model alone); timed once
-    per process, device type, dtype and backend on row blocks of the rate probe's shape
-    (:func:`_measure_backend`).
+    and the tiles, timed on row blocks of the rate probe's shape (:func:`_measure_backend`), and
+    on CUDA for torch's SDPA (:func:`_measure_whole`); ``None`` on other devices and for other
+    backends: the model alone. Timed once per process, device type, dtype and backend.
 
     What it captures beyond the model's GEMM rate and softmax passes, 2-core CPU (AVX512-BF16, no
     AMX): the flash kernel's bfloat16 runs at its float32 speed, where a bfloat16 GEMM runs 2-3x
@@ -461,16 +465,38 @@ def backend_seconds(device: torch.device, dtype: torch.dtype, backend: str) -> O
     conversions per tile (matmul.py's docstring); a row block's first tile costs more than the
     others. Without it ``explain()`` predicted bfloat16 calls 1.4-2.9x short (causal ones the
     most), and small calls up to 3x short."""
-    if device.type != "cpu" or backend not in _TIMED_BACKENDS:
+    timed = _TIMED_BACKENDS if device.type == "cpu" else _GPU_TIMED_BACKENDS if device.type == "cuda" else ()
+    if backend not in timed:
         return None
     key = (device.type, dtype, backend)
     if key not in _OWN:
         try:
             with _python_dispatch._disable_current_modes():
-                _OWN[key] = _measure_backend(device, dtype, backend)
+                measure = _measure_backend if device.type == "cpu" else _measure_whole
+                _OWN[key] = measure(device, dtype, backend)
         except Exception:  # a backend that cannot run the probe here: the model alone
             _OWN[key] = None
     return _OWN[key]
+
+
+_GPU_TIMED_BACKENDS = ("sdpa",)
+"""Backends timed on CUDA: torch's fused kernels never hold the scores that the rate probe's
+softmax passes stream, so the model alone predicted their calls 2-6x long on an H200 (float32
+0.47-0.53x, half precision 0.17-0.38x measured/predicted)."""
+_SDPA_PROBE_SHAPE = (16, 2048, 2048, 64)
+"""A GPU's whole-input probe, ``(B*H, Lq, Lk, E)``: 67M scores, tens of microseconds in half
+precision on an H200, repeated between two syncs (:data:`_GPU_PROBE_S`)."""
+
+
+def _measure_whole(device: torch.device, dtype: torch.dtype, backend: str) -> Tuple[float, float]:
+    """``(per score, 0)``: a whole-input backend's call of :data:`_SDPA_PROBE_SHAPE`, timed."""
+    bh, nq, nk, e = _SDPA_PROBE_SHAPE
+    q = torch.randn(1, bh, nq, e, device=device, dtype=dtype)
+    k, v = (torch.randn(1, bh, nk, e, device=device, dtype=dtype) for _ in range(2))
+    inp = Inputs(q, k, v, (1,), None, False, e**-0.5, 0.0)
+    run = BACKENDS[backend]
+    t = seconds_per_call(lambda: run.run_whole(inp, False), lambda: synchronize(device), min_seconds=_GPU_PROBE_S)
+    return t / (bh * nq * nk), 0.0
 
 
 _BACKEND_PROBE_S = 0.02
@@ -548,32 +574,3 @@ def _time_score_mod(inp: Inputs) -> float:
         except Exception:  # the call itself reports a failing callback; its estimate does not
             return 0.0
     return seconds / scores.numel()
-
-
-def describe(inp: Inputs) -> str:
-    heads = f"{inp.Hq}" if inp.G == 1 else f"{inp.Hq}q/{inp.Hk}kv"
-    ev = f", Ev={inp.Ev}" if inp.Ev != inp.E else ""
-    extras = []
-    if inp.attn_mask is not None:
-        extras.append(f"{inp.mask_kind} mask {tuple(inp.attn_mask.shape)}")
-    p = inp.packed
-    if inp.is_causal and p is not None:
-        extras.append("causal (bottom-right per sequence)" if p.bottom_right else "causal")
-    elif inp.is_causal:
-        extras.append("causal" if inp.causal_offset == 0 else f"causal (bottom-right, offset {inp.causal_offset})")
-    if p is not None and p.window is not None:
-        extras.append(f"window {p.window}")
-    if inp.score_mod is not None:
-        extras.append("score_mod")
-    if inp.mask_mod is not None:
-        extras.append("mask_mod")
-    if inp.dropout_p > 0:
-        extras.append(f"dropout {inp.dropout_p}")
-    tail = (", " + ", ".join(extras)) if extras else ""
-    dt = str(inp.dtype).replace("torch.", "")
-    if p is not None:
-        return (
-            f"{p.n} packed sequences (longest Lq={p.max_q}, Lk={p.max_k}; {inp.Lq} x {inp.Lk} rows in all) "
-            f"H={heads} E={inp.E}{ev} {dt} on {inp.device_type}{tail}"
-        )
-    return f"B={inp.B} H={heads} Lq={inp.Lq} Lk={inp.Lk} E={inp.E}{ev} {dt} on {inp.device_type}{tail}"

@@ -23,6 +23,14 @@ from .._tiles import Grads, Segment
 TARGET_TILE_BYTES = 16 << 20
 """Preferred ceiling on what one tile materializes; larger tiles are used only if nothing smaller exists."""
 
+ACCELERATOR_TILE_BYTES = 1 << 30
+"""The same ceiling on CUDA and MPS. A GPU streams a tile's elementwise passes from its memory at
+terabytes per second, so what a tile costs there is its kernel launches and Python unless it is
+large. Matmul tiles on an H200 (CUDA, torch 2.11; ms per call at a ceiling of 4 MiB / 64 MiB /
+256 MiB / 1 GiB): 1x8x4096x64 bfloat16 forward 34.2 / 4.30 / 4.04 / 2.21, float32 28.3 / 5.77 /
+3.79 / 2.21, 2x8x16384x40 float16 929 / 87.5 / 60.4 / 54.6, 4x16x4096x64 bfloat16 forward and
+backward 526 / 64.5 / 51.3 / 47.5. The budget still bounds the tiles: this is a preference."""
+
 MIN_KV_CHUNK = 32
 """Key segments shorter than this cost more in per-call overhead than they save in memory."""
 
@@ -122,6 +130,13 @@ class Backend:
         """The backend that runs this call's backward (by name)."""
         return self.name
 
+    def tile_target(self, inp: Inputs) -> int:
+        """The ceiling on :meth:`tile_bytes` for ``inp``'s device: :attr:`target_tile_bytes` on the
+        CPU (its caches), at least :data:`ACCELERATOR_TILE_BYTES` on CUDA and MPS (launches)."""
+        if inp.device_type == "cpu":
+            return self.target_tile_bytes
+        return max(self.target_tile_bytes, ACCELERATOR_TILE_BYTES)
+
     def tile_bytes(self, inp: Inputs, qc: int, kc: int) -> int:
         """What one tile materializes (scores, generated masks): the planner's speed heuristic."""
         return 0
@@ -149,7 +164,7 @@ class Backend:
         # Bigger tiles stop paying off once what a tile materializes leaves the caches: on a 2-core
         # CPU, 1x4x4096x64 matmul tiles of 256x4096 (16 MiB of scores) ran in 141 ms, the whole
         # 4096x4096 tile in 224 ms; causal ALiBi on the fused kernel 131 ms (512x512) vs 247 ms (whole).
-        fast = [p for p in pairs if self.tile_bytes(inp, *p) <= self.target_tile_bytes]
+        fast = [p for p in pairs if self.tile_bytes(inp, *p) <= self.tile_target(inp)]
         return fast or pairs
 
     def fit(self, inp: Inputs, opts: Options, budget: int, backward: Optional["Backend"] = None) -> Fit:

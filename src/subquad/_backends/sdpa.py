@@ -129,6 +129,8 @@ class Sdpa(Backend):
             kwargs["enable_gqa"] = True
         if inp.device_type == "mps":
             return TORCH_SDPA(inp.query, inp.key, inp.value, **kwargs), None
+        if inp.device_type == "cuda" and _default_is_fused(inp.query, inp.key, inp.value, kwargs):
+            return TORCH_SDPA(inp.query, inp.key, inp.value, **kwargs), None
         fused = [
             getattr(SDPBackend, n)
             for n in ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION")
@@ -138,3 +140,26 @@ class Sdpa(Backend):
             warnings.simplefilter("ignore")  # SDPA warns about every kernel it declines
             with sdpa_kernel(fused):
                 return TORCH_SDPA(inp.query, inp.key, inp.value, **kwargs), None
+
+
+@functools.lru_cache(maxsize=None)
+def _fused_choices() -> frozenset:
+    """The values of torch's fused SDPA kernels in its ``SDPBackend`` enum."""
+    from torch.nn.attention import SDPBackend
+
+    names = ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION")
+    return frozenset(int(getattr(SDPBackend, n)) for n in names if hasattr(SDPBackend, n))
+
+
+def _default_is_fused(q: Tensor, k: Tensor, v: Tensor, kwargs: Dict[str, Any]) -> bool:
+    """Whether torch's own choice for this call is a fused kernel (``torch._fused_sdp_choice``, what
+    SDPA itself asks): then the call needs neither ``sdpa_kernel`` nor a warnings filter, which
+    cost 60-100 us a call on an H200 host, 1-4x SDPA's own time on small calls. Where torch would
+    take its math fallback (or the question fails), ``False``: the caller restricts the kernels."""
+    choose = getattr(torch, "_fused_sdp_choice", None)
+    if choose is None:
+        return False
+    try:
+        return int(choose(q, k, v, **kwargs)) in _fused_choices()
+    except Exception:  # an argument this torch's chooser does not take: ask the long way
+        return False

@@ -76,9 +76,9 @@ Bfloat16, two threads, 2-core CPU (AVX512-BF16, no AMX), the loop's time over th
 kernel's, both through the full path: 1x8xLx64 at L = 256 (2^19 scores) 1.29, 512 (2^21) 0.81,
 1024 0.69, 2048 0.64; 4x8x4096x40 0.71; 2x10x4096x64 against 77 keys (2^22.6) 0.82; a decode
 step and calls of 16 tokens 0.4 and 7.0 (the fused kernel's fast path skips planning). Forward +
-backward with both loops (``bench_loop_sizes.py --backward``): 1x8xLx64 at L = 128 0.59, 256
-1.19, 512 0.71, 1024 0.80, 2048 0.69, causal 1024 0.67; 4x8x4096x40 0.72; 2x10x4096x64 against 77
-keys 0.73."""
+backward with both loops (``bench_loop_sizes.py --backward``, the final kernel): 1x8xLx64 at
+L = 128 0.66, 256 0.72, 512 0.71, 1024 0.88, 2048 0.71, causal 1024 0.73; 4x8x4096x40 0.65;
+2x10x4096x64 against 77 keys 0.67."""
 
 
 def before_fused(inp: Inputs, need_grad: bool) -> bool:

@@ -1,0 +1,236 @@
+"""CUDA checks of subquad's own paths: per-call overhead, matmul tile ceilings, explain() vs measured.
+
+Three parts, each one process (the figures in docs/benchmarks/cuda-h200/ came from them):
+
+    python benchmarks/bench_cuda.py overhead            # small calls: subquad vs F.sdpa, syncs per path
+    python benchmarks/bench_cuda.py tiles --ceiling-mib 4 64 256 1024   # one process per ceiling
+    python benchmarks/bench_cuda.py explain --out explain.json          # predicted vs measured
+
+Times: calls queued back to back between CUDA events (or one sync), best of 3 runs. Peak memory:
+``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``, minus what was allocated before.
+"""
+
+# ruff: noqa: B023  (each timed lambda runs inside the loop iteration that made it)
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import os
+import pstats
+import subprocess
+import sys
+import time
+import traceback
+from typing import Any, Callable, Dict, List
+
+import torch
+import torch.nn.functional as F
+
+import subquad
+
+
+def per_call_us(fn: Callable[[], object], n: int = 300) -> float:
+    """Microseconds per call of ``fn``: ``n`` calls back to back, one sync at the end."""
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t) / n * 1e6
+
+
+def best_ms(fn: Callable[[], object], reps: int = 5) -> float:
+    """Milliseconds per call: the best of 3 runs of ``reps`` calls between CUDA events."""
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = float("inf")
+    for _ in range(3):
+        start.record()
+        for _ in range(reps):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        best = min(best, start.elapsed_time(end) / reps)
+    return best
+
+
+def overhead() -> None:
+    cases = {
+        "1x8x4096x64 bf16": ((1, 8, 4096, 64), (1, 8, 4096, 64), torch.bfloat16),
+        "1x8x16x64 fp32": ((1, 8, 16, 64), (1, 8, 16, 64), torch.float32),
+        "decode 1x32x1x128, 8 kv heads x 512, bf16": ((1, 32, 1, 128), (1, 8, 512, 128), torch.bfloat16),
+    }
+    for name, (qs, ks, dt) in cases.items():
+        q = torch.randn(qs, device="cuda", dtype=dt)
+        k, v = (torch.randn(ks, device="cuda", dtype=dt) for _ in range(2))
+        gqa = qs[1] != ks[1]
+        row = {
+            "F.sdpa": per_call_us(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)),
+            "subquad.attention": per_call_us(lambda: subquad.attention(q, k, v, enable_gqa=gqa)),
+            "subquad.attention memory_budget=4GiB": per_call_us(
+                lambda: subquad.attention(q, k, v, enable_gqa=gqa, memory_budget="4GiB")
+            ),
+            "subquad.sdpa": per_call_us(lambda: subquad.sdpa(q, k, v, enable_gqa=gqa)),
+            "torch.cuda.mem_get_info alone": per_call_us(lambda: torch.cuda.mem_get_info(q.device)),
+        }
+        print(name, {key: round(us, 1) for key, us in row.items()}, "us/call", flush=True)
+
+    # Where a small call's time goes (the kernel itself takes ~14 us).
+    q, k, v = (torch.randn(1, 8, 16, 64, device="cuda") for _ in range(3))
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(300):
+        subquad.attention(q, k, v)
+    torch.cuda.synchronize()
+    profile.disable()
+    pstats.Stats(profile).sort_stats("tottime").print_stats(25)
+
+    # A synchronizing op in a path raises here (torch's sync debug mode); the first one is shown.
+    paths: List[tuple] = [
+        ("auto fwd", {}, False),
+        ("matmul fwd", {"backend": "matmul", "chunk_size": (256, 256)}, False),
+        ("matmul fwd+bwd", {"backend": "matmul", "chunk_size": (256, 256)}, True),
+        ("matmul causal mask_mod fwd+bwd", {"backend": "matmul", "chunk_size": (256, 256), "mask_mod": _causal}, True),
+        ("auto fwd+bwd", {}, True),
+        ("auto key-padding mask fwd", {"attn_mask": (torch.arange(700, device="cuda") < 600).expand(700, 700)}, False),
+    ]
+    for name, kwargs, grad in paths:
+        q, k, v = (torch.randn(1, 2, 700, 64, device="cuda", requires_grad=grad) for _ in range(3))
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            out = subquad.attention(q, k, v, **kwargs)
+            if grad:
+                out.sum().backward()
+            print(f"{name}: no sync", flush=True)
+        except Exception as exc:
+            print(f"{name}: SYNC", "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)[-12:]))
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+
+
+def _causal(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+    return kv_idx <= q_idx
+
+
+TILE_CASES = [
+    ((1, 8, 4096, 64), torch.bfloat16, False),
+    ((1, 8, 4096, 64), torch.float32, False),
+    ((2, 8, 16384, 40), torch.float16, False),
+    ((1, 8, 4096, 64), torch.bfloat16, True),
+    ((4, 16, 4096, 64), torch.bfloat16, True),
+]
+
+
+def tiles(ceilings_mib: List[int]) -> None:
+    """One process per ceiling (the planner's caches hold tiles per shape)."""
+    for mib in ceilings_mib:
+        subprocess.run([sys.executable, __file__, "tiles-one", str(mib)], check=False)
+
+
+def tiles_one(mib: int) -> None:
+    import subquad._backends.base as base
+
+    base.ACCELERATOR_TILE_BYTES = mib << 20
+    for shape, dt, train in TILE_CASES:
+        q, k, v = (torch.randn(shape, device="cuda", dtype=dt, requires_grad=train) for _ in range(3))
+        plan = subquad.explain(q, k, v, backend="matmul")
+        run, ref = _calls(q, k, v, "matmul", train)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        ms = best_ms(run)
+        peak = torch.cuda.max_memory_allocated() - before
+        sdpa_ms = best_ms(ref)
+        with torch.no_grad():
+            out = subquad.attention(q, k, v, backend="matmul").float()
+            err = (out - F.scaled_dot_product_attention(q.float(), k.float(), v.float())).abs().max().item()
+        row = dict(
+            target_mib=mib, shape=shape, dtype=str(dt), train=train, tiles=plan.chunk_size,
+            bwd_tiles=plan.backward_chunk_size, ms=round(ms, 3), sdpa_ms=round(sdpa_ms, 3),
+            ratio=round(ms / sdpa_ms, 2), predicted_ms=round(plan.predicted_seconds * 1e3, 3),
+            peak_mib=round(peak / 2**20, 1), predicted_peak_mib=round(plan.predicted_peak_bytes / 2**20, 1),
+            max_err_vs_fp32=err,
+        )  # fmt: skip
+        print(json.dumps(row), flush=True)
+        del q, k, v
+        torch.cuda.empty_cache()
+
+
+def _calls(q: Any, k: Any, v: Any, backend: str, train: bool) -> tuple:
+    """``(subquad's call, F.sdpa's call)``: forward, or forward and backward with one output gradient."""
+    if not train:
+        return (lambda: subquad.attention(q, k, v, backend=backend)), (lambda: F.scaled_dot_product_attention(q, k, v))
+    grad = torch.randn_like(q)
+    return (
+        lambda: torch.autograd.grad(subquad.attention(q, k, v, backend=backend), (q, k, v), grad),
+        lambda: torch.autograd.grad(F.scaled_dot_product_attention(q, k, v), (q, k, v), grad),
+    )
+
+
+EXPLAIN_CASES = [
+    ((1, 8, 4096, 4096, 64), (torch.float32, torch.bfloat16, torch.float16)),
+    ((2, 8, 16384, 16384, 40), (torch.float16,)),
+    ((4, 16, 4096, 4096, 64), (torch.bfloat16,)),
+]
+
+
+def explain(out_path: str) -> None:
+    rows: List[Dict[str, Any]] = []
+    for (B, H, Lq, Lk, E), dtypes in EXPLAIN_CASES:
+        for dt in dtypes:
+            for backend in ("auto", "matmul"):
+                for train in (False, True):
+                    row: Dict[str, Any] = dict(shape=(B, H, Lq, Lk, E), dtype=str(dt), backend=backend, train=train)
+                    try:
+                        q = torch.randn(B, H, Lq, E, device="cuda", dtype=dt, requires_grad=train)
+                        k, v = (torch.randn(B, H, Lk, E, device="cuda", dtype=dt, requires_grad=train) for _ in range(2))
+                        plan = subquad.explain(q, k, v, backend=backend)
+                        row.update(chosen=plan.backend, predicted_s=plan.predicted_seconds, predicted_peak=plan.predicted_peak_bytes)
+                        run, ref = _calls(q, k, v, backend, train)
+                        torch.cuda.synchronize()
+                        torch.cuda.reset_peak_memory_stats()
+                        before = torch.cuda.memory_allocated()
+                        row["measured_s"] = best_ms(run, reps=10) / 1e3
+                        row["peak_over_inputs"] = torch.cuda.max_memory_allocated() - before
+                        row["sdpa_s"] = best_ms(ref, reps=10) / 1e3
+                        row["ratio_measured_over_predicted"] = row["measured_s"] / row["predicted_s"]
+                        row["ratio_to_sdpa"] = row["measured_s"] / row["sdpa_s"]
+                    except Exception as exc:
+                        row["error"] = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+                    print(json.dumps(row), flush=True)
+                    rows.append(row)
+                    with open(out_path, "w") as f:  # after every row: a run stopped early keeps what it measured
+                        json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows), f, indent=1)
+                    torch.cuda.empty_cache()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="part", required=True)
+    sub.add_parser("overhead")
+    t = sub.add_parser("tiles")
+    t.add_argument("--ceiling-mib", type=int, nargs="+", default=[4, 64, 256, 1024])
+    one = sub.add_parser("tiles-one")
+    one.add_argument("mib", type=int)
+    e = sub.add_parser("explain")
+    e.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "explain-cuda.json"))
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_cuda.py needs a CUDA device")
+    if args.part == "overhead":
+        overhead()
+    elif args.part == "tiles":
+        tiles(args.ceiling_mib)
+    elif args.part == "tiles-one":
+        tiles_one(args.mib)
+    else:
+        explain(args.out)
+
+
+if __name__ == "__main__":
+    main()
