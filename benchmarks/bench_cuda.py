@@ -8,6 +8,9 @@ Three parts, each one process (the figures in docs/benchmarks/cuda-h200/ came fr
 
 Times: calls queued back to back between CUDA events (or one sync), best of 3 runs. Peak memory:
 ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``, minus what was allocated before.
+
+``--device cpu --quick`` runs the same code on small shapes without a GPU (a check of the program:
+its times say nothing of a GPU; no peak memory, no sync check off CUDA).
 """
 
 # ruff: noqa: B023  (each timed lambda runs inside the loop iteration that made it)
@@ -22,40 +25,78 @@ import subprocess
 import sys
 import time
 import traceback
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 import torch.nn.functional as F
 
 import subquad
 
+DEVICE = "cuda"
+"""Where the calls run (``--device``)."""
+QUICK = False
+"""``--quick``: small shapes, for checking the program without a GPU."""
+
+
+def sync() -> None:
+    if DEVICE.startswith("cuda"):
+        torch.cuda.synchronize()
+    elif DEVICE == "mps":
+        torch.mps.synchronize()
+
 
 def per_call_us(fn: Callable[[], object], n: int = 300) -> float:
     """Microseconds per call of ``fn``: ``n`` calls back to back, one sync at the end."""
     for _ in range(20):
         fn()
-    torch.cuda.synchronize()
+    sync()
     t = time.perf_counter()
     for _ in range(n):
         fn()
-    torch.cuda.synchronize()
+    sync()
     return (time.perf_counter() - t) / n * 1e6
 
 
 def best_ms(fn: Callable[[], object], reps: int = 5) -> float:
     """Milliseconds per call: the best of 3 runs of ``reps`` calls between CUDA events."""
     fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    sync()
     best = float("inf")
     for _ in range(3):
-        start.record()
-        for _ in range(reps):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        best = min(best, start.elapsed_time(end) / reps)
+        if DEVICE.startswith("cuda"):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(reps):
+                fn()
+            end.record()
+            torch.cuda.synchronize()
+            best = min(best, start.elapsed_time(end) / reps)
+        else:
+            t = time.perf_counter()
+            for _ in range(reps):
+                fn()
+            sync()
+            best = min(best, (time.perf_counter() - t) * 1e3 / reps)
     return best
+
+
+def peak_start() -> int:
+    """Start a peak measurement: the allocated bytes now (CUDA; 0 elsewhere)."""
+    if not DEVICE.startswith("cuda"):
+        return 0
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    return torch.cuda.memory_allocated()
+
+
+def peak_bytes(before: int) -> Optional[int]:
+    """The peak since :func:`peak_start` beyond what was allocated then (CUDA; ``None`` elsewhere)."""
+    return torch.cuda.max_memory_allocated() - before if DEVICE.startswith("cuda") else None
+
+
+def release() -> None:
+    if DEVICE.startswith("cuda"):
+        torch.cuda.empty_cache()
 
 
 def overhead() -> None:
@@ -64,9 +105,11 @@ def overhead() -> None:
         "1x8x16x64 fp32": ((1, 8, 16, 64), (1, 8, 16, 64), torch.float32),
         "decode 1x32x1x128, 8 kv heads x 512, bf16": ((1, 32, 1, 128), (1, 8, 512, 128), torch.bfloat16),
     }
+    if QUICK:  # the 4096-token case takes seconds per timed row on a CPU
+        cases = {name: case for name, case in cases.items() if "4096" not in name}
     for name, (qs, ks, dt) in cases.items():
-        q = torch.randn(qs, device="cuda", dtype=dt)
-        k, v = (torch.randn(ks, device="cuda", dtype=dt) for _ in range(2))
+        q = torch.randn(qs, device=DEVICE, dtype=dt)
+        k, v = (torch.randn(ks, device=DEVICE, dtype=dt) for _ in range(2))
         gqa = qs[1] != ks[1]
         row = {
             "F.sdpa": per_call_us(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)),
@@ -75,17 +118,18 @@ def overhead() -> None:
                 lambda: subquad.attention(q, k, v, enable_gqa=gqa, memory_budget="4GiB")
             ),
             "subquad.sdpa": per_call_us(lambda: subquad.sdpa(q, k, v, enable_gqa=gqa)),
-            "torch.cuda.mem_get_info alone": per_call_us(lambda: torch.cuda.mem_get_info(q.device)),
         }
+        if DEVICE.startswith("cuda"):
+            row["torch.cuda.mem_get_info alone"] = per_call_us(lambda: torch.cuda.mem_get_info(q.device))
         print(name, {key: round(us, 1) for key, us in row.items()}, "us/call", flush=True)
 
     # Where a small call's time goes (the kernel itself takes ~14 us).
-    q, k, v = (torch.randn(1, 8, 16, 64, device="cuda") for _ in range(3))
+    q, k, v = (torch.randn(1, 8, 16, 64, device=DEVICE) for _ in range(3))
     profile = cProfile.Profile()
     profile.enable()
     for _ in range(300):
         subquad.attention(q, k, v)
-    torch.cuda.synchronize()
+    sync()
     profile.disable()
     pstats.Stats(profile).sort_stats("tottime").print_stats(25)
 
@@ -96,10 +140,12 @@ def overhead() -> None:
         ("matmul fwd+bwd", {"backend": "matmul", "chunk_size": (256, 256)}, True),
         ("matmul causal mask_mod fwd+bwd", {"backend": "matmul", "chunk_size": (256, 256), "mask_mod": _causal}, True),
         ("auto fwd+bwd", {}, True),
-        ("auto key-padding mask fwd", {"attn_mask": (torch.arange(700, device="cuda") < 600).expand(700, 700)}, False),
+        ("auto key-padding mask fwd", {"attn_mask": (torch.arange(700, device=DEVICE) < 600).expand(700, 700)}, False),
     ]
+    if not DEVICE.startswith("cuda"):
+        return  # torch's sync debug mode is CUDA's
     for name, kwargs, grad in paths:
-        q, k, v = (torch.randn(1, 2, 700, 64, device="cuda", requires_grad=grad) for _ in range(3))
+        q, k, v = (torch.randn(1, 2, 700, 64, device=DEVICE, requires_grad=grad) for _ in range(3))
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
@@ -126,25 +172,27 @@ TILE_CASES = [
 ]
 
 
+QUICK_TILE_CASES = [((1, 2, 300, 64), torch.float32, False), ((1, 2, 300, 64), torch.float32, True)]
+
+
 def tiles(ceilings_mib: List[int]) -> None:
     """One process per ceiling (the planner's caches hold tiles per shape)."""
+    flags = ["--device", DEVICE] + (["--quick"] if QUICK else [])
     for mib in ceilings_mib:
-        subprocess.run([sys.executable, __file__, "tiles-one", str(mib)], check=False)
+        subprocess.run([sys.executable, __file__, *flags, "tiles-one", str(mib)], check=False)
 
 
 def tiles_one(mib: int) -> None:
     import subquad._backends.base as base
 
     base.ACCELERATOR_TILE_BYTES = mib << 20
-    for shape, dt, train in TILE_CASES:
-        q, k, v = (torch.randn(shape, device="cuda", dtype=dt, requires_grad=train) for _ in range(3))
+    for shape, dt, train in QUICK_TILE_CASES if QUICK else TILE_CASES:
+        q, k, v = (torch.randn(shape, device=DEVICE, dtype=dt, requires_grad=train) for _ in range(3))
         plan = subquad.explain(q, k, v, backend="matmul")
         run, ref = _calls(q, k, v, "matmul", train)
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
+        before = peak_start()
         ms = best_ms(run)
-        peak = torch.cuda.max_memory_allocated() - before
+        peak = peak_bytes(before)
         sdpa_ms = best_ms(ref)
         with torch.no_grad():
             out = subquad.attention(q, k, v, backend="matmul").float()
@@ -153,12 +201,12 @@ def tiles_one(mib: int) -> None:
             target_mib=mib, shape=shape, dtype=str(dt), train=train, tiles=plan.chunk_size,
             bwd_tiles=plan.backward_chunk_size, ms=round(ms, 3), sdpa_ms=round(sdpa_ms, 3),
             ratio=round(ms / sdpa_ms, 2), predicted_ms=round(plan.predicted_seconds * 1e3, 3),
-            peak_mib=round(peak / 2**20, 1), predicted_peak_mib=round(plan.predicted_peak_bytes / 2**20, 1),
+            peak_mib=None if peak is None else round(peak / 2**20, 1), predicted_peak_mib=round(plan.predicted_peak_bytes / 2**20, 1),
             max_err_vs_fp32=err,
         )  # fmt: skip
         print(json.dumps(row), flush=True)
         del q, k, v
-        torch.cuda.empty_cache()
+        release()
 
 
 def _calls(q: Any, k: Any, v: Any, backend: str, train: bool) -> tuple:
@@ -179,24 +227,31 @@ EXPLAIN_CASES = [
 ]
 
 
+QUICK_EXPLAIN_CASES = [((1, 2, 300, 200, 64), (torch.float32,))]
+
+
 def explain(out_path: str) -> None:
     rows: List[Dict[str, Any]] = []
-    for (B, H, Lq, Lk, E), dtypes in EXPLAIN_CASES:
+    for (B, H, Lq, Lk, E), dtypes in QUICK_EXPLAIN_CASES if QUICK else EXPLAIN_CASES:
         for dt in dtypes:
             for backend in ("auto", "matmul"):
                 for train in (False, True):
                     row: Dict[str, Any] = dict(shape=(B, H, Lq, Lk, E), dtype=str(dt), backend=backend, train=train)
                     try:
-                        q = torch.randn(B, H, Lq, E, device="cuda", dtype=dt, requires_grad=train)
-                        k, v = (torch.randn(B, H, Lk, E, device="cuda", dtype=dt, requires_grad=train) for _ in range(2))
+                        q = torch.randn(B, H, Lq, E, device=DEVICE, dtype=dt, requires_grad=train)
+                        k, v = (
+                            torch.randn(B, H, Lk, E, device=DEVICE, dtype=dt, requires_grad=train) for _ in range(2)
+                        )
                         plan = subquad.explain(q, k, v, backend=backend)
-                        row.update(chosen=plan.backend, predicted_s=plan.predicted_seconds, predicted_peak=plan.predicted_peak_bytes)
+                        row.update(
+                            chosen=plan.backend,
+                            predicted_s=plan.predicted_seconds,
+                            predicted_peak=plan.predicted_peak_bytes,
+                        )
                         run, ref = _calls(q, k, v, backend, train)
-                        torch.cuda.synchronize()
-                        torch.cuda.reset_peak_memory_stats()
-                        before = torch.cuda.memory_allocated()
+                        before = peak_start()
                         row["measured_s"] = best_ms(run, reps=10) / 1e3
-                        row["peak_over_inputs"] = torch.cuda.max_memory_allocated() - before
+                        row["peak_over_inputs"] = peak_bytes(before)
                         row["sdpa_s"] = best_ms(ref, reps=10) / 1e3
                         row["ratio_measured_over_predicted"] = row["measured_s"] / row["predicted_s"]
                         row["ratio_to_sdpa"] = row["measured_s"] / row["sdpa_s"]
@@ -205,12 +260,18 @@ def explain(out_path: str) -> None:
                     print(json.dumps(row), flush=True)
                     rows.append(row)
                     with open(out_path, "w") as f:  # after every row: a run stopped early keeps what it measured
-                        json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows), f, indent=1)
-                    torch.cuda.empty_cache()
+                        json.dump(dict(device=_device_name(), torch=torch.__version__, rows=rows), f, indent=1)
+                    release()
+
+
+def _device_name() -> str:
+    return torch.cuda.get_device_name() if DEVICE.startswith("cuda") else DEVICE
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda", help="cuda (default), cuda:1, mps or cpu")
+    parser.add_argument("--quick", action="store_true", help="small shapes: a check of the program itself")
     sub = parser.add_subparsers(dest="part", required=True)
     sub.add_parser("overhead")
     t = sub.add_parser("tiles")
@@ -220,8 +281,10 @@ def main() -> None:
     e = sub.add_parser("explain")
     e.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "explain-cuda.json"))
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("bench_cuda.py needs a CUDA device")
+    global DEVICE, QUICK
+    DEVICE, QUICK = args.device, args.quick
+    if DEVICE.startswith("cuda") and not torch.cuda.is_available():
+        sys.exit("bench_cuda.py: no CUDA device here (--device cpu --quick checks the program without one)")
     if args.part == "overhead":
         overhead()
     elif args.part == "tiles":
