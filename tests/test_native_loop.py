@@ -68,16 +68,23 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("name", list(CASES))
-def test_the_loop_matches_float64(loop, name):
+def case_inputs(name, seed):
+    """``(q, k, v, kw, chunk, g)`` of ``CASES[name]``: bfloat16 inputs scaled x2, the query
+    non-contiguous, and the generator that drew them (for further draws)."""
     shape_q, shape_kv, kw, chunk = CASES[name]
     kw = dict(kw)
     ev = kw.pop("value_dim", shape_kv[-1])
-    g = torch.Generator().manual_seed(11)
+    g = torch.Generator().manual_seed(seed)
     q = (torch.randn(*shape_q, generator=g) * 2).to(BF16)
     k = (torch.randn(*shape_kv, generator=g) * 2).to(BF16)
     v = (torch.randn(*shape_kv[:-1], ev, generator=g) * 2).to(BF16)
     q = q.transpose(1, 2).contiguous().transpose(1, 2)  # non-contiguous query
+    return q, k, v, kw, chunk, g
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_the_loop_matches_float64(loop, name):
+    q, k, v, kw, chunk, _ = case_inputs(name, 11)
     out, lse = subquad.attention(q, k, v, backend="matmul", chunk_size=chunk, return_lse=True, **kw)
     assert "forward_segment_bf16" in loop.names and "exp2_rows_bf16" not in loop.names
     golden = naive_attention(*to64(q, k, v), **kw)
@@ -232,17 +239,10 @@ def _as_dtype(kw, dtype):
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_the_backward_loop_matches_float64(loop, two_threads, name):
-    shape_q, shape_kv, kw, chunk = CASES[name]
-    kw = dict(kw)
-    ev = kw.pop("value_dim", shape_kv[-1])
-    g = torch.Generator().manual_seed(21)
-    q = (torch.randn(*shape_q, generator=g) * 2).to(BF16)
-    k = (torch.randn(*shape_kv, generator=g) * 2).to(BF16)
-    v = (torch.randn(*shape_kv[:-1], ev, generator=g) * 2).to(BF16)
-    q = q.transpose(1, 2).contiguous().transpose(1, 2).requires_grad_()  # non-contiguous query
-    k.requires_grad_()
-    v.requires_grad_()
-    d_out = torch.randn(*shape_q[:-1], ev, generator=g).to(BF16)
+    q, k, v, kw, chunk, g = case_inputs(name, 21)
+    for t in (q, k, v):
+        t.requires_grad_()
+    d_out = torch.randn(*q.shape[:-1], v.shape[-1], generator=g).to(BF16)
     out = subquad.attention(q, k, v, backend="matmul", chunk_size=chunk, **kw)
     grads = torch.autograd.grad(out, (q, k, v), d_out.to(BF16))
     # Below HALF_PRODUCTS_MIN_HEAD_DIM the per-tile backward runs (float32 products).

@@ -164,7 +164,8 @@ class Backend:
         # Bigger tiles stop paying off once what a tile materializes leaves the caches: on a 2-core
         # CPU, 1x4x4096x64 matmul tiles of 256x4096 (16 MiB of scores) ran in 141 ms, the whole
         # 4096x4096 tile in 224 ms; causal ALiBi on the fused kernel 131 ms (512x512) vs 247 ms (whole).
-        fast = [p for p in pairs if self.tile_bytes(inp, *p) <= self.tile_target(inp)]
+        target = self.tile_target(inp)
+        fast = [p for p in pairs if self.tile_bytes(inp, *p) <= target]
         return fast or pairs
 
     def fit(self, inp: Inputs, opts: Options, budget: int, backward: Optional["Backend"] = None) -> Fit:
