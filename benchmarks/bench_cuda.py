@@ -5,6 +5,7 @@ Three parts, each one process (the figures in docs/benchmarks/cuda-h200/ came fr
     python benchmarks/bench_cuda.py overhead            # small calls: subquad vs F.sdpa, syncs per path
     python benchmarks/bench_cuda.py tiles --ceiling-mib 4 64 256 1024   # one process per ceiling
     python benchmarks/bench_cuda.py explain --out explain.json          # predicted vs measured
+    python benchmarks/bench_cuda.py products        # half-precision tiles: float32 copies, widening GEMMs, Triton passes
 
 Times: calls queued back to back between CUDA events (or one sync), best of 3 runs. Peak memory:
 ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``, minus what was allocated before.
@@ -264,6 +265,101 @@ def explain(out_path: str) -> None:
                     release()
 
 
+PRODUCT_CASES = [
+    ((1, 8, 4096, 64), torch.bfloat16, False, False),
+    ((2, 8, 16384, 40), torch.float16, False, False),
+    ((1, 8, 4096, 64), torch.bfloat16, True, False),
+    ((4, 16, 4096, 64), torch.bfloat16, True, False),
+    ((1, 8, 4096, 64), torch.float16, True, True),
+]
+
+
+QUICK_PRODUCT_CASES = [((1, 2, 300, 64), torch.bfloat16, False, False), ((1, 2, 300, 64), torch.float16, True, True)]
+
+
+def _alibi_kw(heads: int) -> Dict[str, Any]:
+    """An ALiBi ``score_mod`` and a causal ``mask_mod``: the calls CUDA sends to the tiles in training."""
+    slopes = subquad.mods.alibi_slopes(heads, device=DEVICE)
+    return dict(score_mod=lambda s, b, h, qi, ki: s - slopes[h] * (qi - ki), mask_mod=_causal)
+
+
+MODES = ("float32", "widening", "widening+triton")
+"""How the half-precision tiles run: float32 copies of q, k, v (MPS, torch before 2.8); widening
+GEMMs with the eager passes (``SUBQUAD_TRITON=0``); widening GEMMs with the Triton passes."""
+
+
+def _mode(mode: str) -> None:
+    from subquad._backends import products
+
+    on = mode != "float32"
+    products._WIDENING[torch.device(DEVICE).type] = on and products._widening_works(torch.device(DEVICE))
+    os.environ["SUBQUAD_TRITON"] = "1" if mode == "widening+triton" else "0"
+
+
+def products() -> None:
+    """The half-precision tiles on this device in each of :data:`MODES`, alternating in one
+    process: times, and errors against float64."""
+    from subquad._backends import products as prod
+
+    print(json.dumps(dict(widening_products=prod._widening_works(torch.device(DEVICE)))), flush=True)
+    for shape, dt, train, callbacks in QUICK_PRODUCT_CASES if QUICK else PRODUCT_CASES:
+        q, k, v = (torch.randn(shape, device=DEVICE, dtype=dt, requires_grad=train) for _ in range(3))
+        kw = _alibi_kw(shape[1]) if callbacks else {}
+        grad = torch.randn_like(q)
+
+        def run(q: Any = q, k: Any = k, v: Any = v, kw: Any = kw, grad: Any = grad, train: bool = train) -> object:
+            out = subquad.attention(q, k, v, backend="matmul", **kw)
+            return torch.autograd.grad(out, (q, k, v), grad) if train else out
+
+        row: Dict[str, Any] = dict(shape=shape, dtype=str(dt), train=train, callbacks=callbacks)
+        for rnd in range(2):
+            for mode in MODES if rnd == 0 else MODES[::-1]:
+                _mode(mode)
+                try:
+                    row.setdefault(f"{mode}_ms", []).append(round(best_ms(run), 3))
+                except Exception as exc:
+                    row[f"{mode}_error"] = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+        print(json.dumps(row), flush=True)
+        del q, k, v, run
+        release()
+    _mode(MODES[-1])
+    accuracy()
+
+
+def accuracy() -> None:
+    """Errors against float64 of the tiles with each kind of product and of F.sdpa, 1x4x1024x64."""
+    g = torch.Generator().manual_seed(0)
+    shape = (1, 4, 300, 64) if QUICK else (1, 4, 1024, 64)
+    base = [torch.randn(shape, generator=g) * 2 for _ in range(3)]
+    for dt in (torch.float16, torch.bfloat16):
+        for callbacks in (False, True):
+            kw = _alibi_kw(shape[1]) if callbacks else {}
+            grad = torch.randn(shape, generator=g).to(DEVICE)
+            x64 = [t.to(DEVICE, torch.float64).requires_grad_() for t in base]
+            ref = subquad.attention(*x64, backend="matmul", **kw)
+            want = [ref, *torch.autograd.grad(ref, x64, grad.double())]
+            row: Dict[str, Any] = dict(shape=shape, dtype=str(dt), callbacks=callbacks)
+            for mode in (*MODES, "sdpa"):
+                xs = [t.to(DEVICE, dt).requires_grad_() for t in base]
+                try:
+                    if mode == "sdpa":
+                        if callbacks:
+                            continue
+                        out = F.scaled_dot_product_attention(*xs)
+                    else:
+                        _mode(mode)
+                        out = subquad.attention(*xs, backend="matmul", chunk_size=(256, 384), **kw)
+                    got = [out, *torch.autograd.grad(out, xs, grad.to(dt))]
+                except Exception as exc:
+                    row[f"{mode}_error"] = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+                    continue
+                for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+                    d = (a.double() - b).abs()
+                    row[f"{mode}_{name}"] = [float(f"{d.max().item():.3g}"), float(f"{d.mean().item():.3g}")]
+            print(json.dumps(row), flush=True)
+    _mode(MODES[-1])
+
+
 def _device_name() -> str:
     return torch.cuda.get_device_name() if DEVICE.startswith("cuda") else DEVICE
 
@@ -278,6 +374,7 @@ def main() -> None:
     t.add_argument("--ceiling-mib", type=int, nargs="+", default=[4, 64, 256, 1024])
     one = sub.add_parser("tiles-one")
     one.add_argument("mib", type=int)
+    sub.add_parser("products")
     e = sub.add_parser("explain")
     e.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "explain-cuda.json"))
     args = parser.parse_args()
@@ -291,6 +388,8 @@ def main() -> None:
         tiles(args.ceiling_mib)
     elif args.part == "tiles-one":
         tiles_one(args.mib)
+    elif args.part == "products":
+        products()
     else:
         explain(args.out)
 

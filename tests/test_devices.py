@@ -17,6 +17,7 @@ from conftest import assert_close_to_golden, float32_scores_reference, naive_att
 from subquad import _fast
 from subquad._backends import BACKENDS, MPS_MAX_MATMUL_ELEMENTS
 from subquad._backends import base as backends_base
+from subquad._backends import matmul as matmul_module
 from subquad._backends import sdpa as sdpa_module
 from subquad._budget import free_memory_bytes, resolve_budget
 from subquad._tiles import is_oom
@@ -60,6 +61,78 @@ def test_half_precision_tile_gradients_use_float32_products(monkeypatch, device,
     reference = torch.autograd.grad(naive_attention(q32, k32, v32), (q32, k32, v32), d_out.float())
     for name, got, gold, ref in zip("qkv", grads, golden, reference):
         assert_close_to_golden(got, gold, ref.to(dtype), name=f"d{name}")
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=str)
+@pytest.mark.parametrize("case", ["plain", "alibi-causal", "float-mask", "dropout"])
+def test_cuda_half_tiles_multiply_half_operands_into_float32(monkeypatch, dtype, case):
+    # CUDA (torch 2.8 on) writes float32 results from half operands in one GEMM; there the tiles
+    # keep q, k, v, P and dS in half precision. The GEMM is emulated here by its definition (exact
+    # products of the half operands, float32 accumulation); every product of the forward and the
+    # backward must take it, and the results stay as exact as the float32 products'.
+    as_device(monkeypatch, "cuda")
+    monkeypatch.setattr(matmul_module, "widening_products", lambda device: True)
+    seen = []
+    product = matmul_module.product
+
+    def widening(a, b, out, alpha=1.0):
+        seen.append((a.dtype, b.dtype, out.dtype))
+        if a.dtype == out.dtype:
+            return product(a, b, out, alpha)
+        return torch.baddbmm(out, a.float(), b.float(), beta=0.0, alpha=alpha, out=out)
+
+    monkeypatch.setattr(matmul_module, "product", widening)
+    g = torch.Generator().manual_seed(4)
+    q, k, v = ((torch.randn(1, 4, 90, 59, generator=g) * 3).to(dtype) for _ in range(3))
+    kw: dict = {}
+    if case == "alibi-causal":
+        slopes = subquad.mods.alibi_slopes(4)
+        kw = dict(score_mod=lambda s, b, h, qi, ki: s - slopes[h] * (qi - ki), mask_mod=lambda b, h, qi, ki: ki <= qi)
+    elif case == "float-mask":
+        kw = dict(attn_mask=torch.randn(90, 90, generator=g).to(dtype))
+    elif case == "dropout":
+        kw = dict(dropout_p=0.3)  # the same masks in every dtype from the same seed
+    d_out = torch.randn(1, 4, 90, 59, generator=g).to(dtype)
+
+    def grads_of(x, **more):
+        x = [t.detach().clone().requires_grad_() for t in x]
+        torch.manual_seed(5)
+        out = subquad.attention(*x, backend="matmul", chunk_size=(32, 40), **kw, **more)
+        return [out, *torch.autograd.grad(out, x, d_out.to(out.dtype))]
+
+    got = grads_of((q, k, v))
+    assert seen and set(seen) == {(dtype, dtype, torch.float32)}, set(seen)
+    n_wide, seen[:] = len(seen), []
+    monkeypatch.setattr(matmul_module, "widening_products", lambda device: False)
+    as_float32 = grads_of((q, k, v))  # float32 copies of q, k and v (MPS, older torch)
+    # Every product on float32 copies there; per tile, P·V and dQ accumulate in place (baddbmm_)
+    # there, so 5 of its 7 products go through product(): all 7 did above.
+    assert set(seen) == {(torch.float32, torch.float32, torch.float32)}, set(seen)
+    assert 5 * n_wide == 7 * len(seen), (n_wide, len(seen))
+    want = grads_of(to64(q, k, v))
+    for name, a, gold, b in zip(("output", "dq", "dk", "dv"), got, want, as_float32):
+        assert a.dtype == dtype
+        assert_close_to_golden(a, gold, b, name=name)
+
+
+def test_widening_products_are_probed_and_refused_where_they_do_not_work(monkeypatch):
+    from subquad._backends import products
+
+    assert not products.widening_products(torch.device("cpu"))  # CPUs: the bf16 products instead
+    assert not products.widening_products(torch.device("mps"))  # until a Mac checks the rounding
+    assert not products._widening_works(torch.device("cpu"))  # no such kernel: refused, not raised
+    real = torch.baddbmm
+
+    def widening(c, a, b, *, beta, alpha, out_dtype, out):  # the GEMM by its definition
+        return real(c, a.to(out_dtype), b.to(out_dtype), beta=beta, alpha=alpha, out=out)
+
+    monkeypatch.setattr(torch, "baddbmm", widening)
+    assert products._widening_works(torch.device("cpu"))
+    # One that ignores alpha, and one that adds what the buffer held (NaN) despite beta=0.
+    monkeypatch.setattr(torch, "baddbmm", lambda c, a, b, **kw: widening(c, a, b, **{**kw, "alpha": 1.0}))
+    assert not products._widening_works(torch.device("cpu"))
+    monkeypatch.setattr(torch, "baddbmm", lambda c, a, b, **kw: widening(c, a, b, **{**kw, "beta": 1.0}))
+    assert not products._widening_works(torch.device("cpu"))
 
 
 # ----------------------------------------------------------------- MPS: the per-matmul element cap
@@ -286,6 +359,26 @@ def test_the_gpu_sdpa_probe_times_the_whole_kernel_per_score():
     per_score, per_row = _planner._measure_whole(torch.device("cpu"), torch.float32, "sdpa")
     assert per_row == 0.0 and 1e-13 < per_score < 1e-6, per_score
     assert _planner.backend_seconds(torch.device("cpu"), torch.float32, "sdpa") is None  # the CPU: model + fused
+
+
+def test_cuda_tile_calls_take_at_least_their_python_time_and_overlap_it(monkeypatch):
+    # On the H200 a one-tile call of the tiles spent 1.2 ms (forward) and 3.5 ms (with the
+    # backward) in Python while the GPU worked 0.46 and 1.42 ms; explain() predicted the GPU's
+    # time alone. A call takes the longer of the two; a large call's GPU time is not lengthened.
+    from subquad import _planner
+
+    q, k, v = (torch.randn(1, 2, 64, 16) for _ in range(3))
+    cpu = subquad.explain(q, k, v, backend="matmul").predicted_seconds
+    as_device(monkeypatch, "cuda")
+    fwd_s, bwd_s = _planner._CALL_HOST_S["cuda"]
+    small = subquad.explain(q, k, v, backend="matmul")
+    assert small.predicted_seconds >= fwd_s > 10 * cpu
+    qg = q.clone().requires_grad_()
+    assert subquad.explain(qg, k, v, backend="matmul").predicted_seconds >= fwd_s + bwd_s
+    monkeypatch.setattr(_planner, "forward_seconds", lambda *a: 10.0)  # a call the device is busy with
+    assert subquad.explain(q, k, v, backend="matmul").predicted_seconds == 10.0
+    as_device(monkeypatch, "cpu")  # the CPU runs Python and the work in turn: they add up
+    assert subquad.explain(q, k, v, backend="matmul").predicted_seconds > 10.0
 
 
 def test_cuda_budget_reads_the_allocator_without_flattening_its_statistics(monkeypatch):

@@ -122,3 +122,43 @@ def test_cuda_callbacks_through_compiled_flex_and_the_tiles():
     assert subquad.explain(qg, k.float(), v.float(), allow_compile=True, **kw).backend == "matmul"
     (dq,) = torch.autograd.grad(out.square().sum(), qg)
     assert torch.isfinite(dq).all()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (its widening half-precision GEMMs)")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("callbacks", [False, True], ids=["plain", "alibi-causal"])
+def test_cuda_half_tiles_take_widening_products(dtype, callbacks):
+    # On CUDA the tiles multiply half-precision operands into float32 scores (no float32 copies of
+    # q, k and v); forward and gradients must stay as exact as SDPA's against float64, also with a
+    # score_mod (the calls CUDA sends to the tiles in training) and rows whose raw q·kᵀ leaves fp16.
+    from subquad._backends.products import widening_products
+
+    if not widening_products(torch.device("cuda")):
+        pytest.skip(f"torch {torch.__version__} has no out_dtype GEMM on CUDA (torch 2.8 on)")
+    g = torch.Generator().manual_seed(3)
+    base = [torch.randn(1, 4, 333, 59, generator=g) * 3 for _ in range(3)]
+    base[0][0, 0, :4] *= 1000  # |q·k| beyond fp16's 65504 for these rows; the scale brings it back
+    grad = torch.randn(1, 4, 333, 59, generator=g)
+    slopes = subquad.mods.alibi_slopes(4, device="cuda")
+    kw = dict(score_mod=lambda s, b, h, qi, ki: s - slopes[h] * (qi - ki), mask_mod=lambda b, h, qi, ki: ki <= qi)
+    kw = kw if callbacks else {}
+    xs = [t.to("cuda", dtype).requires_grad_() for t in base]
+    out = subquad.attention(*xs, backend="matmul", chunk_size=(128, 96), **kw)
+    got = [out, *torch.autograd.grad(out, xs, grad.to("cuda", dtype))]
+    x64 = [t.double().requires_grad_() for t in base]
+    cpu_slopes = slopes.cpu().double()
+    kw64 = dict(score_mod=lambda s, b, h, qi, ki: s - cpu_slopes[h] * (qi - ki), mask_mod=kw["mask_mod"]) if kw else {}
+    golden = naive_attention(*x64, **kw64)
+    want = [golden, *torch.autograd.grad(golden, x64, grad.double())]
+    # SDPA's half-precision error on the same inputs (ALiBi and causal as a float mask).
+    xr = [t.to("cuda", dtype).requires_grad_() for t in base]
+    mask = None
+    if kw:
+        i = torch.arange(333, device="cuda")
+        bias = -slopes.view(4, 1, 1) * (i.view(-1, 1) - i.view(1, -1))
+        mask = bias.masked_fill(i.view(1, -1) > i.view(-1, 1), float("-inf")).to(dtype)
+    ref = F.scaled_dot_product_attention(*xr, attn_mask=mask)
+    refs = [ref, *torch.autograd.grad(ref, xr, grad.to("cuda", dtype))]
+    for name, a, gold, b in zip(("output", "dq", "dk", "dv"), got, want, refs):
+        assert a.dtype == dtype
+        assert_close_to_golden(a.detach().cpu(), gold.detach(), b.detach().cpu(), name=name)

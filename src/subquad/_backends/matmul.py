@@ -9,34 +9,36 @@ forward or a backward, :class:`~subquad._backends.scratch.Scratch`, as are the b
 tiles of keys and values cast or copied for a GEMM and the products with them):
 
 - float32/float64 (and float16 on a CPU, bfloat16 on a CPU without AVX512-BF16/AMX, and half
-  precision on CUDA/MPS, all with float32 products; q, k and v are converted once per row block
-  or tile, ``qn x E`` and ``kn x E``, not per score): the product written into ``s``; ``amax``;
-  ``s - m`` and ``exp2`` in place; ``sum``; the product with v accumulated in place
-  (``baddbmm_``). No conversion of a tile. The forward keeps raw scores in log2 units (the scale
+  precision on MPS and on CUDA before torch 2.8, all with float32 products; q, k and v are
+  converted once per row block or tile, ``qn x E`` and ``kn x E``, not per score): the product
+  written into ``s``; ``amax``; ``s - m`` and ``exp2`` in place; ``sum``; the product with v
+  accumulated in place (``baddbmm_``). No conversion of a tile. The forward keeps raw scores in log2 units (the scale
   carries log2 e: no pass multiplies them); with a ``score_mod`` or a float mask, which need the
   scores themselves, and in the backward, ``· log2 e`` is one more pass before ``exp2``.
+- half precision on CUDA (torch 2.8 on, :func:`~subquad._backends.products.widening_products`):
+  the products take q, k, v and dO as they are and write float32 (``out_dtype``; the scale in
+  ``alpha``): no copies, no offsets. A tile's softmax passes run in one Triton kernel
+  (:mod:`~subquad._backends.triton_passes`; without dropout, where Triton imports; else the
+  passes above), which writes ``p`` (and ``dS``) rounded once for their products.
 - bfloat16 with bfloat16 products (a CPU with AVX512-BF16 or AMX, :func:`native_bf16_products`,
-  head dims of :data:`HALF_PRODUCTS_MIN_HEAD_DIM` or more): the keys copied into a ``kn x (E + 1)`` bfloat16 operand with a column of ones (not
-  tile-sized), whose product with the query rows and their offset column writes each score minus
+  head dims of :data:`HALF_PRODUCTS_MIN_HEAD_DIM` or more): the keys copied into a
+  ``kn x (E + 1)`` bfloat16 operand with a column of ones (not tile-sized), whose product with the query rows and their offset column writes each score minus
   its row's offset into a bfloat16 buffer ``r`` (:class:`OffsetOperand`; the GEMM rounds once);
   one conversion of ``r`` into ``s``; the float32 passes above, with the offsets subtracted
   together with the row maximum (no extra pass); and one conversion of ``p`` back into ``r``
   (read by then) for its product with v (the fused kernels round ``p`` likewise). Two tile-sized
-  conversions, one bfloat16 tile buffer besides ``s`` (reusing it for ``p`` took 0.80-0.99x the
-  time of a second buffer in in-process pairs: one tile fewer through the caches). When a row's
+  conversions, one bfloat16 tile buffer besides ``s``. When a row's
   maximum moves more than :data:`OFFSET_DRIFT` from its offset (a row block's first tile,
   mostly), that row's product is computed again with a new offset and replaces the old in ``s``
   (the whole tile's when many rows or heads moved: :data:`PARTIAL_REDO_SHARE`). In 1x8x4096x64
   (two threads, 128 tiles) that is 37-49 single rows and no whole tile, depending on the inputs
-  (seeds 0-4; 108-158 before the first offsets took :data:`FIRST_OFFSET_MARGIN`). Measured on the
-  2-core CPU (AVX512-BF16, no AMX) for that call: the two products 113 ms, the two conversions
-  39 ms, the key operands 12 ms, ``exp2`` 21 ms, ``amax``, ``sum``, the subtraction and the
-  scaling 24 ms; the scaling has since gone into the product's ``alpha`` (log2 units).
+  (seeds 0-4; 108-158 before the first offsets took :data:`FIRST_OFFSET_MARGIN`; where the
+  time goes: docs/architecture.md).
   Backward, per tile: S's product offset by the lse and ``dP``'s by D (each one conversion to
   float32; ``dP`` gets D added back in one more pass, as ``dP - D`` cancels), and ``p`` and the
   scaled ``dS`` each converted once to bfloat16 for the other three products: four tile-sized
   conversions and one addition, all four bfloat16 tiles in one buffer (each is read before the
-  next is written; fwd+bwd 1x8x2048x64 measured 0.89-1.01x the time of two buffers). With a
+  next is written). With a
   ``score_mod`` or a float mask S's product stays in float32.
 - the same with the native kernel (:mod:`subquad._native`, built by ``subquad build``; calls
   without dropout whose softmax sees the raw scores): after the offset product, one pass per
@@ -50,11 +52,9 @@ tiles of keys and values cast or copied for a GEMM and the products with them):
   The whole loop runs in C++, each thread on 128 rows of one head at a time, with float32 scores
   (bfloat16 operands, float32 accumulation), no offsets and nothing computed twice.
 
-On MPS (no Mac here, nothing of this measured): half-precision inputs take the first path,
-float32 products (``q``/``k``/``v`` converted per tile), the same float32 passes and no
-conversion of a tile; one code path with the CPU, so what is measured here for float32 products
-is what a Mac runs, at its own rates. Metal's half-precision GEMMs with a float32 epilogue would
-allow the second path; without a device to check their rounding it stays off.
+On MPS (no Mac here, nothing of this measured): half-precision inputs take the first path, one
+code path with the CPU's float32 products, so what is measured here is what a Mac runs, at its
+own rates. Metal's half GEMMs with float32 results would allow CUDA's path; unchecked, it is off.
 """
 
 from __future__ import annotations
@@ -69,9 +69,10 @@ from .._callbacks import CapturedAsLeaves, apply_score_mod
 from .._inputs import Inputs
 from .._native import tile_kernel
 from .._tiles import NEG_INF, Grads, RowState, Segment, add_into, dropout_scale, finish_rows, tile_bias
+from . import triton_passes
 from .base import Backend, Options, _bh, _grad_accum_bytes
 from .offsets import LOG2E, OFFSET_DRIFT, OffsetOperand, far_rows, first_offsets, redo_batches
-from .products import native_bf16_products
+from .products import HALF_PRODUCTS_MIN_HEAD_DIM, native_bf16_products, product, widening_products
 from .scratch import Scratch, call_buffers, pass_scratch
 from .segments import backward_bytes as loop_backward_bytes
 from .segments import backward_kernel, segment_bytes, segment_kernel
@@ -98,9 +99,8 @@ class Matmul(Backend):
 
     def tile_bytes(self, inp: Inputs, qc: int, kc: int) -> int:
         # What a tile's elementwise work streams: its float32 scores, or, where the native kernel
-        # does an inference forward's, the bfloat16 product alone. With the kernel, 512 x 512
-        # tiles of 1x8x{4096,2048}x64 bf16 took 0.86x / 0.89x the time of 256 x 512 (fresh
-        # processes alternating, 6 rounds; eager passes: 0.98x / 0.93x).
+        # does an inference forward's, the bfloat16 product alone (512 x 512 tiles of 1x8x4096x64
+        # bf16 then took 0.86x the time of 256 x 512; fresh processes alternating, 6 rounds).
         qc, kc = min(qc, max(inp.Lq, 1)), min(kc, max(inp.Lk, 1))
         if not inp.requires_grad and segment_kernel(inp) is not None:  # no tile of scores
             return loop_tile_bytes(inp, qc, kc)
@@ -173,10 +173,14 @@ class Matmul(Backend):
           given a per-row offset so that what it rounds is small where the softmax looks
           (:class:`OffsetOperand`). Below that head dim the products are a small share of a
           tile's time and float32 ones keep the lse exact (see the constant).
+        - half-precision inputs on a device whose GEMMs write float32 results from half
+          operands (CUDA, :func:`widening_products`): the inputs' dtype. The scores and every
+          other product come out in float32 with float32 accumulation (no offsets needed); only
+          ``p`` and ``dS`` are rounded to the inputs' dtype for their products, as the fused
+          kernels round them.
         - other half-precision inputs: float32. A float16 GEMM is emulated on CPUs without
-          AVX512-FP16 (about 100x slower than float32 on the project's CPU); on CUDA and MPS the
-          half-precision GEMMs with a float32 epilogue have not been measured (no device here), so
-          they keep the float32 products whose accuracy the device tests check.
+          AVX512-FP16 (about 100x slower than float32 on the project's CPU); MPS keeps float32
+          products until a Mac can check its half-precision GEMMs' rounding.
         - float32 and float64: the inputs' dtype.
 
         The row statistics and the accumulator are float32 whatever this returns
@@ -185,6 +189,8 @@ class Matmul(Backend):
         wide = min(inp.E, inp.Ev) >= HALF_PRODUCTS_MIN_HEAD_DIM
         if inp.dtype == torch.bfloat16 and inp.device_type == "cpu" and wide and native_bf16_products():
             return torch.bfloat16
+        if inp.dtype in (torch.float16, torch.bfloat16) and widening_products(inp.device):
+            return inp.dtype
         if inp.dtype in (torch.float16, torch.bfloat16):
             return torch.float32
         return inp.dtype
@@ -301,9 +307,8 @@ class Matmul(Backend):
             p = self._add_bias(inp, q_op.product(b_ext, r), qs, qe, seg)
             row_sums, m_tile = kernel.exp2_rows_bf16(p, m_run, new_off.squeeze(-1).contiguous())
             return p, row_sums, m_tile, new_off
-        # The rows that moved far, again with their maximum as offset, and their maximum read
-        # again from the new product; what the first left at 0 (masked, or below 2^-126 of the
-        # row's largest) stays 0.
+        # The rows that moved far, again with their maximum as offset and read again from the new
+        # product; what the first left at 0 (masked, or below 2^-126 of the largest) stays 0.
         for b in batches:
             rows = far[b].nonzero().squeeze(1)
             hidden = p[b].index_select(0, rows) == 0
@@ -314,6 +319,17 @@ class Matmul(Backend):
             row_sums[b, rows] = redo.sum(dim=-1)
             p[b].index_copy_(0, rows, redo.to(p.dtype))
         return p, row_sums, m_tile, new_off
+
+    def _add_dv(
+        self, inp: Inputs, grads: Grads, p: Tensor, do_t: Tensor, seg: Segment, scratch: Scratch, dtype: torch.dtype
+    ) -> None:
+        """``dV += Pᵀ dO`` for the tile's keys; the product written in ``dtype``."""
+        if grads.dv is not None:
+            kn = seg.ke - seg.ks
+            dv = product(p.transpose(1, 2), do_t, scratch.get("dkv", (inp.B * inp.Hk, kn, inp.Ev), dtype))
+            add_into(
+                grads.dv[:, :, seg.ks : seg.ke], scratch.widened(dv, inp.stats_dtype).view(inp.B, inp.Hk, kn, inp.Ev)
+            )
 
     def forward_rows(
         self, inp: Inputs, qs: int, qe: int, segments: Iterable[Segment], out: Optional[Tensor], seed: int
@@ -327,7 +343,8 @@ class Matmul(Backend):
         qn = qe - qs
         sdt = inp.stats_dtype
         cdt = self.compute_dtype(inp)
-        offset_s = cdt != sdt and _raw_softmax(inp)
+        wide = _widens(inp, cdt)
+        offset_s = cdt != sdt and not wide and _raw_softmax(inp)
         # Where the softmax sees the raw scores they are kept in log2 units (the scale carries
         # log2 e), so exp2 needs no multiply first; m and the offsets are in those units too.
         log2 = _raw_softmax(inp)
@@ -342,9 +359,11 @@ class Matmul(Backend):
         scratch = pass_scratch(inp.device)
         if offset_s:
             q_op = OffsetOperand(self._q_operand(inp, qs, qe, cdt), inp.scale * unit)
-        else:
-            q_t = self._q_operand(inp, qs, qe, sdt, unit)
+        else:  # scaled here in full precision; the widening GEMM's alpha scales half operands
+            q_t = self._q_operand(inp, qs, qe, cdt if wide else sdt, unit)
+        q_alpha = inp.scale * unit if wide else 1.0
         kernel = _forward_kernel(inp)
+        gpu_pass = wide and triton_passes.enabled(inp)  # the softmax passes in one Triton kernel
         for seg in segments:
             shape = (B * Hk, G * qn, seg.ke - seg.ks)
             if kernel is not None:
@@ -354,12 +373,16 @@ class Matmul(Backend):
             elif offset_s:
                 s, m_tile, used, nxt = self._offset_scores(inp, q_op, qs, qe, seg, state.m, nxt, scratch)
             else:
-                k_t = self._kv(inp.k, inp, seg, sdt, scratch, "k").transpose(1, 2)
-                s = self._finish_scores(inp, torch.bmm(q_t, k_t, out=scratch.get("s", shape, sdt)), qs, qe, seg)
-                m_tile = s.amax(dim=-1)
+                k_t = self._kv(inp.k, inp, seg, cdt if wide else sdt, scratch, "k").transpose(1, 2)
+                s = self._finish_scores(inp, product(q_t, k_t, scratch.get("s", shape, sdt), q_alpha), qs, qe, seg)
+                if not gpu_pass:  # the kernel finds the maxima itself
+                    m_tile = s.amax(dim=-1)
             if kernel is not None:
                 # What the eager branch below does to m, l and acc, in one call.
                 kernel.online_update(state.m, state.l, state.acc, m_tile, row_sums)
+            elif gpu_pass:  # the same, with p rounded into the buffer its product reads
+                p = scratch.get("r", shape, cdt)
+                triton_passes.softmax_rows(s.contiguous(), p, state.m, state.l, state.acc, 1.0 if log2 else LOG2E)
             else:
                 m_new = torch.maximum(state.m, m_tile)
                 m_ref = m_new.masked_fill(m_new == NEG_INF, 0.0)  # rows with nothing visible yet stay finite
@@ -380,8 +403,8 @@ class Matmul(Backend):
                 # accumulates in float32 and its result is rounded once per tile.
                 # In the buffer of the tile's product (read by now): one tile fewer through the caches.
                 p_h = p if p.dtype == cdt else scratch.copy("r", p, cdt)
-                pv = scratch.get("pv", (B * Hk, G * qn, inp.Ev), cdt)
-                state.acc.add_(torch.bmm(p_h, scratch.contiguous(v_t, "v"), out=pv))
+                pv = scratch.get("pv", (B * Hk, G * qn, inp.Ev), sdt if wide else cdt)
+                state.acc.add_(product(p_h, v_t if wide else scratch.contiguous(v_t, "v"), pv))
             del p
         return finish_rows(inp, qs, qe, state, out, log2)
 
@@ -417,6 +440,8 @@ class Matmul(Backend):
         sdt = inp.stats_dtype
         cdt = self.compute_dtype(inp)
         half = cdt != sdt
+        wide = _widens(inp, cdt)  # half operands, float32 products: no offsets needed
+        pdt = sdt if wide else cdt  # the dtype the products with rounded P and dS are written in
         q_t = self._q_operand(inp, qs, qe, cdt)
         do_rows = grad_out[:, :, qs:qe].reshape(B * Hk, G * qn, inp.Ev)
         do_t = do_rows.to(cdt)
@@ -430,17 +455,19 @@ class Matmul(Backend):
         # stays in float32 (a score_mod or a float mask moves the entries that matter).
         s_used = torch.zeros_like(lse_t)
         q_op: Optional[OffsetOperand] = None
-        if half and _raw_softmax(inp):
+        if half and not wide and _raw_softmax(inp):
             q_op = OffsetOperand(q_t, inp.scale)
             s_used = q_op.set_offset(lse_t.squeeze(-1))
-        q_s = self._q_operand(inp, qs, qe, sdt) if half and q_op is None else q_t
+        q_s = self._q_operand(inp, qs, qe, sdt) if half and not wide and q_op is None else q_t
         # dP's offset: D for kept entries (dP·z - D = z·(dP - D·(1-p)) with z = 1/(1-p)).
         d_op: Optional[OffsetOperand] = None
         d_used = torch.zeros_like(D)
-        if half:
+        if half and not wide:
             d_op = OffsetOperand(do_t, 1.0)
             d_used = d_op.set_offset(D.squeeze(-1) * (1.0 - inp.dropout_p))
         dq_acc = torch.zeros(q_t.shape, dtype=sdt, device=inp.device) if grads.dq is not None else None
+        gpu_pass = wide and triton_passes.enabled(inp)  # P and dS in one Triton kernel
+        lse_rows, d_rows = lse_t.reshape(-1).contiguous(), D.reshape(-1).contiguous()
         plain = inp.dropout_p == 0.0 and grads.dmask is None and inp.device_type == "cpu"
         kernel = tile_kernel() if plain and q_op is not None and d_op is not None else None
         if kernel is not None:
@@ -458,16 +485,14 @@ class Matmul(Backend):
                 p_h = self._add_bias(inp, q_op.product(q_op.operand(k_t, scratch), p_h), qs, qe, seg)
                 ds = d_op.product(d_op.operand(v_t, scratch), scratch.get("r2", shape, cdt))
                 kernel.softmax_grad_rows_bf16(p_h, ds, shift, c_dp, inp.scale)
-                if grads.dv is not None:
-                    dv = torch.bmm(p_h.transpose(1, 2), do_t, out=scratch.get("dkv", (B * Hk, kn, inp.Ev), cdt))
-                    add_into(grads.dv[:, :, seg.ks : seg.ke], scratch.widened(dv, sdt).view(B, Hk, kn, inp.Ev))
+                self._add_dv(inp, grads, p_h, do_t, seg, scratch, cdt)
             else:
                 if q_op is not None:
                     k_ext = q_op.operand(k_t, scratch)
                     raw = scratch.copy("s", q_op.product(k_ext, scratch.get("r", shape, cdt)), sdt)
                 else:
-                    k_s = k_t if k_t.dtype == sdt else self._kv(inp.k, inp, seg, sdt, scratch, "k")
-                    raw = torch.bmm(q_s, k_s.transpose(1, 2), out=scratch.get("s", shape, sdt))
+                    k_s = k_t if wide or k_t.dtype == sdt else self._kv(inp.k, inp, seg, sdt, scratch, "k")
+                    raw = product(q_s, k_s.transpose(1, 2), scratch.get("s", shape, sdt), inp.scale if wide else 1.0)
                 s_in: Optional[Tensor] = None
                 s_mod: Optional[Tensor] = None
                 if inp.score_mod is None:
@@ -479,31 +504,38 @@ class Matmul(Backend):
                         s_mod = apply_score_mod(inp, s_in, qs, qe, seg.ks, seg.ke, leaves)
                     s = self._add_bias(inp, s_mod.detach().reshape(B * Hk, G * qn, kn).clone(), qs, qe, seg)
                 del raw
-                p = exp_(s.sub_(lse_t - s_used))
                 if d_op is None:
-                    dp = torch.bmm(do_t, v_t.transpose(1, 2), out=scratch.get("dp", shape, sdt))
+                    dp = product(do_t, v_t.transpose(1, 2), scratch.get("dp", shape, sdt))
                 else:
                     v_ext = d_op.operand(v_t, scratch)
                     dp = scratch.copy("dp", d_op.product(v_ext, scratch.get("r", shape, cdt)), sdt)
                     dp.add_(d_used)
-                pd = p
-                if inp.dropout_p > 0.0:
-                    z = (
-                        dropout_scale(inp, seed, qs, qe, seg.ks, seg.ke, sdt)
-                        .expand(B, Hq, qn, kn)
-                        .reshape(B * Hk, G * qn, kn)
-                    )
-                    pd = p * z
-                    dp.mul_(z)
-                    del z
-                if grads.dv is not None:
+                if gpu_pass:
+                    # P rounded for dV; dS rounded and scaled for dQ and dK, or kept in float32 (in
+                    # dP's buffer) where the mask's gradient or the score_mod's pullback needs it.
+                    p_h = scratch.get("r", shape, cdt)
+                    exact = grads.dmask is not None or s_mod is not None
+                    ds = dp if exact else scratch.get("r2", shape, cdt)
+                    triton_passes.softmax_grad_rows(s, dp, p_h, ds, lse_rows, d_rows, inp.scale, LOG2E)
+                    self._add_dv(inp, grads, p_h, do_t, seg, scratch, pdt)
+                    del dp, p_h
+                else:
+                    p = exp_(s.sub_(lse_t - s_used))
+                    pd = p
+                    if inp.dropout_p > 0.0:
+                        z = (
+                            dropout_scale(inp, seed, qs, qe, seg.ks, seg.ke, sdt)
+                            .expand(B, Hq, qn, kn)
+                            .reshape(B * Hk, G * qn, kn)
+                        )
+                        pd = p * z
+                        dp.mul_(z)
+                        del z
                     pd_h = pd if cdt == sdt else scratch.copy("r", pd, cdt)  # the products are read by now
-                    dv = torch.bmm(pd_h.transpose(1, 2), do_t, out=scratch.get("dkv", (B * Hk, kn, inp.Ev), cdt))
-                    add_into(grads.dv[:, :, seg.ks : seg.ke], scratch.widened(dv, sdt).view(B, Hk, kn, inp.Ev))
-                    del dv
-                del pd
-                ds = p.mul_(dp.sub_(D))
-                del dp
+                    self._add_dv(inp, grads, pd_h, do_t, seg, scratch, pdt)
+                    del pd, pd_h
+                    ds = p.mul_(dp.sub_(D))
+                    del dp
                 if grads.dmask is not None:
                     target = grads.dmask
                     if target.shape[-2] != 1:
@@ -519,18 +551,18 @@ class Matmul(Backend):
                             acc_g += g
                     ds = pulled[0].reshape(B * Hk, G * qn, kn) if pulled[0] is not None else torch.zeros_like(ds)
                     del s_mod, s_in, pulled
-                if half:
+                if half and ds.dtype == sdt:
                     # The scale goes into dS as it is rounded (q_t is unscaled here).
                     ds = torch.mul(ds, inp.scale, out=scratch.get("r", shape, cdt))
             if dq_acc is not None:
                 if half:
-                    dq = scratch.get("dq", tuple(dq_acc.shape), cdt)
-                    dq_acc.add_(torch.bmm(ds, scratch.contiguous(k_t, "k"), out=dq))
+                    dq = scratch.get("dq", tuple(dq_acc.shape), pdt)
+                    dq_acc.add_(product(ds, k_t if wide else scratch.contiguous(k_t, "k"), dq))
                 else:
                     dq_acc.baddbmm_(ds, k_t)
             if grads.dk is not None:
                 # q_t carries the scale (full precision) or ds does (half precision).
-                dk = torch.bmm(ds.transpose(1, 2), q_t, out=scratch.get("dkv", (B * Hk, kn, inp.E), cdt))
+                dk = product(ds.transpose(1, 2), q_t, scratch.get("dkv", (B * Hk, kn, inp.E), pdt))
                 add_into(grads.dk[:, :, seg.ks : seg.ke], scratch.widened(dk, sdt).view(B, Hk, kn, inp.E))
             del ds
         if grads.dq is not None and dq_acc is not None:
@@ -539,22 +571,17 @@ class Matmul(Backend):
             add_into(grads.dq[:, :, qs:qe], dq_acc.view(B, Hq, qn, inp.E))
 
 
-HALF_PRODUCTS_MIN_HEAD_DIM = 32
-"""The smallest head dim whose tiles take bfloat16 products. A bfloat16 product rounds each score
-(minus its row's offset) to 8 bits, which puts an error of about 2e-3 into the forward's lse (a
-float32 product: 1e-6; the fused kernel: 5e-5) and so into every P of the backward; with many
-dimensions the gradients' own rounding dominates, with few it does not: head dim 1 (2x2x40x50,
-scores up to ~15) gave dQ 2.4x SDPA's bfloat16 error against float64 (float32 products: 1.0x). And
-at head dims below 32 the products are a small share of a tile's time: 1x8x2048xE bfloat16, two
-threads, float32 / bfloat16 products 1.13 (E = 1), 1.00 (8), 0.74 (16), 0.83 (32), 0.98 (64)."""
-
-
 def _forward_kernel(inp: Inputs) -> Optional[ModuleType]:
     """The native kernel (:mod:`subquad._native`) where it does this call's forward tiles: offset
     bfloat16 products on a CPU, no dropout; else None."""
     if inp.device_type != "cpu" or inp.dropout_p > 0.0 or not _raw_softmax(inp):
         return None
     return tile_kernel() if Matmul.compute_dtype(inp) == torch.bfloat16 else None
+
+
+def _widens(inp: Inputs, cdt: torch.dtype) -> bool:
+    """Whether the tiles' products take half operands and write float32 (:func:`widening_products`)."""
+    return cdt != inp.stats_dtype and widening_products(inp.device)
 
 
 def _raw_softmax(inp: Inputs) -> bool:
