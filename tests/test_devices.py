@@ -367,14 +367,14 @@ def test_cuda_tile_calls_take_at_least_their_python_time_and_overlap_it(monkeypa
     # time alone. A call takes the longer of the two; a large call's GPU time is not lengthened.
     from subquad import _planner
 
+    # The device's work is given (the rates of the machine running this test do not matter).
     q, k, v = (torch.randn(1, 2, 64, 16) for _ in range(3))
-    cpu = subquad.explain(q, k, v, backend="matmul").predicted_seconds
     as_device(monkeypatch, "cuda")
     fwd_s, bwd_s = _planner._CALL_HOST_S["cuda"]
-    small = subquad.explain(q, k, v, backend="matmul")
-    assert small.predicted_seconds >= fwd_s > 10 * cpu
+    monkeypatch.setattr(_planner, "forward_seconds", lambda *a: 1e-6)  # work the device finishes at once
+    assert fwd_s <= subquad.explain(q, k, v, backend="matmul").predicted_seconds < fwd_s + 1e-3
     qg = q.clone().requires_grad_()
-    assert subquad.explain(qg, k, v, backend="matmul").predicted_seconds >= fwd_s + bwd_s
+    assert fwd_s + bwd_s <= subquad.explain(qg, k, v, backend="matmul").predicted_seconds < fwd_s + bwd_s + 1e-3
     monkeypatch.setattr(_planner, "forward_seconds", lambda *a: 10.0)  # a call the device is busy with
     assert subquad.explain(q, k, v, backend="matmul").predicted_seconds == 10.0
     as_device(monkeypatch, "cpu")  # the CPU runs Python and the work in turn: they add up

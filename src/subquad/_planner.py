@@ -22,8 +22,7 @@ import torch
 from torch.utils import _python_dispatch
 
 from ._backends import BACKENDS, Options, priority, triton_passes
-from ._backends.matmul import exp_
-from ._backends.offsets import LOG2E
+from ._backends.offsets import LOG2E, exp_
 from ._backends.products import native_bf16_products, product, widening_products
 from ._backends.segments import KEYS as LOOP_KEYS
 from ._backends.segments import ROWS as LOOP_ROWS

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 from dataclasses import dataclass
-from typing import ContextManager, Iterable, Iterator, List, NamedTuple, Optional, Tuple, Union
+from typing import Callable, ContextManager, Iterable, Iterator, List, NamedTuple, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -141,6 +141,11 @@ class Backend:
         """What one tile materializes (scores, generated masks): the planner's speed heuristic."""
         return 0
 
+    def tile_bytes_of(self, inp: Inputs) -> Callable[[int, int], int]:
+        """:meth:`tile_bytes` for ``inp`` as a function of the tile sizes, with what does not
+        depend on them decided once (the planner asks it of a dozen tile sizes per call)."""
+        return lambda qc, kc: self.tile_bytes(inp, qc, kc)
+
     def tile_pairs(self, inp: Inputs) -> List[Tuple[int, int]]:
         """The ``(q_chunk, kv_chunk)`` sizes this backend would consider for the call."""
         if inp.is_causal or inp.mask_mod is not None:
@@ -165,7 +170,8 @@ class Backend:
         # CPU, 1x4x4096x64 matmul tiles of 256x4096 (16 MiB of scores) ran in 141 ms, the whole
         # 4096x4096 tile in 224 ms; causal ALiBi on the fused kernel 131 ms (512x512) vs 247 ms (whole).
         target = self.tile_target(inp)
-        fast = [p for p in pairs if self.tile_bytes(inp, *p) <= target]
+        size = self.tile_bytes_of(inp)
+        fast = [p for p in pairs if size(*p) <= target]
         return fast or pairs
 
     def fit(self, inp: Inputs, opts: Options, budget: int, backward: Optional["Backend"] = None) -> Fit:

@@ -60,7 +60,7 @@ own rates. Metal's half GEMMs with float32 results would allow CUDA's path; unch
 from __future__ import annotations
 
 from types import ModuleType
-from typing import ContextManager, Iterable, Optional, Tuple
+from typing import Callable, ContextManager, Iterable, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -71,7 +71,7 @@ from .._native import tile_kernel
 from .._tiles import NEG_INF, Grads, RowState, Segment, add_into, dropout_scale, finish_rows, tile_bias
 from . import triton_passes
 from .base import Backend, Options, _bh, _grad_accum_bytes
-from .offsets import LOG2E, OFFSET_DRIFT, OffsetOperand, far_rows, first_offsets, redo_batches
+from .offsets import LOG2E, OFFSET_DRIFT, OffsetOperand, exp_, far_rows, first_offsets, redo_batches
 from .products import HALF_PRODUCTS_MIN_HEAD_DIM, native_bf16_products, product, widening_products
 from .scratch import Scratch, call_buffers, pass_scratch
 from .segments import backward_bytes as loop_backward_bytes
@@ -98,16 +98,19 @@ class Matmul(Backend):
         return call_buffers()
 
     def tile_bytes(self, inp: Inputs, qc: int, kc: int) -> int:
+        return self.tile_bytes_of(inp)(qc, kc)
+
+    def tile_bytes_of(self, inp: Inputs) -> Callable[[int, int], int]:
         # What a tile's elementwise work streams: its float32 scores, or, where the native kernel
         # does an inference forward's, the bfloat16 product alone (512 x 512 tiles of 1x8x4096x64
         # bf16 then took 0.86x the time of 256 x 512; fresh processes alternating, 6 rounds).
-        qc, kc = min(qc, max(inp.Lq, 1)), min(kc, max(inp.Lk, 1))
-        if not inp.requires_grad and segment_kernel(inp) is not None:  # no tile of scores
-            return loop_tile_bytes(inp, qc, kc)
-        if inp.requires_grad and backward_kernel(inp) is not None:  # both passes in C++: no tile of scores either
-            return loop_backward_tile_bytes(inp, qc, kc)
-        per_score = 2 if not inp.requires_grad and _forward_kernel(inp) is not None else inp.stats_itemsize
-        return _bh(inp) * qc * kc * per_score
+        lq, lk, grad = max(inp.Lq, 1), max(inp.Lk, 1), inp.requires_grad
+        if not grad and segment_kernel(inp) is not None:  # no tile of scores
+            return lambda qc, kc: loop_tile_bytes(inp, min(qc, lq), min(kc, lk))
+        if grad and backward_kernel(inp) is not None:  # both passes in C++: no tile of scores either
+            return lambda qc, kc: loop_backward_tile_bytes(inp, min(qc, lq), min(kc, lk))
+        per_score = _bh(inp) * (2 if not grad and _forward_kernel(inp) is not None else inp.stats_itemsize)
+        return lambda qc, kc: per_score * min(qc, lq) * min(kc, lk)
 
     def forward_bytes(self, inp: Inputs, qc: int, kc: int, need_lse: bool) -> int:
         qc, kc = min(qc, max(inp.Lq, 1)), min(kc, max(inp.Lk, 1))
@@ -589,12 +592,3 @@ def _raw_softmax(inp: Inputs) -> bool:
     mask): a row's maximum is then the raw score of its largest entry, the offset its
     half-precision product needs. Otherwise that product runs in float32."""
     return inp.score_mod is None and inp.mask_kind != "float"
-
-
-def exp_(t: Tensor) -> Tensor:
-    """``t.exp_()``, computed as ``2^(t·log2 e)`` below float64: PyTorch's CPU ``exp2`` runs 3-4x
-    faster than its ``exp`` (0.18 vs 0.64 ns per element on the 2-core CPU), and the exponent's
-    extra rounding (2^-24 relative) is far below what float32 statistics resolve."""
-    if t.dtype == torch.float64:
-        return t.exp_()
-    return t.mul_(LOG2E).exp2_()
