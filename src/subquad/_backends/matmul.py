@@ -12,45 +12,45 @@ tiles of keys and values cast or copied for a GEMM and the products with them):
   precision on MPS and on CUDA before torch 2.8, all with float32 products; q, k and v are
   converted once per row block or tile, ``qn x E`` and ``kn x E``, not per score): the product
   written into ``s``; ``amax``; ``s - m`` and ``exp2`` in place; ``sum``; the product with v
-  accumulated in place (``baddbmm_``). No conversion of a tile. The forward keeps raw scores in log2 units (the scale
-  carries log2 e: no pass multiplies them); with a ``score_mod`` or a float mask, which need the
-  scores themselves, and in the backward, ``· log2 e`` is one more pass before ``exp2``.
+  accumulated in place (``baddbmm_``). No conversion of a tile. The forward keeps raw scores in
+  log2 units (the scale carries log2 e: no pass multiplies them); with a ``score_mod`` or a float
+  mask, which need the scores themselves, and in the backward, ``· log2 e`` is one more pass
+  before ``exp2``.
 - half precision on CUDA (torch 2.8 on, :func:`~subquad._backends.products.widening_products`):
   the products take q, k, v and dO as they are and write float32 (``out_dtype``; the scale in
   ``alpha``): no copies, no offsets. A tile's softmax passes run in one Triton kernel
-  (:mod:`~subquad._backends.triton_passes`; without dropout, where Triton imports; else the
-  passes above), which writes ``p`` (and ``dS``) rounded once for their products.
+  (:mod:`~subquad._backends.triton_passes`; without dropout, where Triton imports; else the passes
+  above), which writes ``p`` (and ``dS``) rounded once for their products.
 - bfloat16 with bfloat16 products (a CPU with AVX512-BF16 or AMX, :func:`native_bf16_products`,
-  head dims of :data:`HALF_PRODUCTS_MIN_HEAD_DIM` or more): the keys copied into a
-  ``kn x (E + 1)`` bfloat16 operand with a column of ones (not tile-sized), whose product with the query rows and their offset column writes each score minus
-  its row's offset into a bfloat16 buffer ``r`` (:class:`OffsetOperand`; the GEMM rounds once);
-  one conversion of ``r`` into ``s``; the float32 passes above, with the offsets subtracted
-  together with the row maximum (no extra pass); and one conversion of ``p`` back into ``r``
-  (read by then) for its product with v (the fused kernels round ``p`` likewise). Two tile-sized
-  conversions, one bfloat16 tile buffer besides ``s``. When a row's
-  maximum moves more than :data:`OFFSET_DRIFT` from its offset (a row block's first tile,
+  head dims of :data:`HALF_PRODUCTS_MIN_HEAD_DIM` or more): the keys copied into a ``kn x (E+1)``
+  bfloat16 operand with a column of ones (not tile-sized), whose product with the query rows
+  and their offset column writes each score minus its row's offset into a bfloat16 buffer ``r``
+  (:class:`OffsetOperand`; the GEMM rounds once); one conversion of ``r`` into ``s``; the float32
+  passes above, with the offsets subtracted together with the row maximum (no extra pass); and one
+  conversion of ``p`` back into ``r`` (read by then) for its product with v (the fused kernels
+  round ``p`` likewise). Two tile-sized conversions, one bfloat16 tile buffer besides ``s``. When
+  a row's maximum moves more than :data:`OFFSET_DRIFT` from its offset (a row block's first tile,
   mostly), that row's product is computed again with a new offset and replaces the old in ``s``
   (the whole tile's when many rows or heads moved: :data:`PARTIAL_REDO_SHARE`). In 1x8x4096x64
   (two threads, 128 tiles) that is 37-49 single rows and no whole tile, depending on the inputs
-  (seeds 0-4; 108-158 before the first offsets took :data:`FIRST_OFFSET_MARGIN`; where the
-  time goes: docs/architecture.md).
-  Backward, per tile: S's product offset by the lse and ``dP``'s by D (each one conversion to
-  float32; ``dP`` gets D added back in one more pass, as ``dP - D`` cancels), and ``p`` and the
-  scaled ``dS`` each converted once to bfloat16 for the other three products: four tile-sized
-  conversions and one addition, all four bfloat16 tiles in one buffer (each is read before the
-  next is written). With a
-  ``score_mod`` or a float mask S's product stays in float32.
+  (seeds 0-4; 108-158 before the first offsets took :data:`FIRST_OFFSET_MARGIN`; where the time
+  goes: docs/architecture.md). Backward, per tile: S's product offset by the lse and ``dP``'s by D
+  (each one conversion to float32; ``dP`` gets D added back in one more pass, as ``dP - D``
+  cancels), and ``p`` and the scaled ``dS`` each converted once to bfloat16 for the other three
+  products: four tile-sized conversions and one addition, all four bfloat16 tiles in one buffer
+  (each is read before the next is written). With a ``score_mod`` or a float mask S's product
+  stays in float32.
 - the same with the native kernel (:mod:`subquad._native`, built by ``subquad build``; calls
-  without dropout whose softmax sees the raw scores): after the offset product, one pass per
-  tile in C++. Forward: ``p`` written over ``r`` in bfloat16, the rows' sums and maxima returned
-  (no ``s``, conversion, ``amax``, subtraction, ``exp2``, ``sum`` or cast over the tile), and
-  two more calls for the rows' bookkeeping (far rows and next offsets; m, l and acc), each in
-  place of about ten small eager ops. Backward: S's and ``dP``'s offset products in two bfloat16
-  buffers, turned into ``p`` and the scaled ``dS`` in place. Far rows are redone as above.
+  without dropout whose softmax sees the raw scores): after the offset product, one pass per tile
+  in C++. Forward: ``p`` written over ``r`` in bfloat16, the rows' sums and maxima returned (no
+  ``s``, conversion, ``amax``, subtraction, ``exp2``, ``sum`` or cast over the tile), and two more
+  calls for the rows' bookkeeping (far rows and next offsets; m, l and acc), each in place of
+  about ten small eager ops. Backward: S's and ``dP``'s offset products in two bfloat16 buffers,
+  turned into ``p`` and the scaled ``dS`` in place. Far rows are redone as above.
 - bfloat16 forwards with no ``score_mod``, ``mask_mod`` or dropout, where the native kernel is
-  built for AVX512-BF16 (:mod:`subquad._backends.segments`): no tile at all.
-  The whole loop runs in C++, each thread on 128 rows of one head at a time, with float32 scores
-  (bfloat16 operands, float32 accumulation), no offsets and nothing computed twice.
+  built for AVX512-BF16 (:mod:`subquad._backends.segments`): no tile at all. The whole loop runs
+  in C++, each thread on 128 rows of one head at a time, with float32 scores (bfloat16 operands,
+  float32 accumulation), no offsets and nothing computed twice.
 
 On MPS (no Mac here, nothing of this measured): half-precision inputs take the first path, one
 code path with the CPU's float32 products, so what is measured here is what a Mac runs, at its

@@ -1,6 +1,7 @@
-"""What this CPU's half-precision GEMMs do natively, asked once per process: whether the tiles
-(and the fused CPU kernel) can multiply bfloat16 or float16 operands at speed, or must convert
-them to float32 first."""
+"""What the half-precision GEMMs do natively, asked once per process: whether the tiles (and the
+fused CPU kernel) can multiply bfloat16 or float16 operands at speed on this CPU, or must convert
+them to float32 first; and whether a GPU writes float32 products from half operands in one GEMM
+(:func:`widening_products`). :func:`product` is the tiles' one GEMM call."""
 
 from __future__ import annotations
 
