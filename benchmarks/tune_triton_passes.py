@@ -8,8 +8,9 @@ docs/benchmarks/cuda-h200-tiles/tune-triton-passes.json came from it::
 
     python benchmarks/tune_triton_passes.py
 
-Times: best of 3 runs of 10 calls between CUDA events. ``TUNE_QUICK=1 TRITON_INTERPRET=1`` runs
-it on tiny shapes on a CPU in Triton's interpreter: a check of the program, not a measurement.
+Times: best of 3 runs of 10 calls between CUDA events (``bench_cuda.best_ms``). ``TUNE_QUICK=1
+TRITON_INTERPRET=1`` runs it on tiny shapes on a CPU in Triton's interpreter: a check of the
+program, not a measurement.
 """
 
 from __future__ import annotations
@@ -17,9 +18,9 @@ from __future__ import annotations
 import json
 import math
 import os
-import time
 from typing import Any, Callable, Dict, List, Tuple
 
+import bench_cuda  # benchmarks/: its timing loop (CUDA events, or the clock off CUDA)
 import torch
 
 import subquad
@@ -37,31 +38,13 @@ CALLS = [
 ]
 if QUICK:
     CALLS = [((1, 2, 64, 16), torch.bfloat16, True)]
-
-
-def best_ms(fn: Callable[[], object], reps: int = 10) -> float:
-    fn()
-    if QUICK:
-        t = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        return (time.perf_counter() - t) * 1e3 / reps
-    torch.cuda.synchronize()
-    best = math.inf
-    for _ in range(3):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        best = min(best, start.elapsed_time(end) / reps)
-    return best
+bench_cuda.DEVICE = DEVICE
+best_ms = bench_cuda.best_ms
 
 
 def timed(fn: Callable[[], object]) -> Any:
     try:
-        return best_ms(fn)
+        return best_ms(fn, 10)
     except Exception as exc:  # a configuration that does not compile is a result too
         return repr(exc)[:120]
 

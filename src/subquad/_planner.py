@@ -306,7 +306,8 @@ def _probe(device: torch.device, dtype: torch.dtype) -> Tuple[float, float]:
     triton = half and device.type == "cuda" and triton_passes.available()
     p = s.float() if half else s
     min_s = 0.0 if device.type == "cpu" else _GPU_PROBE_S
-    m, l, acc = (torch.zeros(bh * nq, *extra, device=device) for extra in ((), (), (e,)))  # the kernel's rows
+    if triton:  # the kernel's row statistics and accumulator
+        m, l, acc = (torch.zeros(bh * nq, *extra, device=device) for extra in ((), (), (e,)))
 
     def sync() -> None:
         synchronize(device)

@@ -470,7 +470,6 @@ class Matmul(Backend):
             d_used = d_op.set_offset(D.squeeze(-1) * (1.0 - inp.dropout_p))
         dq_acc = torch.zeros(q_t.shape, dtype=sdt, device=inp.device) if grads.dq is not None else None
         gpu_pass = wide and triton_passes.enabled(inp)  # P and dS in one Triton kernel
-        lse_rows, d_rows = lse_t.reshape(-1).contiguous(), D.reshape(-1).contiguous()
         plain = inp.dropout_p == 0.0 and grads.dmask is None and inp.device_type == "cpu"
         kernel = tile_kernel() if plain and q_op is not None and d_op is not None else None
         if kernel is not None:
@@ -519,7 +518,7 @@ class Matmul(Backend):
                     p_h = scratch.get("r", shape, cdt)
                     exact = grads.dmask is not None or s_mod is not None
                     ds = dp if exact else scratch.get("r2", shape, cdt)
-                    triton_passes.softmax_grad_rows(s, dp, p_h, ds, lse_rows, d_rows, inp.scale, LOG2E)
+                    triton_passes.softmax_grad_rows(s, dp, p_h, ds, lse_t.view(-1), D.view(-1), inp.scale, LOG2E)
                     self._add_dv(inp, grads, p_h, do_t, seg, scratch, pdt)
                     del dp, p_h
                 else:
