@@ -3,15 +3,19 @@
     subquad build
     python benchmarks/bench_loop_sizes.py [--json docs/benchmarks/loop-sizes.json]
     python benchmarks/bench_loop_sizes.py --backward [--json docs/benchmarks/loop-sizes-backward.json]
+    python benchmarks/bench_loop_sizes.py --dtype float32 [--json docs/benchmarks/loop-sizes-float32.json]
 
-bfloat16 inference calls, each through the full path with the backend forced: ``backend="matmul"``
-(the loop, where the native kernel was built for AVX512-BF16) and ``backend="fused"``, alternating,
-two rounds of 9 calls each after two warm-up calls; the figure is the best round's median. Shapes:
-1x8xLx64 for L = 16 ... 2048, causal 1024, a decode step (32 query heads on 8 key heads, 512 keys),
-Stable Diffusion 1.5's self-attention at 512x512 (4x8x4096x40) and its cross-attention
-(2x10x4096x64 against 77 keys). ``segments.LOOP_BEFORE_FUSED_SCORES`` is read off these.
-``--backward`` times forward + backward (the backward loop where it runs), without the decode step,
-and two rounds of 5 calls at 4096 rows.
+Inference calls (bfloat16 unless ``--dtype`` says float32 or float16), each through the full path
+with the backend forced: ``backend="matmul"`` (the loop, where the native kernel was built for
+AVX512-BF16, or AVX512F for float32 and float16) and ``backend="fused"``, in ``--rounds`` rounds
+(2 unless said) of 9 calls each (5 at 4096 rows) after two warm-up calls, the two backends'
+order alternating from round to round; the figures are the best round's median per backend and
+the per-round ratio, median [min-max]. Shapes: 1x8xLx64 for L = 16 ... 4096, causal 1024, a
+decode step (32 query heads on 8 key heads, 512 keys), Stable Diffusion 1.5's self-attention at
+512x512 (4x8x4096x40) and its cross-attention (2x10x4096x64 against 77 keys).
+``segments.LOOP_BEFORE_FUSED_SCORES`` and ``WIDE_LOOP_BEFORE_FUSED_SCORES`` are read off these.
+``--backward`` times forward + backward (the backward loop where it runs), without the decode
+step.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ CASES = [
     ("1x8x512x64", (1, 8, 512, 64), (1, 8, 512, 64), False, False),
     ("1x8x1024x64", (1, 8, 1024, 64), (1, 8, 1024, 64), False, False),
     ("1x8x2048x64", (1, 8, 2048, 64), (1, 8, 2048, 64), False, False),
+    ("1x8x4096x64", (1, 8, 4096, 64), (1, 8, 4096, 64), False, False),
     ("1x8x1024x64 causal", (1, 8, 1024, 64), (1, 8, 1024, 64), True, False),
     ("SD 1.5 self 4x8x4096x40", (4, 8, 4096, 40), (4, 8, 4096, 40), False, False),
     ("SD 1.5 cross 2x10x4096x64, 77 keys", (2, 10, 4096, 64), (2, 10, 77, 64), False, False),
@@ -79,38 +84,56 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", default=None, help="write the results as JSON here")
     ap.add_argument("--backward", action="store_true", help="forward + backward, not inference")
+    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "float16"))
+    ap.add_argument("--rounds", type=int, default=2, help="rounds per case, the backends alternating")
     args = ap.parse_args()
+    dtype = getattr(torch, args.dtype)
     kernel = _native.tile_kernel()
-    if kernel is None or not hasattr(kernel, "forward_segment_bf16"):
+    loop = "forward_segment_bf16" if dtype == torch.bfloat16 else "forward_segment_f32"
+    if kernel is None or not hasattr(kernel, loop):
         raise SystemExit(f"the native kernel's forward loop is not available: {_native.status()}")
     rows: List[Dict[str, Any]] = []
     g = torch.Generator().manual_seed(0)
     for name, sq, skv, causal, gqa in CASES:
         if args.backward and sq[2] == 1:
             continue  # a decode step needs no gradient
-        q = torch.randn(sq, generator=g).to(torch.bfloat16).requires_grad_(args.backward)
-        k, v = (torch.randn(skv, generator=g).to(torch.bfloat16).requires_grad_(args.backward) for _ in range(2))
+        q = torch.randn(sq, generator=g).to(dtype).requires_grad_(args.backward)
+        k, v = (torch.randn(skv, generator=g).to(dtype).requires_grad_(args.backward) for _ in range(2))
         make = _train if args.backward else _call
         calls = {b: make(q, k, v, causal, gqa, b) for b in ("matmul", "fused")}
-        n = 5 if args.backward and sq[2] >= 4096 else 9
+        n = 5 if sq[2] >= 4096 else 9
         best: Dict[str, float] = {}
+        ratios: List[float] = []
         for fn in calls.values():
             fn(), fn()
-        for _ in range(2):
-            for b, fn in calls.items():
-                best[b] = min(best.get(b, float("inf")), _median_ms(fn, n))
+        for r in range(args.rounds):
+            med: Dict[str, float] = {}
+            for b, fn in calls.items() if r % 2 == 0 else reversed(list(calls.items())):
+                med[b] = _median_ms(fn, n)
+                best[b] = min(best.get(b, float("inf")), med[b])
+            ratios.append(med["matmul"] / med["fused"])
         scores = sq[0] * sq[1] * sq[2] * skv[2]
         auto = subquad.explain(q, k, v, is_causal=causal, enable_gqa=gqa).backend
-        rows.append(dict(case=name, scores=scores, loop_ms=best["matmul"], fused_ms=best["fused"], auto=auto))
+        ratio = (statistics.median(ratios), min(ratios), max(ratios))
+        rows.append(
+            dict(case=name, scores=scores, loop_ms=best["matmul"], fused_ms=best["fused"], ratios=ratios, auto=auto)
+        )
         print(
             f"{name:<38} {scores:>11,} scores  loop {best['matmul']:8.3f} ms  fused {best['fused']:8.3f} ms"
-            f"  loop/fused {best['matmul'] / best['fused']:5.2f}  auto: {auto}"
+            f"  loop/fused {best['matmul'] / best['fused']:5.2f}"
+            f"  per round {ratio[0]:.2f} [{ratio[1]:.2f}-{ratio[2]:.2f}]  auto: {auto}"
         )
     if args.json:
         with open(args.json, "w") as f:
             mode = "forward + backward" if args.backward else "inference"
             json.dump(
-                {"machine": machine(), "torch_threads": torch.get_num_threads(), "mode": mode, "rows": rows},
+                {
+                    "machine": machine(),
+                    "torch_threads": torch.get_num_threads(),
+                    "mode": mode,
+                    "dtype": args.dtype,
+                    "rows": rows,
+                },
                 f,
                 indent=1,
             )

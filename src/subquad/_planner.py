@@ -26,7 +26,7 @@ from ._backends.offsets import LOG2E, exp_
 from ._backends.products import native_bf16_products, product, widening_products
 from ._backends.segments import KEYS as LOOP_KEYS
 from ._backends.segments import ROWS as LOOP_ROWS
-from ._backends.segments import backward_kernel, before_fused, segment_kernel, softcap
+from ._backends.segments import backward_kernel, before_fused, before_fused_note, segment_kernel, softcap
 from ._budget import format_bytes, format_seconds
 from ._callbacks import apply_score_mod
 from ._errors import MemoryBudgetError
@@ -153,14 +153,7 @@ def make_plan(
             plan.predicted_seconds = predict_seconds(inp, plan, need_grad)
         plan.notes.extend(notes)
         if loop_first and name == "matmul":
-            plan.notes.append(
-                "the tiles' forward and backward loops in C++ (native kernel, AVX512-BF16, no AMX) before the "
-                "fused kernel: 0.65-0.88x its time for forward + backward from 2^21 bfloat16 scores on an "
-                "AMD EPYC"
-                if need_grad
-                else "the tiles' forward loop in C++ (native kernel, AVX512-BF16, no AMX) before the fused kernel: "
-                "0.64-0.82x its time from 2^21 bfloat16 scores on the project's CPU"
-            )
+            plan.notes.append(before_fused_note(inp, need_grad))
         if backend == "auto":
             for later in names[names.index(name) + 1 :]:
                 plan.rejected.setdefault(later, ["slower backend; the one above fits"])

@@ -8,7 +8,7 @@ What one tile costs, per score (``s`` = the float32 scores buffer, reused by eve
 forward or a backward, :class:`~subquad._backends.scratch.Scratch`, as are the bfloat16 tiles, the
 tiles of keys and values cast or copied for a GEMM and the products with them):
 
-- float32/float64 (and float16 on a CPU, bfloat16 on a CPU without AVX512-BF16/AMX, and half
+- float32/float64 (and float16 on a CPU off the loop, bfloat16 on a CPU without AVX512-BF16/AMX, and half
   precision on MPS and on CUDA before torch 2.8, all with float32 products; q, k and v are
   converted once per row block or tile, ``qn x E`` and ``kn x E``, not per score): the product
   written into ``s``; ``amax``; ``s - m`` and ``exp2`` in place; ``sum``; the product with v
@@ -47,10 +47,11 @@ tiles of keys and values cast or copied for a GEMM and the products with them):
   calls for the rows' bookkeeping (far rows and next offsets; m, l and acc), each in place of
   about ten small eager ops. Backward: S's and ``dP``'s offset products in two bfloat16 buffers,
   turned into ``p`` and the scaled ``dS`` in place. Far rows are redone as above.
-- bfloat16 forwards with no ``score_mod``, ``mask_mod`` or dropout, where the native kernel is
-  built for AVX512-BF16 (:mod:`subquad._backends.segments`): no tile at all. The whole loop runs
-  in C++, each thread on 128 rows of one head at a time, with float32 scores (bfloat16 operands,
-  float32 accumulation), no offsets and nothing computed twice.
+- CPU forwards with no ``score_mod`` (but a soft cap), ``mask_mod`` or dropout, where the native
+  kernel is built (:mod:`subquad._backends.segments`; AVX512-BF16 for bfloat16, AVX512F for
+  float32 and float16): no tile at all. The whole loop runs in C++, each thread on 128 rows of one
+  head at a time, with float32 scores (bfloat16 or float32 operands, float32 accumulation), no
+  offsets, no conversion of a tile and nothing computed twice.
 
 On MPS (no Mac here, nothing of this measured): half-precision inputs take the first path, one
 code path with the CPU's float32 products, so what is measured here is what a Mac runs, at its

@@ -16,9 +16,18 @@ again (:mod:`subquad._backends.offsets`), and the lse is as exact as the fused k
 Per segment of keys (the planner's ``kv_chunk``) a call copies its keys and values into the
 pairs the instruction reads (``B·Hk·kn·(E + Ev)`` bfloat16, padded): :func:`segment_bytes`.
 
+Float32 and float16 calls run the same loops (``forward_segment_f32``, ``backward_segment_f32``,
+a build for AVX512F) with float32 operands: keys copied transposed and values as they lie,
+float16 converted exactly on the way (``B·Hk·kn·(E + Ev)`` float32, padded), every product on FMA
+with float32 accumulation, ``p`` and ``dS`` kept in float32 (the forward's ``p`` over its own
+scores). So a float16 call costs no conversion of a tile and no offset, and its scores cannot
+overflow (they are float32 from the products on), as float32's. On this CPU the float32 products
+ran at about 55 GFLOP/s per core, 85% of the forward's time (``perf``), where torch's float16
+``bmm`` has no fast kernel (23-26x its float32 time).
+
 The backward (:func:`backward_rows`) runs FlashAttention-2's per block of 128 rows and 128 keys:
 ``s = q·kᵀ`` and ``dp = dO·vᵀ`` in float32; ``p = exp(s - lse)`` and ``ds = scale·p∘(dp - D)``,
-each rounded once to bfloat16; ``dV += pᵀ·dO``, ``dK += dsᵀ·q`` and ``dQ += ds·k`` in float32. A
+each rounded once to bfloat16 (float32 inputs: kept); ``dV += pᵀ·dO``, ``dK += dsᵀ·q`` and ``dQ += ds·k`` in float32. A
 task is one batch entry and key head with all of its query heads, so that dQ, dK and dV each have
 one writer and the gradients are added into in place; a segment's keys and values are copied into
 three sets of pairs (:func:`backward_thread_bytes`). Against the per-tile backward (bfloat16
@@ -48,19 +57,34 @@ ROWS, KEYS = 128, 512
 """A task's rows and keys per step in ``_native_tiles.cpp`` (``kSegmentRows``, ``kSegmentKeys``)."""
 
 
+WIDE_DTYPES = (torch.float32, torch.float16)
+"""Input dtypes the loop runs with float32 products (``forward_segment_f32``: FMA, float16
+converted exactly); bfloat16 runs on ``forward_segment_bf16`` (vdpbf16ps)."""
+
+
 def segment_kernel(inp: Inputs) -> Optional[ModuleType]:
-    """The native kernel where it runs this call's forward loop: a CPU build with AVX512-BF16,
-    bfloat16 inputs, no dropout, no ``mask_mod`` (one that declares itself causal runs as
-    ``is_causal``), no ``score_mod`` but a soft cap (:func:`softcap`), an ``attn_mask`` of
-    :data:`MASK_DTYPES` if any; else None."""
-    if inp.device_type != "cpu" or inp.dtype != torch.bfloat16 or inp.dropout_p > 0.0:
+    """The native kernel where it runs this call's forward loop: a CPU build with AVX512F
+    (float32 and float16 inputs) or AVX512-BF16 (bfloat16), no dropout, no ``mask_mod`` (one
+    that declares itself causal runs as ``is_causal``), no ``score_mod`` but a soft cap
+    (:func:`softcap`), an ``attn_mask`` of :data:`MASK_DTYPES` if any; else None."""
+    if inp.device_type != "cpu" or inp.dropout_p > 0.0:
         return None
     if inp.mask_mod is not None or (inp.score_mod is not None and not softcap(inp)):
         return None
     if inp.attn_mask is not None and inp.attn_mask.dtype not in MASK_DTYPES:
         return None
     kernel = tile_kernel()
-    return kernel if kernel is not None and hasattr(kernel, "forward_segment_bf16") else None
+    return kernel if kernel is not None and hasattr(kernel, _FORWARD.get(inp.dtype, "")) else None
+
+
+_FORWARD = {
+    torch.bfloat16: "forward_segment_bf16",
+    torch.float32: "forward_segment_f32",
+    torch.float16: "forward_segment_f32",
+}
+"""The kernel's forward loop per input dtype."""
+_BACKWARD = {dt: name.replace("forward", "backward") for dt, name in _FORWARD.items()}
+"""And its backward loop."""
 
 
 def softcap(inp: Inputs) -> float:
@@ -81,32 +105,79 @@ L = 128 0.66, 256 0.72, 512 0.71, 1024 0.88, 2048 0.71, causal 1024 0.73; 4x8x40
 2x10x4096x64 against 77 keys 0.67."""
 
 
+WIDE_LOOP_BEFORE_FUSED_SCORES = 1 << 23
+"""The same for float32 and float16 calls, inference and training (float32 also needs
+:data:`WIDE_LOOP_MIN_KEYS` keys). The loops' time over the fused kernel's, two threads, the same
+CPU, ``bench_loop_sizes.py --dtype`` (per-round ratios, median [min-max]):
+
+- inference, 7 rounds: float32 1x8xLx64 at L = 512 (2^21 scores) 1.08 [0.97-1.15], 1024 0.85,
+  2048 0.96, 4096 0.93, causal 1024 0.91, 4x8x4096x40 0.91, 2x10x4096x64 against 77 keys 0.98
+  [0.87-1.06] (1.12 [0.86-1.25] in an earlier run); float16 1.02, 0.85, 0.92, 0.86, 0.93, 0.90
+  and 0.88 (the fused kernel converts float16 to float32);
+- forward + backward, 3 rounds: float32 at L = 512 0.90, 1024 0.95, 2048 0.94, 4096 0.95, causal
+  1024 0.83, 4x8x4096x40 0.90, 77 keys 1.01; float16 0.90, 0.83, 0.92, 0.93, 0.80, 0.91, 0.95.
+
+Below 2^21 scores the fused kernel is faster (inference 1.2-1.9x from 2^17 to 2^19 scores, 5-12x
+on tiny calls and decode steps)."""
+WIDE_LOOP_MIN_KEYS = 512
+"""A float32 call with fewer keys than one of the loop's blocks spreads each block's per-row work
+(the accumulator's correction, the row's maximum and sum) over few scores: the fused kernel was
+faster (77 keys above)."""
+
+
 def before_fused(inp: Inputs, need_grad: bool) -> bool:
     """Whether ``auto`` takes the loop before the fused kernel: a call the loop takes
-    (:func:`segment_kernel`; with ``need_grad``, its backward too: :func:`backward_kernel`), of
-    :data:`LOOP_BEFORE_FUSED_SCORES` scores or more, not packed, on a CPU without AMX (where
-    torch's kernel multiplies on AMX tiles; not measured here)."""
+    (:func:`segment_kernel`; with ``need_grad``, its backward too: :func:`backward_kernel`), not
+    packed, on a CPU without AMX (where torch's kernel multiplies on AMX tiles; not measured
+    here), of :data:`LOOP_BEFORE_FUSED_SCORES` scores or more in bfloat16, of
+    :data:`WIDE_LOOP_BEFORE_FUSED_SCORES` in float32 (with :data:`WIDE_LOOP_MIN_KEYS` keys or
+    more) and float16."""
     if inp.packed is not None or segment_kernel(inp) is None or amx_tiles():
         return False
     if need_grad and backward_kernel(inp) is None:
         return False
-    return inp.n_groups * inp.B * inp.Hq * inp.Lq * inp.Lk >= LOOP_BEFORE_FUSED_SCORES
+    scores = inp.n_groups * inp.B * inp.Hq * inp.Lq * inp.Lk
+    if inp.dtype == torch.float32 and inp.Lk < WIDE_LOOP_MIN_KEYS:
+        return False
+    return scores >= (WIDE_LOOP_BEFORE_FUSED_SCORES if inp.dtype in WIDE_DTYPES else LOOP_BEFORE_FUSED_SCORES)
+
+
+def before_fused_note(inp: Inputs, need_grad: bool) -> str:
+    """What ``explain()`` says of a plan that takes the loops before the fused kernel."""
+    loops = "forward and backward loops" if need_grad else "forward loop"
+    if inp.dtype == torch.bfloat16:
+        gain = "0.65-0.88x its time for forward + backward" if need_grad else "0.64-0.82x its time"
+        return (
+            f"the tiles' {loops} in C++ (native kernel, AVX512-BF16, no AMX) before the fused kernel: {gain} "
+            "from 2^21 bfloat16 scores on an AMD EPYC"
+        )
+    gain = "0.80-0.95x its time for forward + backward" if need_grad else "0.85-0.93x its time"
+    return (
+        f"the tiles' {loops} in C++ (native kernel, float32 products on AVX512F, no AMX) before the fused kernel: "
+        f"{gain} from 2^23 float32 or float16 scores on an AMD EPYC"
+    )
 
 
 def segment_bytes(inp: Inputs, qc: int, kc: int) -> int:
-    """What a segment's call adds to the row block's state: the keys and values in pairs,
-    :func:`thread_bytes`, and dense copies of inputs whose last dim is strided."""
+    """What a segment's call adds to the row block's state: the keys and values in the layouts
+    the products read, :func:`thread_bytes`, and dense copies of inputs whose last dim is
+    strided."""
     pad = -(-kc // 32) * 32
-    n = inp.B * inp.Hk * pad * (2 * -(-inp.E // 2) + 16 * -(-inp.Ev // 16)) * 2
+    if inp.dtype in WIDE_DTYPES:  # float32: keys transposed, values padded to 16 columns
+        n = inp.B * inp.Hk * pad * (inp.E + 16 * -(-inp.Ev // 16)) * 4
+    else:  # bfloat16 pairs
+        n = inp.B * inp.Hk * pad * (2 * -(-inp.E // 2) + 16 * -(-inp.Ev // 16)) * 2
     if inp.q.stride(-1) != 1:
-        n += inp.B * inp.Hq * qc * inp.E * 2
-    n += sum(inp.B * inp.Hk * kc * t.shape[-1] * 2 for t in (inp.k, inp.v) if t.stride(-1) != 1)
+        n += inp.B * inp.Hq * qc * inp.E * inp.itemsize
+    n += sum(inp.B * inp.Hk * kc * t.shape[-1] * inp.itemsize for t in (inp.k, inp.v) if t.stride(-1) != 1)
     return n + thread_bytes(inp)
 
 
 def thread_bytes(inp: Inputs) -> int:
-    """Each thread's buffers: a task's scores and ``p``, its query rows and ``p·v``."""
-    return torch.get_num_threads() * ROWS * (KEYS * 6 + 2 * inp.E + 4 * inp.Ev + 80)
+    """Each thread's buffers: a task's float32 scores and its ``p`` (in the products' type), its
+    query rows and ``p·v``."""
+    op = 4 if inp.dtype in WIDE_DTYPES else 2
+    return torch.get_num_threads() * ROWS * (KEYS * (4 + op) + op * inp.E + 4 * inp.Ev + 80)
 
 
 def tile_bytes(inp: Inputs, qc: int, kc: int) -> int:
@@ -130,11 +201,12 @@ def forward_rows(inp: Inputs, qs: int, qe: int, segments: Iterable[Segment], out
     q = unit_stride(inp.q[:, :, qs:qe])
     alpha = inp.scale * LOG2E  # scores in log2 units: exp2 needs no multiply
     cap = softcap(inp)
+    run = getattr(kernel, _FORWARD[inp.dtype])
     for seg in segments:
         causal = inp.is_causal and seg.causal != "none"
         k, v = (unit_stride(t[:, :, seg.ks : seg.ke]) for t in (inp.k, inp.v))
         mask = None if inp.attn_mask is None else inp.mask_tile(qs, qe, seg.ks, seg.ke).expand(B, Hq, qn, -1)
-        kernel.forward_segment_bf16(q, k, v, m, l, acc, alpha, qs, seg.ks, causal, inp.causal_offset, mask, cap)
+        run(q, k, v, m, l, acc, alpha, qs, seg.ks, causal, inp.causal_offset, mask, cap)
     return finish_rows(inp, qs, qe, RowState(m, l, acc), out, log2=True)
 
 
@@ -147,7 +219,7 @@ def backward_kernel(inp: Inputs) -> Optional[ModuleType]:
     runs (:func:`segment_kernel`), not packed, no gradient for ``attn_mask``, at least one task
     (batch entry and key head) per thread. Else None: the per-tile backward."""
     kernel = segment_kernel(inp)
-    if kernel is None or not hasattr(kernel, "backward_segment_bf16") or inp.packed is not None:
+    if kernel is None or not hasattr(kernel, _BACKWARD[inp.dtype]) or inp.packed is not None:
         return None
     if inp.attn_mask is not None and inp.attn_mask.requires_grad:
         return None
@@ -168,22 +240,26 @@ def backward_block_bytes(inp: Inputs) -> int:
     """The threads' block buffers in the backward loop: scores, dP, P and dS in two layouts, the
     rows' q, dO and dQ."""
     ep, evp = -(-inp.E // 16) * 16, -(-inp.Ev // 16) * 16
-    block = BACK_ROWS * BACK_KEYS * 14 + BACK_ROWS * (ep + evp) * 4 + BACK_ROWS * ep * 4 + BACK_KEYS * 8
+    op = 4 if inp.dtype in WIDE_DTYPES else 2  # P and dS in the products' type (three buffers)
+    block = BACK_ROWS * BACK_KEYS * (8 + 3 * op) + BACK_ROWS * (ep + evp) * 2 * op + BACK_ROWS * ep * 4 + BACK_KEYS * 8
     return torch.get_num_threads() * block
 
 
 def backward_bytes(inp: Inputs, qc: int, kc: int) -> int:
     """The backward loop's peak over the gradients' float32 accumulators, rows ``qc`` and keys
-    ``kc`` per call: the rows' q and dO in bfloat16, D and the lse, the float32 product that gives
-    D, the keys and values in three sets of pairs, :func:`backward_thread_bytes`, dense copies of
-    strided inputs and the mask's tile."""
+    ``kc`` per call: the rows' q and dO, D and the lse, the float32 product that gives D, the keys
+    and values in three layouts, :func:`backward_thread_bytes`, dense copies of strided inputs and
+    the mask's tile."""
     pad = -(-kc // 32) * 32
     ep = -(-inp.E // 16) * 16
     rows = inp.B * inp.Hq * qc
-    n = rows * (inp.E + inp.Ev) * 2 + rows * 4 * 4  # q, dO; D, lse in log2 units, their temporaries
+    n = rows * (inp.E + inp.Ev) * inp.itemsize + rows * 4 * 4  # q, dO; D, lse in log2 units, temporaries
     n += rows * inp.Ev * 4 * 2  # dO and O in float32 for D
-    n += inp.B * inp.Hk * pad * (4 * -(-inp.E // 2) + 2 * -(-inp.Ev // 2) + 2 * ep) * 2  # the pairs
-    n += sum(inp.B * inp.Hk * kc * t.shape[-1] * 2 for t in (inp.k, inp.v) if t.stride(-1) != 1)
+    if inp.dtype in WIDE_DTYPES:  # keys and values transposed (16 floats longer), keys as they lie
+        n += inp.B * inp.Hk * ((pad + 16) * (inp.E + inp.Ev) + pad * ep) * 4
+    else:  # the pairs
+        n += inp.B * inp.Hk * pad * (4 * -(-inp.E // 2) + 2 * -(-inp.Ev // 2) + 2 * ep) * 2
+    n += sum(inp.B * inp.Hk * kc * t.shape[-1] * inp.itemsize for t in (inp.k, inp.v) if t.stride(-1) != 1)
     n += inp.mask_tile_elements(qc, kc) * (inp.stats_itemsize + 1)
     n += (rows * inp.E + inp.B * inp.Hk * kc * (inp.E + inp.Ev)) * 4  # gradients it cannot add into in place
     return n + backward_thread_bytes(inp, kc)
@@ -218,7 +294,7 @@ def backward_rows(
     last dim)."""
     B, Hq, Hk, qn = inp.B, inp.Hq, inp.Hk, qe - qs
     q = unit_stride(inp.q[:, :, qs:qe])
-    do = unit_stride(grad_out[:, :, qs:qe].to(torch.bfloat16))
+    do = unit_stride(grad_out[:, :, qs:qe].to(inp.dtype))
     dd = (do.float() * out[:, :, qs:qe].float()).sum(dim=-1)  # D = rowsum(dO ∘ O) - dlse
     if grad_lse is not None:
         dd -= grad_lse[:, :, qs:qe].float()
@@ -227,6 +303,7 @@ def backward_rows(
     dd = dd.reshape(-1)
     alpha, cap = inp.scale * LOG2E, softcap(inp)
     dq = _in_place(grads.dq, slice(qs, qe), (B, Hq, qn, inp.E))
+    run = getattr(kernel, _BACKWARD[inp.dtype])
     for seg in segments:
         causal = inp.is_causal and seg.causal != "none"
         k, v = (unit_stride(t[:, :, seg.ks : seg.ke]) for t in (inp.k, inp.v))
@@ -234,9 +311,7 @@ def backward_rows(
         keys = slice(seg.ks, seg.ke)
         dk = _in_place(grads.dk, keys, (B, Hk, seg.ke - seg.ks, inp.E))
         dv = _in_place(grads.dv, keys, (B, Hk, seg.ke - seg.ks, inp.Ev))
-        kernel.backward_segment_bf16(
-            q, k, v, do, lse2, dd, dq, dk, dv, alpha, inp.scale, qs, seg.ks, causal, inp.causal_offset, mask, cap
-        )
+        run(q, k, v, do, lse2, dd, dq, dk, dv, alpha, inp.scale, qs, seg.ks, causal, inp.causal_offset, mask, cap)
         for g, block in ((grads.dk, dk), (grads.dv, dv)):
             if g is not None and not _same(g[:, :, keys], block):
                 add_into(g[:, :, keys], block)
