@@ -283,6 +283,8 @@ def test_auto_takes_the_wide_loops_for_large_calls_without_amx(wide, monkeypatch
     from subquad._backends import segments
 
     monkeypatch.setattr(segments, "amx_tiles", lambda: False)
+    if wide.kernel.float_lanes < 16:  # auto leaves an AVX2 build's loops alone (test_the_avx2_build_runs_both_loops)
+        pytest.skip("the kernel was built without AVX512F")
     for dtype in WIDE:
         big = torch.empty(1, 8, 1024, 64, dtype=dtype)  # 2^23 scores
         plan = subquad.explain(big, big, big)
@@ -323,3 +325,41 @@ def test_training_peak_within_budget_and_prediction_honest(wide, native_dir):
         dict(shape=[2, 8, 1024, 1024, 40], budget="32MiB", dtype="float32", backend="matmul", grad=True, mask="float"),
     ]
     assert_memory_within_budget(cases, native_dir, OMP_NUM_THREADS="2")
+
+
+@pytest.fixture(scope="module")
+def avx2_build(tmp_path_factory):
+    """The kernel built without AVX512 (``SUBQUAD_NATIVE_FLAGS=-mno-avx512f``): the float32 loops
+    on 256-bit FMA, as on CPUs with AVX2 alone. Skipped off x86-64 or without AVX2 and FMA."""
+    flags = _native._cpu_signature()
+    if not ("avx2" in flags and " fma" in flags):
+        pytest.skip("the CPU has no AVX2 with FMA")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SUBQUAD_NATIVE_FLAGS", "-mno-avx512f")
+        mp.setenv("SUBQUAD_NATIVE_DIR", str(tmp_path_factory.mktemp("avx2")))
+        module = _native.build()
+    if not hasattr(module, "forward_segment_f32") or hasattr(module, "forward_segment_bf16"):
+        pytest.skip("the compiler did not give an AVX2 build with the float32 loops")
+    return module
+
+
+@pytest.mark.parametrize("dtype", WIDE, ids=str)
+def test_the_avx2_build_runs_both_loops(avx2_build, monkeypatch, two_threads, dtype):
+    counting = test_native.Counting(avx2_build)
+    monkeypatch.setitem(_native._LOADED, "module", counting)
+    g = torch.Generator().manual_seed(32)
+    q = (torch.randn(2, 4, 150, 59, generator=g) * 2).to(dtype).requires_grad_()
+    k, v = ((torch.randn(2, 2, 530, 59, generator=g) * 2).to(dtype).requires_grad_() for _ in range(2))
+    mask = torch.randn(150, 530, generator=g).to(dtype)
+    d_out = torch.randn(2, 4, 150, 59, generator=g).to(dtype)
+    kw = dict(attn_mask=mask, enable_gqa=True)
+    out = subquad.attention(q, k, v, backend="matmul", chunk_size=(64, 300), **kw)
+    grads = torch.autograd.grad(out, (q, k, v), d_out)
+    assert {"forward_segment_f32", "backward_segment_f32"} == set(counting.names), counting.names
+    _check_grads(q, k, v, d_out, out, grads, **kw)
+    # auto leaves the 8-lane loops to backend="matmul": slower than the fused kernel (segments.WIDE_LOOP_MIN_LANES)
+    from subquad._backends import segments
+
+    monkeypatch.setattr(segments, "amx_tiles", lambda: False)
+    big = torch.empty(1, 8, 1024, 64, dtype=dtype)
+    assert avx2_build.float_lanes == 8 and subquad.explain(big, big, big).backend == "fused"

@@ -34,7 +34,7 @@ def _info(args: argparse.Namespace) -> int:
     print(f"device: {name}; free memory ≈ {format_bytes(free_memory_bytes(device))}")
     why = cpu_flash_unavailable_reason()
     print(f"fused CPU flash kernel (per tile, with lse): {'available' if why is None else 'unavailable: ' + why}")
-    print(f"native bfloat16 tile kernel: {_native.status()}")
+    print(f"native tile kernel: {_native.status()}")
     if device.type == "cuda":
         from torch.backends import cuda as bc
 
@@ -150,7 +150,7 @@ def _build() -> int:
     except Exception as e:  # the builder's errors (no compiler, no ninja, a compile error), in one place
         print(f"subquad build: the native kernel did not build: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
-    print(f"native bfloat16 tile kernel: {_native.status()}")
+    print(f"native tile kernel: {_native.status()}")
     return 0
 
 

@@ -9,11 +9,14 @@ held in the core's own cache; two more functions do a forward tile's per-row boo
 rows whose offsets moved far and the next offsets; the running maximum, sum and accumulator),
 where eager PyTorch makes about twenty small calls of 5-15 us each. Built for a CPU with
 AVX512-BF16, it also runs the whole forward and backward loops (:mod:`subquad._backends.segments`)
-for calls with no ``score_mod``, ``mask_mod`` or dropout; built for AVX512F, the forward loop
-for float32 and float16 calls too. It is C++ that PyTorch's
+for calls with no ``score_mod``, ``mask_mod`` or dropout; built for AVX512F or for AVX2 with FMA,
+the same loops for float32 and float16 calls. It is C++ that PyTorch's
 extension builder compiles on this machine (a C++ compiler and ``ninja`` are needed, as for
 ``torch.compile`` on a CPU), 35-45 s once on a 2-core VM; the build is cached per source, torch
 version, Python and CPU.
+
+``SUBQUAD_NATIVE_FLAGS`` adds compiler flags to the build (part of the cache key), for example
+``-mno-avx512f`` for the AVX2 build on a CPU with AVX512.
 
 ``SUBQUAD_NATIVE`` decides when it is used:
 
@@ -51,7 +54,7 @@ def _flags() -> List[str]:
     flags = ["-O3", "-fopenmp"]
     if platform.machine() in ("x86_64", "AMD64"):
         flags.append("-march=native")  # the build is this CPU's: the cache key holds its flags
-    return flags
+    return flags + os.environ.get("SUBQUAD_NATIVE_FLAGS", "").split()
 
 
 def _cpu_signature() -> str:
@@ -163,10 +166,10 @@ def status() -> str:
         elif hasattr(module, "forward_segment_bf16"):
             loops = "with the forward loop"
         elif hasattr(module, "forward_segment_f32"):
-            loops = "with the float32 and float16 forward loop (no AVX512-BF16 at build time)"
+            loops = "with the float32 and float16 loops (no AVX512-BF16 at build time)"
         else:
-            loops = "without the loops (no AVX512F at build time)"
+            loops = "without the loops (neither AVX512F nor AVX2 with FMA at build time)"
         return f"built, used, {loops} ({where})"
     if how == "build":
-        return "not built yet: the first bfloat16 tile builds it (SUBQUAD_NATIVE=build)"
+        return "not built yet: the first call that uses it builds it (SUBQUAD_NATIVE=build)"
     return "not built (run `subquad build`; the eager passes run meanwhile)"

@@ -21,7 +21,10 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
-#if defined(__AVX512F__)
+// The float32 loops need 512-bit FMA (AVX512F) or 256-bit FMA (AVX2 and FMA); the bfloat16 ones
+// AVX512-BF16.
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#define SUBQUAD_WIDE_LOOPS 1
 #include <immintrin.h>
 #endif
 
@@ -267,7 +270,7 @@ void online_update(torch::Tensor m_run, torch::Tensor l, torch::Tensor acc, torc
   });
 }
 
-#if defined(__AVX512F__)
+#if defined(SUBQUAD_WIDE_LOOPS)
 namespace {
 
 // Micro::run<r, nv, ACC>, r <= R and nv <= NV chosen at run time.
@@ -299,49 +302,73 @@ void gemm_blocks(const typename Micro::Op* a, int64_t lda, const typename Micro:
   }
 }
 
-// A micro-kernel's R x NV accumulators of 16 floats: zero or C's (ACC), and stored back into C.
-template <int R, int NV, bool ACC>
-inline void load_acc(__m512 (&acc)[R][NV], const float* c, int64_t ldc) {
+// A vector of float32 lanes: 16 with AVX512F, else 8 (AVX2 and FMA).
+struct Lanes {
+#if defined(__AVX512F__)
+  using V = __m512;
+  static constexpr int kWidth = 16;
+  static V load(const float* p) { return _mm512_loadu_ps(p); }
+  static V zero() { return _mm512_setzero_ps(); }
+  static V splat(float x) { return _mm512_set1_ps(x); }
+  static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+#else
+  using V = __m256;
+  static constexpr int kWidth = 8;
+  static V load(const float* p) { return _mm256_loadu_ps(p); }
+  static V zero() { return _mm256_setzero_ps(); }
+  static V splat(float x) { return _mm256_set1_ps(x); }
+  static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
+#endif
+};
+
+// A micro-kernel's R x N accumulators (vectors of C's rows): zero or C's (ACC), and stored back.
+template <int R, int N, bool ACC>
+inline void load_acc(Lanes::V (&acc)[R][N], const float* c, int64_t ldc) {
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) acc[r][v] = ACC ? _mm512_loadu_ps(c + r * ldc + v * 16) : _mm512_setzero_ps();
+    for (int v = 0; v < N; ++v) acc[r][v] = ACC ? Lanes::load(c + r * ldc + v * Lanes::kWidth) : Lanes::zero();
 }
 
-template <int R, int NV>
-inline void store_acc(const __m512 (&acc)[R][NV], float* c, int64_t ldc) {
+template <int R, int N>
+inline void store_acc(const Lanes::V (&acc)[R][N], float* c, int64_t ldc) {
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(c + r * ldc + v * 16, acc[r][v]);
+    for (int v = 0; v < N; ++v) Lanes::store(c + r * ldc + v * Lanes::kWidth, acc[r][v]);
 }
 
 // C (R x 16·NV float32) = A (R x k float32, row stride lda) · B (k rows of the columns, ldb
-// elements apart), one FMA per entry of A and 16 columns. ACC: C += A · B instead. Blocks of
-// 8 x 32, 8 x 48 and 6 x 64 ran 1x8x4096x64's float32 loop in the same time (184-204 ms, three
-// rounds, two threads). The micro-kernels are kept out of line: inlined, their accumulators'
-// registers depended on the code around them (the float32 loop 186 or 410 ms, the bfloat16 one
-// 128 or 254, from one edit elsewhere).
+// elements apart), one FMA per entry of A and vector of columns. ACC: C += A · B instead. Blocks
+// of 8 x 32, 8 x 48 and 6 x 64 (AVX512F) ran 1x8x4096x64's float32 loop in the same time
+// (184-204 ms, three rounds, two threads); with 8 lanes (AVX2: 16 registers), 6 x 16. The
+// micro-kernels are kept out of line: inlined, their accumulators' registers depended on the code
+// around them (the float32 loop 186 or 410 ms, the bfloat16 one 128 or 254, from one edit
+// elsewhere).
 struct WideMicro {
   using Op = float;
   static constexpr int64_t kColumn = 16;
-  static constexpr int kRows = 8, kVectors = 2;
+  static constexpr int kRows = Lanes::kWidth == 16 ? 8 : 6, kVectors = Lanes::kWidth == 16 ? 2 : 1;
   template <int R, int NV, bool ACC>
-  __attribute__((noinline)) static void run(const float* a, int64_t lda, const float* b, int64_t ldb, int64_t k, float* c, int64_t ldc) {
-    __m512 acc[R][NV];
-    load_acc<R, NV, ACC>(acc, c, ldc);
+  __attribute__((noinline)) static void run(const float* a, int64_t lda, const float* b, int64_t ldb, int64_t k, float* c,
+                                            int64_t ldc) {
+    constexpr int N = NV * 16 / Lanes::kWidth;  // vectors per row
+    Lanes::V acc[R][N];
+    load_acc<R, N, ACC>(acc, c, ldc);
     for (int64_t p = 0; p < k; ++p) {
-      __m512 bv[NV];
+      Lanes::V bv[N];
 #pragma GCC unroll 4
-      for (int v = 0; v < NV; ++v) bv[v] = _mm512_loadu_ps(b + p * ldb + v * 16);
+      for (int v = 0; v < N; ++v) bv[v] = Lanes::load(b + p * ldb + v * Lanes::kWidth);
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
-        const __m512 av = _mm512_set1_ps(a[r * lda + p]);
+        const Lanes::V av = Lanes::splat(a[r * lda + p]);
 #pragma GCC unroll 4
-        for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_fmadd_ps(av, bv[v], acc[r][v]);
+        for (int v = 0; v < N; ++v) acc[r][v] = Lanes::fma(av, bv[v], acc[r][v]);
       }
     }
-    store_acc<R, NV>(acc, c, ldc);
+    store_acc<R, N>(acc, c, ldc);
   }
 };
 
@@ -951,14 +978,15 @@ void backward_segment_bf16(torch::Tensor q, torch::Tensor k, torch::Tensor v, to
                               softcap);
 }
 #endif  // __AVX512BF16__
-#endif  // __AVX512F__
+#endif  // SUBQUAD_WIDE_LOOPS
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("exp2_rows_bf16", &exp2_rows_bf16, "one pass of a bfloat16 tile's online softmax (_native_tiles.cpp)");
   m.def("softmax_grad_rows_bf16", &softmax_grad_rows_bf16, "P and dS of a bfloat16 tile in one pass (_native_tiles.cpp)");
   m.def("next_offsets", &next_offsets, "a forward tile's next offsets and far rows (_native_tiles.cpp)");
   m.def("online_update", &online_update, "the online softmax's state after a tile (_native_tiles.cpp)");
-#if defined(__AVX512F__)
+#if defined(SUBQUAD_WIDE_LOOPS)
+  m.attr("float_lanes") = Lanes::kWidth;  // 16: AVX512F; 8: AVX2 (auto leaves those loops to backend="matmul")
   m.def("forward_segment_f32", &forward_segment_f32, "the same for float32 or float16 inputs (_native_tiles.cpp)");
   m.def("backward_segment_f32", &backward_segment_f32, "the same for float32 or float16 inputs (_native_tiles.cpp)");
 #endif

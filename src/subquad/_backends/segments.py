@@ -125,18 +125,28 @@ WIDE_LOOP_MIN_KEYS = 512
 faster (77 keys above)."""
 
 
+WIDE_LOOP_MIN_LANES = 16
+"""``auto`` takes the float32 loops where the kernel was built for AVX512F (16 float lanes), not
+for AVX2 (8): that build (``SUBQUAD_NATIVE_FLAGS=-mno-avx512f`` on this CPU, torch limited to
+AVX2 by ``ATEN_CPU_CAPABILITY=avx2`` and ``MKL_ENABLE_INSTRUCTIONS=AVX2``) took 1.3-2.0x the fused
+kernel's time from 1x8x2048x64 on (0.98x at 1024, 0.74x causal), though 0.75x the eager tiles'
+(1x8x2048x64: 146 against 194 ms): it serves ``backend="matmul"``."""
+
+
 def before_fused(inp: Inputs, need_grad: bool) -> bool:
     """Whether ``auto`` takes the loop before the fused kernel: a call the loop takes
     (:func:`segment_kernel`; with ``need_grad``, its backward too: :func:`backward_kernel`), not
     packed, on a CPU without AMX (where torch's kernel multiplies on AMX tiles; not measured
     here), of :data:`LOOP_BEFORE_FUSED_SCORES` scores or more in bfloat16, of
     :data:`WIDE_LOOP_BEFORE_FUSED_SCORES` in float32 (with :data:`WIDE_LOOP_MIN_KEYS` keys or
-    more) and float16."""
+    more) and float16 (with a build of :data:`WIDE_LOOP_MIN_LANES` lanes)."""
     if inp.packed is not None or segment_kernel(inp) is None or amx_tiles():
         return False
     if need_grad and backward_kernel(inp) is None:
         return False
     scores = inp.n_groups * inp.B * inp.Hq * inp.Lq * inp.Lk
+    if inp.dtype in WIDE_DTYPES and getattr(segment_kernel(inp), "float_lanes", 0) < WIDE_LOOP_MIN_LANES:
+        return False
     if inp.dtype == torch.float32 and inp.Lk < WIDE_LOOP_MIN_KEYS:
         return False
     return scores >= (WIDE_LOOP_BEFORE_FUSED_SCORES if inp.dtype in WIDE_DTYPES else LOOP_BEFORE_FUSED_SCORES)
