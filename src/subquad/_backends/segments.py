@@ -17,7 +17,8 @@ Per segment of keys (the planner's ``kv_chunk``) a call copies its keys and valu
 pairs the instruction reads (``B·Hk·kn·(E + Ev)`` bfloat16, padded): :func:`segment_bytes`.
 
 Float32 and float16 calls run the same loops (``forward_segment_f32``, ``backward_segment_f32``,
-a build for AVX512F) with float32 operands: keys copied transposed and values as they lie,
+a build for AVX512F, or AVX2 with FMA) with float32 operands: keys copied transposed (each row
+16 floats longer than the keys) and values as they lie,
 float16 converted exactly on the way (``B·Hk·kn·(E + Ev)`` float32, padded), every product on FMA
 with float32 accumulation, ``p`` and ``dS`` kept in float32 (the forward's ``p`` over its own
 scores). So a float16 call costs no conversion of a tile and no offset, and its scores cannot
@@ -27,12 +28,12 @@ ran at about 55 GFLOP/s per core, 85% of the forward's time (``perf``), where to
 
 The backward (:func:`backward_rows`) runs FlashAttention-2's per block of 128 rows and 128 keys:
 ``s = q·kᵀ`` and ``dp = dO·vᵀ`` in float32; ``p = exp(s - lse)`` and ``ds = scale·p∘(dp - D)``,
-each rounded once to bfloat16 (float32 inputs: kept); ``dV += pᵀ·dO``, ``dK += dsᵀ·q`` and ``dQ += ds·k`` in float32. A
-task is one batch entry and key head with all of its query heads, so that dQ, dK and dV each have
-one writer and the gradients are added into in place; a segment's keys and values are copied into
-three sets of pairs (:func:`backward_thread_bytes`). Against the per-tile backward (bfloat16
-products of offset scores, whose P carries the forward's 2e-3 lse error), its S is exact to
-float32 and nothing is computed twice.
+each rounded once to bfloat16 (float32 and float16 inputs: kept in float32); ``dV += pᵀ·dO``,
+``dK += dsᵀ·q`` and ``dQ += ds·k`` in float32. A task is one batch entry and key head with all of
+its query heads, so that dQ, dK and dV each have one writer and the gradients are added into in
+place; a segment's keys and values are copied into three layouts (:func:`backward_bytes`).
+Against the per-tile backward (bfloat16 products of offset scores, whose P carries the forward's
+2e-3 lse error), its S is exact to float32 and nothing is computed twice.
 """
 
 from __future__ import annotations
@@ -63,8 +64,8 @@ converted exactly); bfloat16 runs on ``forward_segment_bf16`` (vdpbf16ps)."""
 
 
 def segment_kernel(inp: Inputs) -> Optional[ModuleType]:
-    """The native kernel where it runs this call's forward loop: a CPU build with AVX512F
-    (float32 and float16 inputs) or AVX512-BF16 (bfloat16), no dropout, no ``mask_mod`` (one
+    """The native kernel where it runs this call's forward loop: a CPU build with AVX512F or AVX2
+    and FMA (float32 and float16 inputs) or AVX512-BF16 (bfloat16), no dropout, no ``mask_mod`` (one
     that declares itself causal runs as ``is_causal``), no ``score_mod`` but a soft cap
     (:func:`softcap`), an ``attn_mask`` of :data:`MASK_DTYPES` if any; else None."""
     if inp.device_type != "cpu" or inp.dropout_p > 0.0:
@@ -173,8 +174,8 @@ def segment_bytes(inp: Inputs, qc: int, kc: int) -> int:
     the products read, :func:`thread_bytes`, and dense copies of inputs whose last dim is
     strided."""
     pad = -(-kc // 32) * 32
-    if inp.dtype in WIDE_DTYPES:  # float32: keys transposed, values padded to 16 columns
-        n = inp.B * inp.Hk * pad * (inp.E + 16 * -(-inp.Ev // 16)) * 4
+    if inp.dtype in WIDE_DTYPES:  # float32: keys transposed (rows 16 longer), values padded to 16 columns
+        n = inp.B * inp.Hk * ((pad + 16) * inp.E + pad * 16 * -(-inp.Ev // 16)) * 4
     else:  # bfloat16 pairs
         n = inp.B * inp.Hk * pad * (2 * -(-inp.E // 2) + 16 * -(-inp.Ev // 16)) * 2
     if inp.q.stride(-1) != 1:
