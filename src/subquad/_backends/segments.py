@@ -141,12 +141,13 @@ def before_fused(inp: Inputs, need_grad: bool) -> bool:
     here), of :data:`LOOP_BEFORE_FUSED_SCORES` scores or more in bfloat16, of
     :data:`WIDE_LOOP_BEFORE_FUSED_SCORES` in float32 (with :data:`WIDE_LOOP_MIN_KEYS` keys or
     more) and float16 (with a build of :data:`WIDE_LOOP_MIN_LANES` lanes)."""
-    if inp.packed is not None or segment_kernel(inp) is None or amx_tiles():
+    kernel = segment_kernel(inp) if inp.packed is None else None
+    if kernel is None or amx_tiles():
         return False
     if need_grad and backward_kernel(inp) is None:
         return False
     scores = inp.n_groups * inp.B * inp.Hq * inp.Lq * inp.Lk
-    if inp.dtype in WIDE_DTYPES and getattr(segment_kernel(inp), "float_lanes", 0) < WIDE_LOOP_MIN_LANES:
+    if inp.dtype in WIDE_DTYPES and getattr(kernel, "float_lanes", 0) < WIDE_LOOP_MIN_LANES:
         return False
     if inp.dtype == torch.float32 and inp.Lk < WIDE_LOOP_MIN_KEYS:
         return False
