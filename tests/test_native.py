@@ -47,6 +47,17 @@ def load_kernel(native_dir, monkeypatch):
     return module
 
 
+def recorded_kernel(native_dir, monkeypatch, needs, why):
+    """The session's build, its calls recorded (:class:`Counting`) and used by subquad; skips the
+    test (``why``) where the build lacks the function ``needs``."""
+    module = load_kernel(native_dir, monkeypatch)
+    if not hasattr(module, needs):
+        pytest.skip(why)
+    counting = Counting(module)
+    monkeypatch.setitem(_native._LOADED, "module", counting)
+    return counting
+
+
 @pytest.fixture
 def kernel(native_dir, monkeypatch):
     """The tiles with the native kernel's passes over each tile. The forward's and backward's

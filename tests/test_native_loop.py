@@ -47,19 +47,15 @@ def assert_memory_within_budget(cases, native_dir, **env):
 @pytest.fixture
 def loop(native_dir, monkeypatch):
     """The native kernel with its C++ forward loop, its calls recorded."""
-    module = test_native.load_kernel(native_dir, monkeypatch)
-    if not hasattr(module, "forward_segment_bf16"):
-        pytest.skip("the native kernel was built without AVX512-BF16: no C++ forward loop")
-    counting = test_native.Counting(module)
-    monkeypatch.setitem(_native._LOADED, "module", counting)
-    return counting
+    why = "the native kernel was built without AVX512-BF16: no C++ forward loop"
+    return test_native.recorded_kernel(native_dir, monkeypatch, "forward_segment_bf16", why)
 
 
-def _lse64(q, k, v, is_causal=False, offset=0, enable_gqa=False, bias=None):
+def _lse64(q, k, v, is_causal=False, offset=0, enable_gqa=False, bias=None, scale=None):
     q, k = q.double(), k.double()
     if enable_gqa:
         k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-    s = q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5
+    s = q @ k.transpose(-1, -2) * (q.shape[-1] ** -0.5 if scale is None else scale)
     if bias is not None:
         s = s.masked_fill(~bias, float("-inf")) if bias.dtype == torch.bool else s + bias
     if is_causal:
@@ -108,6 +104,34 @@ def test_the_loop_matches_float64(loop, name):
     assert_close_to_golden(out, golden, ref32.to(BF16))
     err = (lse.double() - _lse64(q, k, v, **kw)).abs().max().item()
     assert err < 1e-4, err
+
+
+SCALES = (-0.3, 0.0, 0.7)
+"""Scales for :func:`assert_scale_matches_float64`: a positive one's products go to the
+exponentials unscaled (the scale is their FMA); zero and negative ones are scaled first."""
+
+
+def assert_scale_matches_float64(kernel, dtype, scale, loop_name, lse_tol):
+    """A forward through the loop ``loop_name`` with ``scale``, against float64: 600 keys (a
+    block of 512 and one of 88, not a multiple of 32), causal or not. The scores span more than
+    2^8 in log2 units, so that any offset but the rows' maximum overflows the exponentials."""
+    g = torch.Generator().manual_seed(17)
+    q = (torch.randn(1, 2, 70, 64, generator=g) * 8).to(dtype)
+    k, v = ((torch.randn(1, 2, 600, 64, generator=g) * 8).to(dtype) for _ in range(2))
+    for causal in (False, True):
+        out, lse = subquad.attention(q, k, v, scale=scale, is_causal=causal, backend="matmul", return_lse=True)
+        assert loop_name in kernel.names
+        kw = dict(scale=scale, is_causal=causal)
+        golden = naive_attention(*to64(q, k, v), **kw)
+        assert_close_to_golden(out, golden, naive_attention(q.float(), k.float(), v.float(), **kw).to(dtype))
+        want = _lse64(q, k, v, is_causal=causal, scale=scale)
+        err = (lse.double() - want).abs().max().item()
+        assert err < lse_tol * max(1.0, want.abs().max().item()), (scale, causal, err)
+
+
+@pytest.mark.parametrize("scale", SCALES)
+def test_any_scale_matches_float64(loop, scale):
+    assert_scale_matches_float64(loop, BF16, scale, "forward_segment_bf16", 1e-4)
 
 
 def test_bottom_right_causal_rows_that_see_nothing_give_zeros(loop):
@@ -466,7 +490,8 @@ def test_packed_sequences_run_the_backward_loop_per_sequence(loop, two_threads):
 
 def test_inference_plans_tiles_by_what_the_loop_holds(loop):
     # The loop holds no tile of scores: a row block's accumulator and a segment's keys and values
-    # in pairs. Its planned peak is below the per-tile path's, and its tiles are not smaller.
+    # in pairs. Unbudgeted, it takes whole rows (segments.TILE_TARGET), tiles no smaller than the
+    # per-tile path's; held to the per-tile plan's peak, it takes row blocks that fit it.
     from subquad._backends import matmul
 
     q = torch.empty(1, 8, 4096, 64, dtype=BF16)
@@ -474,9 +499,15 @@ def test_inference_plans_tiles_by_what_the_loop_holds(loop):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(matmul, "segment_kernel", lambda inp: None)
         per_tile = subquad.explain(q, q, q, backend="matmul")
-    assert plan.chunk_size is not None and per_tile.chunk_size is not None
+    assert plan.chunk_size == (4096, 4096) and per_tile.chunk_size is not None
     assert plan.chunk_size[0] * plan.chunk_size[1] >= per_tile.chunk_size[0] * per_tile.chunk_size[1]
-    assert plan.predicted_peak_bytes < per_tile.predicted_peak_bytes
+    held = subquad.explain(q, q, q, backend="matmul", memory_budget=per_tile.predicted_peak_bytes)
+    assert held.backend == "matmul" and held.chunk_size is not None and held.chunk_size[0] < 4096
+    assert held.predicted_peak_bytes <= per_tile.predicted_peak_bytes < plan.predicted_peak_bytes
+    before = len(loop.calls)
+    out = subquad.attention(q.normal_(), q, q, backend="matmul", memory_budget=per_tile.predicted_peak_bytes)
+    calls = -(-4096 // held.chunk_size[0]) * -(-4096 // held.chunk_size[1])  # row blocks x segments
+    assert torch.isfinite(out).all() and loop.names[before:] == ["forward_segment_bf16"] * calls
 
 
 def test_the_loop_refuses_what_it_does_not_take(loop):

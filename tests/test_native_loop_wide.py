@@ -20,7 +20,16 @@ import subquad
 import test_native
 from conftest import assert_close_to_golden, naive_attention, to64
 from subquad import _native, mods
-from test_native_loop import CASES, MASKS, _as64, _lse64, assert_memory_within_budget, assert_refused
+from test_native_loop import (
+    CASES,
+    MASKS,
+    SCALES,
+    _as64,
+    _lse64,
+    assert_memory_within_budget,
+    assert_refused,
+    assert_scale_matches_float64,
+)
 
 pytestmark = test_native.pytestmark  # a C++ compiler and ninja
 
@@ -30,12 +39,8 @@ WIDE = (torch.float32, torch.float16)
 @pytest.fixture
 def wide(native_dir, monkeypatch):
     """The native kernel with its float32 forward loop, its calls recorded."""
-    module = test_native.load_kernel(native_dir, monkeypatch)
-    if not hasattr(module, "forward_segment_f32"):
-        pytest.skip("the native kernel was built without AVX512F: no float32 forward loop")
-    counting = test_native.Counting(module)
-    monkeypatch.setitem(_native._LOADED, "module", counting)
-    return counting
+    why = "the native kernel was built without AVX512F: no float32 forward loop"
+    return test_native.recorded_kernel(native_dir, monkeypatch, "forward_segment_f32", why)
 
 
 def _inputs(name, dtype, seed):
@@ -66,6 +71,12 @@ def test_the_wide_loop_matches_float64(wide, name, dtype):
     want = _lse64(q, k, v, **kw)
     err = (lse.double() - want).abs().max().item()  # float32 sums of up to 1000 terms: a few ulps of the lse
     assert err < 1e-6 * max(1.0, want.abs().max().item()) * 4, err
+
+
+@pytest.mark.parametrize("dtype", WIDE, ids=str)
+@pytest.mark.parametrize("scale", SCALES)
+def test_any_scale_matches_float64(wide, scale, dtype):
+    assert_scale_matches_float64(wide, dtype, scale, "forward_segment_f32", 4e-6)
 
 
 @pytest.mark.parametrize("dtype", WIDE, ids=str)

@@ -21,6 +21,7 @@ from torch import Tensor
 from . import mods
 from ._backends import BACKENDS, FusedCPU
 from ._backends.fused import emulated_half_kernel
+from ._backends.segments import forward_packed, packed_kernel
 from ._buckets import buckets, run_bucket
 from ._callbacks import EMPTY, FULL, PARTIAL, UNKNOWN, TileStates, evaluated_state
 from ._inputs import Inputs, MaskMod
@@ -283,7 +284,11 @@ def _forward_packed(
     p = inp.packed
     assert p is not None
     shared: set = set()
-    if inp.short_sequences_share_tiles and inp.Lk > 0:
+    kernel = packed_kernel(inp) if backend == "matmul" else None
+    if kernel is not None:  # the C++ loop, a sequence at a time
+        shared = forward_packed(inp, kernel, limit, out, lse)
+        TILES.computed += len(shared)
+    elif inp.short_sequences_share_tiles and inp.Lk > 0:
         for padded, seqs in buckets(inp, chunk).items():
             run_bucket(inp, seqs, padded, limit, out, lse)
             shared.update(seqs)

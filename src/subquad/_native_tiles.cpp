@@ -16,7 +16,8 @@
 // (softcap > 0: each score becomes c · tanh(score / c), Gemma 2's, with its derivative in dS), the
 // one score_mod they run themselves. Where it targets AVX512F, forward_segment_f32 runs the same
 // forward loop for float32 and float16 inputs, its products in float32 on FMA (float16 converted
-// exactly when the rows and keys are copied in), p kept in float32.
+// exactly when the rows and keys are copied in), p kept in float32. forward_packed_f32 and
+// forward_packed_bf16 run the forward loop over each of a group of packed sequences in one call.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -421,65 +422,109 @@ void check_inputs(std::initializer_list<torch::Tensor> ts, const char* what, boo
 
 void check_bf16(std::initializer_list<torch::Tensor> ts, const char* what) { check_inputs(ts, what, false); }
 
-// Each row j of head b·H + h of t (B, H, n, d), elements Src, copied as Dst into a zeroed
-// contiguous tensor of `shape` and dtype `type`, whose first dim is B·H: entry c of the row goes
-// to element at(j, c) of its head's block.
-template <typename Dst, typename Src, typename At>
-torch::Tensor scatter_rows(const torch::Tensor& t, std::initializer_list<int64_t> shape, torch::ScalarType type,
-                           At at) {
-  const int64_t heads = t.size(1), n = t.size(2), d = t.size(3);
-  auto out = torch::zeros(shape, t.options().dtype(type).memory_format(c10::MemoryFormat::Contiguous));
-  const int64_t block = out.numel() / std::max<int64_t>(out.size(0), 1);
+constexpr int64_t kCopyRows = 32;  // rows per task of a layout copy
+// Each transposed row is kSkew entries longer than the keys, so that a product's successive rows
+// of B do not fall into one set of the core's cache (npad is often a power of 2: with 4096 keys
+// the bfloat16 keys' rows lay 16 KiB apart, and the micro-kernel's 32 of them fought over 8 ways).
+constexpr int64_t kSkew = 16;
+
+// Per head b·H + h of t (B, H, n, d), the (cols x ld) matrix out[c][j] = unit(row j of t, c), 0
+// for j >= n: the rows transposed, into a contiguous tensor of `shape` and dtype `type` (B·H
+// blocks of cols x ld Dsts). A task copies kCopyRows rows: it reads them from the cache while
+// each of its writes fills kCopyRows consecutive entries.
+template <typename Dst, typename Src, typename Unit>
+torch::Tensor transpose_rows(const torch::Tensor& t, int64_t cols, int64_t ld, std::initializer_list<int64_t> shape,
+                             torch::ScalarType type, Unit unit) {
+  const int64_t heads = t.size(1), n = t.size(2), bh_all = t.size(0) * heads;
+  auto out = torch::empty(shape, t.options().dtype(type).memory_format(c10::MemoryFormat::Contiguous));
+  TORCH_CHECK(out.numel() * out.element_size() == bh_all * cols * ld * static_cast<int64_t>(sizeof(Dst)),
+              "transpose_rows: shape and layout disagree");
   auto* dst = reinterpret_cast<Dst*>(out.data_ptr());
   const auto* src = reinterpret_cast<const Src*>(t.data_ptr());
-  at::parallel_for(0, t.size(0) * heads * n, 256, [&](int64_t begin, int64_t end) {
+  const int64_t blocks = (ld + kCopyRows - 1) / kCopyRows;
+  at::parallel_for(0, bh_all * blocks, 8, [&](int64_t begin, int64_t end) {
+    const Src* rows[kCopyRows];
     for (int64_t x = begin; x < end; ++x) {
-      const int64_t bh = x / n, j = x % n;
-      const Src* row = src + (bh / heads) * t.stride(0) + (bh % heads) * t.stride(1) + j * t.stride(2);
-      Dst* o = dst + bh * block;
-      for (int64_t c = 0; c < d; ++c) o[at(j, c)] = static_cast<Dst>(row[c]);
+      const int64_t bh = x / blocks, j0 = (x % blocks) * kCopyRows, nr = std::min(kCopyRows, ld - j0);
+      const int64_t seen = std::clamp<int64_t>(n - j0, 0, nr);  // rows of t in this block
+      const Src* head = src + (bh / heads) * t.stride(0) + (bh % heads) * t.stride(1);
+      for (int64_t r = 0; r < seen; ++r) rows[r] = head + (j0 + r) * t.stride(2);
+      Dst* o = dst + bh * cols * ld + j0;
+      for (int64_t c = 0; c < cols; ++c, o += ld) {
+        for (int64_t r = 0; r < seen; ++r) o[r] = unit(rows[r], c);
+        for (int64_t r = seen; r < nr; ++r) o[r] = Dst(0);
+      }
+    }
+  });
+  return out;
+}
+
+// Per head of t (B, H, n, d), its rows in groups of Step (1 or 2) with their entries interleaved:
+// out[j / Step][c][j % Step] = t[j][c] as Dst, 0 for c >= d or j >= n: (npad / Step, dpad, Step)
+// per head, into a contiguous tensor of `shape` and dtype `type` (npad a multiple of kCopyRows).
+template <typename Dst, typename Src, int64_t Step>
+torch::Tensor interleave_rows(const torch::Tensor& t, int64_t npad, int64_t dpad, std::initializer_list<int64_t> shape,
+                              torch::ScalarType type) {
+  const int64_t heads = t.size(1), n = t.size(2), d = t.size(3), bh_all = t.size(0) * heads;
+  auto out = torch::empty(shape, t.options().dtype(type).memory_format(c10::MemoryFormat::Contiguous));
+  TORCH_CHECK(out.numel() * out.element_size() == bh_all * npad * dpad * static_cast<int64_t>(sizeof(Dst)) &&
+                  npad % kCopyRows == 0,
+              "interleave_rows: shape and layout disagree");
+  auto* dst = reinterpret_cast<Dst*>(out.data_ptr());
+  const auto* src = reinterpret_cast<const Src*>(t.data_ptr());
+  const int64_t blocks = npad / kCopyRows;
+  at::parallel_for(0, bh_all * blocks, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t x = begin; x < end; ++x) {
+      const int64_t bh = x / blocks, j0 = (x % blocks) * kCopyRows;
+      const Src* head = src + (bh / heads) * t.stride(0) + (bh % heads) * t.stride(1);
+      for (int64_t j = j0; j < j0 + kCopyRows; ++j) {
+        Dst* o = dst + bh * npad * dpad + (j / Step) * dpad * Step + j % Step;
+        const int64_t have = j < n ? d : 0;
+        const Src* row = head + j * t.stride(2);
+        for (int64_t c = 0; c < have; ++c) o[c * Step] = static_cast<Dst>(row[c]);
+        for (int64_t c = have; c < dpad; ++c) o[c * Step] = Dst(0);
+      }
     }
   });
   return out;
 }
 
 // t (B, H, n, d) bfloat16 as the B operand of a product that reduces over d (x · tᵀ): pairs of
-// head-dim entries, out[b·H + h][p][j][0..1] = t[b][h][j][2p..2p+1]: (B·H, ceil(d/2), npad, 2),
-// zero where padded.
+// head-dim entries, out[b·H + h][p][j][0..1] = t[b][h][j][2p..2p+1]: (B·H, ceil(d/2), npad + kSkew,
+// 2), zero where padded.
 torch::Tensor pairs_of_dims(const torch::Tensor& t, int64_t npad) {
-  const int64_t d2 = (t.size(3) + 1) / 2;
-  return scatter_rows<uint16_t, uint16_t>(t, {t.size(0) * t.size(1), d2, npad, 2}, torch::kBFloat16,
-                                          [npad](int64_t j, int64_t c) { return (c / 2) * npad * 2 + j * 2 + (c % 2); });
+  const int64_t d = t.size(3), d2 = (d + 1) / 2, ld = npad + kSkew;
+  return transpose_rows<uint32_t, uint16_t>(t, d2, ld, {t.size(0) * t.size(1), d2, ld, 2}, torch::kBFloat16,
+                                            [d](const uint16_t* row, int64_t p) {
+                                              const uint32_t hi = 2 * p + 1 < d ? row[2 * p + 1] : 0;
+                                              return static_cast<uint32_t>(row[2 * p]) | hi << 16;
+                                            });
 }
 
 // t (B, H, n, d) bfloat16 as the B operand of a product that reduces over its rows (p · t): pairs
 // of rows, out[b·H + h][i][c][0..1] = t[b][h][2i..2i+1][c]: (B·H, npad / 2, dpad, 2), zero where
-// padded (npad even, dpad >= d).
+// padded (npad a multiple of 32, dpad >= d).
 torch::Tensor pairs_of_rows(const torch::Tensor& t, int64_t npad, int64_t dpad) {
-  return scatter_rows<uint16_t, uint16_t>(t, {t.size(0) * t.size(1), npad / 2, dpad, 2}, torch::kBFloat16,
-                                          [dpad](int64_t j, int64_t c) { return (j / 2) * dpad * 2 + (j % 2) + c * 2; });
+  return interleave_rows<uint16_t, uint16_t, 2>(t, npad, dpad, {t.size(0) * t.size(1), npad / 2, dpad, 2},
+                                                torch::kBFloat16);
 }
 
 // t (B, H, n, d) float32 or float16 in float32, transposed (the B operand of x · tᵀ):
-// out[b·H + h][c][j] = t[b][h][j][c]: (B·H, d, npad + kSkew), zero where padded; the rows are
-// kSkew floats longer than the keys so that a product's successive rows do not fall into one set
-// of the core's cache (npad is often a power of 2). wide_rows: as it lies, (B·H, npad, dpad)
-// (the B operand of p · t).
-template <typename At>
-torch::Tensor wide_scatter(const torch::Tensor& t, std::initializer_list<int64_t> shape, At at) {
-  if (t.scalar_type() == torch::kHalf) return scatter_rows<float, at::Half>(t, shape, torch::kFloat, at);
-  return scatter_rows<float, float>(t, shape, torch::kFloat, at);
-}
-
-constexpr int64_t kSkew = 16;
-
+// out[b·H + h][c][j] = t[b][h][j][c]: (B·H, d, npad + kSkew), zero where padded. wide_rows: as it
+// lies, (B·H, npad, dpad) (the B operand of p · t).
 torch::Tensor wide_dims(const torch::Tensor& t, int64_t npad) {
-  const int64_t ld = npad + kSkew;
-  return wide_scatter(t, {t.size(0) * t.size(1), t.size(3), ld}, [ld](int64_t j, int64_t c) { return c * ld + j; });
+  const int64_t d = t.size(3), ld = npad + kSkew;
+  const std::initializer_list<int64_t> shape = {t.size(0) * t.size(1), d, ld};
+  if (t.scalar_type() == torch::kHalf)
+    return transpose_rows<float, at::Half>(t, d, ld, shape, torch::kFloat,
+                                           [](const at::Half* row, int64_t c) { return static_cast<float>(row[c]); });
+  return transpose_rows<float, float>(t, d, ld, shape, torch::kFloat, [](const float* row, int64_t c) { return row[c]; });
 }
 
 torch::Tensor wide_rows(const torch::Tensor& t, int64_t npad, int64_t dpad) {
-  return wide_scatter(t, {t.size(0) * t.size(1), npad, dpad}, [dpad](int64_t j, int64_t c) { return j * dpad + c; });
+  const std::initializer_list<int64_t> shape = {t.size(0) * t.size(1), npad, dpad};
+  if (t.scalar_type() == torch::kHalf) return interleave_rows<float, at::Half, 1>(t, npad, dpad, shape, torch::kFloat);
+  return interleave_rows<float, float, 1>(t, npad, dpad, shape, torch::kFloat);
 }
 
 constexpr int64_t kNoMask = 0, kBoolMask = 1, kFloatMask = 2, kBFloat16Mask = 3, kHalfMask = 4;
@@ -521,6 +566,82 @@ void mask_row(const torch::Tensor& m, int64_t kind, int64_t b, int64_t h, int64_
     for (int64_t j = 0; j < n; ++j) out[j] = static_cast<float>(p[j * s3]) * log2e;
   }
 }
+
+// The exponentials of one row of a tile: out[j] = 2^(x[j] · mul - ref) rounded to Op (one FMA and
+// exp2_approx's steps, 16 lanes at a time where the build has AVX512F), j < n; returns the float32
+// sum of the unrounded values.
+template <typename Op>
+float exp2_row(const float* x, int64_t n, float mul, float ref, Op* out);
+
+#if defined(__AVX512F__)
+// exp2_approx on 16 lanes, step for step (a NaN stays a NaN: the clamp keeps x where it is NaN).
+inline __m512 exp2_lanes(__m512 x) {
+  x = _mm512_max_ps(_mm512_set1_ps(-127.0f), x);
+  const __m512 k = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, k);
+  __m512 p = _mm512_set1_ps(1.5345768873419225e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3399921717254148e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6184890194597646e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5503288012084352e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022646891035759e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314720572566602e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0000000005539629f));
+  __m512i e = _mm512_add_epi32(_mm512_cvttps_epi32(k), _mm512_set1_epi32(127));
+  e = _mm512_min_epi32(_mm512_max_epi32(e, _mm512_setzero_si512()), _mm512_set1_epi32(255));
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(_mm512_slli_epi32(e, 23)));
+}
+
+// 2^(x · mul - ref) for the lanes of `keep` (0 elsewhere), x read under the same mask.
+inline __m512 exp2_masked(const float* x, __mmask16 keep, __m512 mul, __m512 neg_ref) {
+  const __m512 y = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(keep, x), mul, neg_ref);
+  return _mm512_maskz_mov_ps(keep, exp2_lanes(y));
+}
+
+inline __mmask16 first_lanes(int64_t n) { return n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1u); }
+
+template <>
+float exp2_row<float>(const float* x, int64_t n, float mul, float ref, float* out) {
+  const __m512 m = _mm512_set1_ps(mul), nr = _mm512_set1_ps(-ref);
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n; j += 16) {
+    const __mmask16 keep = first_lanes(n - j);
+    const __m512 p = exp2_masked(x + j, keep, m, nr);
+    sum = _mm512_add_ps(sum, p);
+    _mm512_mask_storeu_ps(out + j, keep, p);
+  }
+  return _mm512_reduce_add_ps(sum);
+}
+#else
+template <>
+float exp2_row<float>(const float* x, int64_t n, float mul, float ref, float* out) {
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t j = 0; j < n; ++j) {
+    const float p = exp2_approx(x[j] * mul - ref);
+    sum += p;
+    out[j] = p;
+  }
+  return sum;
+}
+#endif
+
+#if defined(__AVX512BF16__)
+// Two vectors at a time, rounded to bfloat16 by vcvtne2ps2bf16 (to nearest, ties to even, as
+// float_to_bf16; it also flushes subnormal results, below 2^-126, to zero).
+template <>
+float exp2_row<uint16_t>(const float* x, int64_t n, float mul, float ref, uint16_t* out) {
+  const __m512 m = _mm512_set1_ps(mul), nr = _mm512_set1_ps(-ref);
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n; j += 32) {
+    const __mmask16 lo = first_lanes(n - j), hi = first_lanes(std::max<int64_t>(0, n - j - 16));
+    const __m512 p0 = exp2_masked(x + j, lo, m, nr), p1 = exp2_masked(x + j + 16, hi, m, nr);
+    sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
+    const __m512i packed = (__m512i)_mm512_cvtne2ps_pbh(p1, p0);
+    _mm512_mask_storeu_epi16(out + j, static_cast<__mmask32>(lo) | static_cast<__mmask32>(hi) << 16, packed);
+  }
+  return _mm512_reduce_add_ps(sum);
+}
+#endif
 
 constexpr int64_t kSegmentRows = 128;  // a task's rows (fewer where the threads would idle)
 constexpr int64_t kSegmentKeys = 512;  // keys per step; a multiple of 32
@@ -613,8 +734,8 @@ struct PairTiles {
   static torch::Tensor values(const torch::Tensor& v, int64_t npad, int64_t evp) { return pairs_of_rows(v, npad, evp); }
   static void scores(const uint16_t* q, int64_t e, const uint16_t* kd, int64_t kvh, int64_t npad, int64_t j0,
                      int64_t nb, int64_t rows, float* s, int64_t lds) {
-    const int64_t e2 = (e + 1) / 2;
-    gemm_pairs(q, e2 * 2, kd + kvh * e2 * npad * 2 + j0 * 2, npad * 2, e2, s, lds, rows, (nb + 15) / 16);
+    const int64_t e2 = (e + 1) / 2, ld = npad + kSkew;
+    gemm_pairs(q, e2 * 2, kd + kvh * e2 * ld * 2 + j0 * 2, ld * 2, e2, s, lds, rows, (nb + 15) / 16);
   }
   template <bool ACC>
   static void over_rows(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t dpad, int64_t red, float* c,
@@ -646,23 +767,33 @@ struct PairTiles {
 // scores, as SDPA's), read in place. softcap: 0, or c > 0 for scores c · tanh(scale · q·k / c)
 // (before the mask). Keys and values are first copied into the layouts the products read (Tiles):
 // a segment-sized copy.
+// State: row i of head bh (b · Hq + h) is row bh · head + (row0 + i) · row of m_run, l and acc
+// (head < 0: qn, the dense (B, Hq, qn) order; forward_packed passes its (T, Hq) order).
+struct State {
+  int64_t head = -1, row = 1, row0 = 0;
+};
+
 template <class Tiles>
 void forward_segment(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& m_run,
                      torch::Tensor& l, torch::Tensor& acc, double alpha, int64_t q0, int64_t k0, bool causal,
-                     int64_t causal_offset, const std::optional<torch::Tensor>& mask, double softcap) {
+                     int64_t causal_offset, const std::optional<torch::Tensor>& mask, double softcap,
+                     State state = State{}) {
   using Op = typename Tiles::Op;
   const int64_t batch = q.size(0), hq = q.size(1), qn = q.size(2), e = q.size(3);
   const int64_t hk = k.size(1), kn = k.size(2), ev = v.size(3);
   TORCH_CHECK(k.size(0) == batch && v.size(0) == batch && v.size(1) == hk && v.size(2) == kn && k.size(3) == e,
               "q, k, v: shapes (B, Hq, qn, E), (B, Hk, kn, E), (B, Hk, kn, Ev)");
   TORCH_CHECK(hk > 0 && hq % hk == 0, "q, k: the query heads must be a multiple of the key heads");
-  const int64_t rows_all = batch * hq * qn;
-  for (const auto& t : {m_run, l}) check_rows(t, rows_all, "m_run, l");
-  TORCH_CHECK(acc.scalar_type() == torch::kFloat && acc.is_contiguous() && acc.numel() == rows_all * ev &&
-                  acc.device().is_cpu(),
-              "acc: a contiguous float32 CPU tensor of (rows, Ev)");
+  const int64_t s_head = state.head < 0 ? qn : state.head, s_row = state.row, s_row0 = state.row0;
+  if (state.head < 0) {
+    const int64_t rows_all = batch * hq * qn;
+    for (const auto& t : {m_run, l}) check_rows(t, rows_all, "m_run, l");
+    TORCH_CHECK(acc.scalar_type() == torch::kFloat && acc.is_contiguous() && acc.numel() == rows_all * ev &&
+                    acc.device().is_cpu(),
+                "acc: a contiguous float32 CPU tensor of (rows, Ev)");
+  }
   const int64_t mask_kind = mask.has_value() ? mask_kind_of(*mask, batch, hq, qn, kn) : kNoMask;
-  if (rows_all == 0 || kn == 0) return;
+  if (batch * hq * qn == 0 || kn == 0) return;
   const int64_t group = hq / hk, bhq = batch * hq, bhk = batch * hk;
   const int64_t qw = Tiles::q_width(e), npad = round_up(kn, 32), ev16 = (ev + 15) / 16, evp = ev16 * 16;
   // Keys and values in the layouts the products read (Tiles::keys, Tiles::values).
@@ -673,7 +804,7 @@ void forward_segment(const torch::Tensor& q, const torch::Tensor& k, const torch
   // Blocks of kSegmentRows rows, fewer where that leaves too few tasks for the threads.
   int64_t qb = kSegmentRows;
   while (qb > 16 && bhq * ((qn + qb - 1) / qb) < 4 * at::get_num_threads()) qb /= 2;
-  const int64_t nqb = (qn + qb - 1) / qb, kb = kSegmentKeys;
+  const int64_t nqb = (qn + qb - 1) / qb, kb = std::min(kSegmentKeys, npad);  // short calls: smaller buffers
   float* mp = m_run.data_ptr<float>();
   float* lp = l.data_ptr<float>();
   float* ap = acc.data_ptr<float>();
@@ -708,7 +839,7 @@ void forward_segment(const torch::Tensor& q, const torch::Tensor& k, const torch
         if constexpr (std::is_same_v<Op, float>) p = s;  // each p overwrites its own score
         else p = p_buf.data();
         for (int64_t r = 0; r < rows; ++r) {
-          const int64_t row = bh * qn + i0 + r;
+          const int64_t row = bh * s_head + (s_row0 + i0 + r) * s_row;
           float* x = s + r * kb;
           int64_t vis = nb;  // the row sees keys [0, vis) of the block
           if (causal) vis = std::max<int64_t>(0, std::min<int64_t>(nb, q0 + i0 + r + causal_offset - (k0 + j0) + 1));
@@ -718,7 +849,16 @@ void forward_segment(const torch::Tensor& q, const torch::Tensor& k, const torch
             for (int64_t j = 0; j < vis; ++j) x[j] = tanh_approx(x[j] * zc) * yc;
             mul = 1.0f;
           }
-          if (mask_kind == kNoMask) {
+          float p_mul = 1.0f;  // p = 2^(x · p_mul - ref)
+          if (mask_kind == kNoMask && mul > 0.0f) {
+            // x stays as the product gave it: max(mul · x) = mul · max(x) (rounding keeps the
+            // order), and mul is the exponentials' FMA.
+            float raw = neg_inf;
+#pragma omp simd reduction(max : raw)
+            for (int64_t j = 0; j < vis; ++j) raw = x[j] > raw ? x[j] : raw;
+            mx = raw * mul;
+            p_mul = mul;
+          } else if (mask_kind == kNoMask) {
 #pragma omp simd reduction(max : mx)
             for (int64_t j = 0; j < vis; ++j) {
               const float y = x[j] * mul;
@@ -740,21 +880,15 @@ void forward_segment(const torch::Tensor& q, const torch::Tensor& k, const torch
           if (std::isnan(old) || std::isnan(mx)) m_new = std::numeric_limits<float>::quiet_NaN();
           const float ref = m_new == neg_inf ? 0.0f : m_new;  // rows with nothing visible yet stay finite
           c_buf[r] = std::exp2(old - ref);
-          float sum = 0.0f;
           Op* pr = p + r * kb;
-#pragma omp simd reduction(+ : sum)
-          for (int64_t j = 0; j < vis; ++j) {
-            const float pj = exp2_approx(x[j] - ref);
-            sum += pj;
-            pr[j] = Tiles::round(pj);
-          }
+          const float sum = exp2_row<Op>(x, vis, p_mul, ref, pr);
           for (int64_t j = vis; j < nbp; ++j) pr[j] = Op(0);
           lp[row] = lp[row] * c_buf[r] + sum;
           mp[row] = m_new;
         }
         Tiles::pv(p, kb, vd, kvh, npad, evp, j0, nb, rows, pv_buf.data());
         for (int64_t r = 0; r < rows; ++r) {
-          float* arow = ap + (bh * qn + i0 + r) * ev;
+          float* arow = ap + (bh * s_head + (s_row0 + i0 + r) * s_row) * ev;
           const float* pvr = pv_buf.data() + r * evp;
           const float c = c_buf[r];
 #pragma omp simd
@@ -773,6 +907,58 @@ void forward_segment_f32(torch::Tensor q, torch::Tensor k, torch::Tensor v, torc
                          std::optional<torch::Tensor> mask, double softcap) {
   check_inputs({q, k, v}, "q, k, v", true);
   forward_segment<WideTiles>(q, k, v, m_run, l, acc, alpha, q0, k0, causal, causal_offset, mask, softcap);
+}
+
+namespace {
+
+// Packed sequences, one forward_segment each, in one call: spans (n, 4) int64 holds each
+// sequence's query rows [qs, qe) of q (1, Hq, Tq, E) and keys [ks, ke) of k, v (1, Hk, Tk, ·)
+// (the caller's (T, H, ·) layout, viewed); causal, query i sees key j where j <= i + offsets[s]
+// (positions within the sequence; offsets: n int64). spans, offsets: contiguous CPU tensors.
+// m_run, l: (Tq · Hq) and acc (Tq · Hq, Ev), contiguous float32, in the packed order (row-major,
+// as the caller's output); the rows of no sequence are left as they are. No mask: the calls
+// whose packed sequences share a call (plain ones).
+template <class Tiles>
+void forward_packed(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& spans,
+                    const torch::Tensor& offsets, torch::Tensor& m_run, torch::Tensor& l, torch::Tensor& acc,
+                    double alpha, bool causal, double softcap) {
+  TORCH_CHECK(q.size(0) == 1 && k.size(0) == 1 && v.size(0) == 1, "q, k, v: packed sequences (1, H, T, ·)");
+  const int64_t n = offsets.numel();
+  for (const auto& t : {spans, offsets})
+    TORCH_CHECK(t.scalar_type() == torch::kLong && t.is_contiguous() && t.device().is_cpu(),
+                "spans, offsets: contiguous int64 CPU tensors");
+  TORCH_CHECK(offsets.dim() == 1 && spans.dim() == 2 && spans.size(0) == n && spans.size(1) == 4,
+              "spans: (n, 4) [qs, qe, ks, ke] of the n sequences of offsets");
+  const int64_t* sp = spans.data_ptr<int64_t>();
+  const int64_t* off = offsets.data_ptr<int64_t>();
+  const int64_t tq = q.size(2), tk = k.size(2), hq = q.size(1), ev = v.size(3);
+  for (const auto& t : {m_run, l}) check_rows(t, tq * hq, "m_run, l");
+  TORCH_CHECK(acc.scalar_type() == torch::kFloat && acc.is_contiguous() && acc.numel() == tq * hq * ev &&
+                  acc.device().is_cpu(),
+              "acc: a contiguous float32 CPU tensor of (Tq · Hq, Ev)");
+  for (int64_t s = 0; s < n; ++s) {
+    const int64_t* r = sp + 4 * s;
+    TORCH_CHECK(0 <= r[0] && r[0] <= r[1] && r[1] <= tq && 0 <= r[2] && r[2] <= r[3] && r[3] <= tk,
+                "spans: [qs, qe, ks, ke] within q's and k's lengths");
+  }
+  const std::optional<torch::Tensor> none;
+  for (int64_t s = 0; s < n; ++s) {
+    const int64_t* r = sp + 4 * s;
+    if (r[1] == r[0]) continue;
+    const auto qs = q.narrow(2, r[0], r[1] - r[0]);
+    const auto ks = k.narrow(2, r[2], r[3] - r[2]), vs = v.narrow(2, r[2], r[3] - r[2]);
+    forward_segment<Tiles>(qs, ks, vs, m_run, l, acc, alpha, 0, 0, causal, off[s], none, softcap, State{1, hq, r[0]});
+  }
+}
+
+}  // namespace
+
+// forward_packed for float32 or float16 inputs.
+void forward_packed_f32(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor spans, torch::Tensor offsets,
+                        torch::Tensor m_run, torch::Tensor l, torch::Tensor acc, double alpha, bool causal,
+                        double softcap) {
+  check_inputs({q, k, v}, "q, k, v", true);
+  forward_packed<WideTiles>(q, k, v, spans, offsets, m_run, l, acc, alpha, causal, softcap);
 }
 
 namespace {
@@ -968,6 +1154,14 @@ void forward_segment_bf16(torch::Tensor q, torch::Tensor k, torch::Tensor v, tor
   forward_segment<PairTiles>(q, k, v, m_run, l, acc, alpha, q0, k0, causal, causal_offset, mask, softcap);
 }
 
+// forward_packed for bfloat16 inputs.
+void forward_packed_bf16(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor spans, torch::Tensor offsets,
+                         torch::Tensor m_run, torch::Tensor l, torch::Tensor acc, double alpha, bool causal,
+                         double softcap) {
+  check_bf16({q, k, v}, "q, k, v");
+  forward_packed<PairTiles>(q, k, v, spans, offsets, m_run, l, acc, alpha, causal, softcap);
+}
+
 // backward_segment for bfloat16 inputs: p and ds rounded to bfloat16, products on vdpbf16ps.
 void backward_segment_bf16(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor dout, torch::Tensor lse2,
                            torch::Tensor dd, torch::Tensor dq, torch::Tensor dk, torch::Tensor dv, double alpha,
@@ -989,9 +1183,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("float_lanes") = Lanes::kWidth;  // 16: AVX512F; 8: AVX2 (auto leaves those loops to backend="matmul")
   m.def("forward_segment_f32", &forward_segment_f32, "the same for float32 or float16 inputs (_native_tiles.cpp)");
   m.def("backward_segment_f32", &backward_segment_f32, "the same for float32 or float16 inputs (_native_tiles.cpp)");
+  m.def("forward_packed_f32", &forward_packed_f32, "packed sequences' forward loops (_native_tiles.cpp)");
 #endif
 #if defined(__AVX512BF16__)
   m.def("forward_segment_bf16", &forward_segment_bf16, "a segment of keys for a block of rows (_native_tiles.cpp)");
   m.def("backward_segment_bf16", &backward_segment_bf16, "the backward of a segment for a block of rows (_native_tiles.cpp)");
+  m.def("forward_packed_bf16", &forward_packed_bf16, "packed sequences' forward loops (_native_tiles.cpp)");
 #endif
 }

@@ -106,7 +106,7 @@ def make_plan(
     shape = describe(inp) if shape is None else shape
     need_grad = inp.requires_grad or opts.captured_requires_grad
     names = priority(inp.device_type) if backend == "auto" else [backend]
-    loop_first = backend == "auto" and before_fused(inp, need_grad)
+    loop_first = backend == "auto" and before_fused(inp, need_grad, opts.packed)
     if loop_first:  # the tiles' C++ loops, faster than the fused kernel there
         names = ["matmul"] + [n for n in names if n != "matmul"]
     rejected: Dict[str, List[str]] = {}
@@ -153,7 +153,7 @@ def make_plan(
             plan.predicted_seconds = predict_seconds(inp, plan, need_grad)
         plan.notes.extend(notes)
         if loop_first and name == "matmul":
-            plan.notes.append(before_fused_note(inp, need_grad))
+            plan.notes.append(before_fused_note(inp, need_grad, opts.packed))
         if backend == "auto":
             for later in names[names.index(name) + 1 :]:
                 plan.rejected.setdefault(later, ["slower backend; the one above fits"])

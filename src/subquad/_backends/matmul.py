@@ -75,6 +75,7 @@ from .base import Backend, Options, _bh, _grad_accum_bytes
 from .offsets import LOG2E, OFFSET_DRIFT, OffsetOperand, exp_, far_rows, first_offsets, redo_batches
 from .products import HALF_PRODUCTS_MIN_HEAD_DIM, native_bf16_products, product, widening_products
 from .scratch import Scratch, call_buffers, pass_scratch
+from .segments import TILE_TARGET as LOOP_TILE_TARGET
 from .segments import backward_bytes as loop_backward_bytes
 from .segments import backward_kernel, segment_bytes, segment_kernel
 from .segments import backward_rows as loop_backward_rows
@@ -100,6 +101,10 @@ class Matmul(Backend):
 
     def tile_bytes(self, inp: Inputs, qc: int, kc: int) -> int:
         return self.tile_bytes_of(inp)(qc, kc)
+
+    def tile_target(self, inp: Inputs) -> int:
+        loops = backward_kernel(inp) if inp.requires_grad else segment_kernel(inp)  # no tile of scores
+        return LOOP_TILE_TARGET if loops is not None else super().tile_target(inp)
 
     def tile_bytes_of(self, inp: Inputs) -> Callable[[int, int], int]:
         # What a tile's elementwise work streams: its float32 scores, or, where the native kernel

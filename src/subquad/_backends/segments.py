@@ -14,7 +14,16 @@ are float32 before the softmax, as in torch's fused kernel, so no product is off
 again (:mod:`subquad._backends.offsets`), and the lse is as exact as the fused kernel's.
 
 Per segment of keys (the planner's ``kv_chunk``) a call copies its keys and values into the
-pairs the instruction reads (``B·Hk·kn·(E + Ev)`` bfloat16, padded): :func:`segment_bytes`.
+pairs the instruction reads (``B·Hk·kn·(E + Ev)`` bfloat16, padded; the keys transposed, each
+row 16 pairs longer so that a product's rows do not share a cache set): :func:`segment_bytes`.
+Where the loops run a call, the planner's ceiling on a tile is :data:`TILE_TARGET` (whole rows:
+each call copies its keys again). Per row of a block, the softmax reads the float32 products
+once for their maximum and once for ``2^(x·scale - max)`` (one FMA; 16 lanes, and bfloat16's
+``p`` rounded by ``vcvtne2ps2bf16``, 32 at a time).
+
+A packed call's inference (plain calls: no callback, mask, window or dropout) runs all of its
+sequences through the forward loop in one kernel call per group of consecutive sequences
+(:func:`forward_packed`): no Python, gathering or padding per sequence.
 
 Float32 and float16 calls run the same loops (``forward_segment_f32``, ``backward_segment_f32``,
 a build for AVX512F, or AVX2 with FMA) with float32 operands: keys copied transposed (each row
@@ -39,7 +48,7 @@ Against the per-tile backward (bfloat16 products of offset scores, whose P carri
 from __future__ import annotations
 
 from types import ModuleType
-from typing import Iterable, Optional, Tuple
+from typing import Iterable, List, Optional, Set, Tuple
 
 import torch
 from torch import Tensor
@@ -48,7 +57,7 @@ from .._inputs import Inputs
 from .._native import tile_kernel
 from .._tiles import NEG_INF, Grads, RowState, Segment, add_into, finish_rows
 from .base import unit_stride
-from .offsets import LOG2E
+from .offsets import LN2, LOG2E
 from .products import amx_tiles
 
 MASK_DTYPES = (torch.bool, torch.float32, torch.bfloat16, torch.float16)
@@ -86,6 +95,8 @@ _FORWARD = {
 """The kernel's forward loop per input dtype."""
 _BACKWARD = {dt: name.replace("forward", "backward") for dt, name in _FORWARD.items()}
 """And its backward loop."""
+_PACKED = {dt: name.replace("segment", "packed") for dt, name in _FORWARD.items()}
+"""And its forward over packed sequences (``forward_packed``: one loop call per sequence, in C++)."""
 
 
 def softcap(inp: Inputs) -> float:
@@ -134,28 +145,64 @@ kernel's time from 1x8x2048x64 on (0.98x at 1024, 0.74x causal), though 0.75x th
 (1x8x2048x64: 146 against 194 ms): it serves ``backend="matmul"``."""
 
 
-def before_fused(inp: Inputs, need_grad: bool) -> bool:
-    """Whether ``auto`` takes the loop before the fused kernel: a call the loop takes
-    (:func:`segment_kernel`; with ``need_grad``, its backward too: :func:`backward_kernel`), not
-    packed, on a CPU without AMX (where torch's kernel multiplies on AMX tiles; not measured
-    here), of :data:`LOOP_BEFORE_FUSED_SCORES` scores or more in bfloat16, of
-    :data:`WIDE_LOOP_BEFORE_FUSED_SCORES` in float32 (with :data:`WIDE_LOOP_MIN_KEYS` keys or
-    more) and float16 (with a build of :data:`WIDE_LOOP_MIN_LANES` lanes)."""
-    kernel = segment_kernel(inp) if inp.packed is None else None
+def fast_kernel(inp: Inputs) -> Optional[ModuleType]:
+    """The native kernel where its forward loop takes the call (:func:`segment_kernel`) and was
+    measured faster than torch's fused kernel: a CPU without AMX (where torch's kernel multiplies
+    on AMX tiles; not measured here), and for float32 and float16 a build of
+    :data:`WIDE_LOOP_MIN_LANES` lanes. Else None."""
+    kernel = segment_kernel(inp)
     if kernel is None or amx_tiles():
+        return None
+    if inp.dtype in WIDE_DTYPES and getattr(kernel, "float_lanes", 0) < WIDE_LOOP_MIN_LANES:
+        return None
+    return kernel
+
+
+PACKED_GAIN = "TBD"
+"""What :func:`forward_packed` measured against the fused kernel's calls per sequence."""
+
+
+def packed_kernel(inp: Inputs) -> Optional[ModuleType]:
+    """The native kernel where it runs a packed call's forward whole (:func:`forward_packed`): a
+    plain packed call (``Inputs.short_sequences_share_tiles``) of :func:`fast_kernel`. Else None."""
+    if inp.packed is None or not inp.short_sequences_share_tiles:
+        return None
+    return _with_packed(inp, fast_kernel(inp))
+
+
+def _with_packed(inp: Inputs, kernel: Optional[ModuleType]) -> Optional[ModuleType]:
+    return kernel if kernel is not None and hasattr(kernel, _PACKED[inp.dtype]) else None
+
+
+def before_fused(inp: Inputs, need_grad: bool, packed: bool = False) -> bool:
+    """Whether ``auto`` takes the loop before the fused kernel.
+
+    ``packed``: ``inp`` is a packed call's planning view (its longest sequences, ``packed=None``):
+    its inference where :func:`packed_kernel` runs it (a plain call: no ``score_mod``,
+    ``mask_mod``, window, mask or dropout). Else a call of :func:`fast_kernel` (with ``need_grad``,
+    its backward too: :func:`backward_kernel`) of :data:`LOOP_BEFORE_FUSED_SCORES` scores or more
+    in bfloat16, of :data:`WIDE_LOOP_BEFORE_FUSED_SCORES` in float32 (with
+    :data:`WIDE_LOOP_MIN_KEYS` keys or more) and float16."""
+    if packed:
+        plain = inp.score_mod is None and inp.mask_mod is None and inp.attn_mask is None and inp.dropout_p == 0.0
+        return not need_grad and plain and _with_packed(inp, fast_kernel(inp)) is not None
+    if inp.packed is not None or fast_kernel(inp) is None:
         return False
     if need_grad and backward_kernel(inp) is None:
         return False
     scores = inp.n_groups * inp.B * inp.Hq * inp.Lq * inp.Lk
-    if inp.dtype in WIDE_DTYPES and getattr(kernel, "float_lanes", 0) < WIDE_LOOP_MIN_LANES:
-        return False
     if inp.dtype == torch.float32 and inp.Lk < WIDE_LOOP_MIN_KEYS:
         return False
     return scores >= (WIDE_LOOP_BEFORE_FUSED_SCORES if inp.dtype in WIDE_DTYPES else LOOP_BEFORE_FUSED_SCORES)
 
 
-def before_fused_note(inp: Inputs, need_grad: bool) -> str:
+def before_fused_note(inp: Inputs, need_grad: bool, packed: bool = False) -> str:
     """What ``explain()`` says of a plan that takes the loops before the fused kernel."""
+    if packed:
+        return (
+            "a packed call's sequences through the tiles' forward loop in C++ (native kernel), one kernel call per "
+            f"group of sequences, before a fused kernel call per sequence: {PACKED_GAIN} on an AMD EPYC"
+        )
     loops = "forward and backward loops" if need_grad else "forward loop"
     if inp.dtype == torch.bfloat16:
         gain = "0.65-0.88x its time for forward + backward" if need_grad else "0.64-0.82x its time"
@@ -177,19 +224,20 @@ def segment_bytes(inp: Inputs, qc: int, kc: int) -> int:
     pad = -(-kc // 32) * 32
     if inp.dtype in WIDE_DTYPES:  # float32: keys transposed (rows 16 longer), values padded to 16 columns
         n = inp.B * inp.Hk * ((pad + 16) * inp.E + pad * 16 * -(-inp.Ev // 16)) * 4
-    else:  # bfloat16 pairs
-        n = inp.B * inp.Hk * pad * (2 * -(-inp.E // 2) + 16 * -(-inp.Ev // 16)) * 2
+    else:  # bfloat16 pairs (the keys' rows 16 pairs longer)
+        n = inp.B * inp.Hk * ((pad + 16) * 2 * -(-inp.E // 2) + pad * 16 * -(-inp.Ev // 16)) * 2
     if inp.q.stride(-1) != 1:
         n += inp.B * inp.Hq * qc * inp.E * inp.itemsize
     n += sum(inp.B * inp.Hk * kc * t.shape[-1] * inp.itemsize for t in (inp.k, inp.v) if t.stride(-1) != 1)
-    return n + thread_bytes(inp)
+    return n + thread_bytes(inp, kc)
 
 
-def thread_bytes(inp: Inputs) -> int:
-    """Each thread's buffers: a task's float32 scores and its ``p`` (in the products' type), its
-    query rows and ``p·v``."""
+def thread_bytes(inp: Inputs, kc: int = KEYS) -> int:
+    """Each thread's buffers for a segment of ``kc`` keys: a task's float32 scores and its ``p``
+    (in the products' type) over at most :data:`KEYS` keys, its query rows and ``p·v``."""
     op = 4 if inp.dtype in WIDE_DTYPES else 2
-    return torch.get_num_threads() * ROWS * (KEYS * (4 + op) + op * inp.E + 4 * inp.Ev + 80)
+    keys = min(KEYS, -(-max(kc, 1) // 32) * 32)
+    return torch.get_num_threads() * ROWS * (keys * (4 + op) + op * inp.E + 4 * inp.Ev + 80)
 
 
 def tile_bytes(inp: Inputs, qc: int, kc: int) -> int:
@@ -197,9 +245,20 @@ def tile_bytes(inp: Inputs, qc: int, kc: int) -> int:
     not the segment's keys and values, which every task reads from the shared cache whatever the
     segment's length. Longer segments cost fewer calls and copies: whole key rows took 0.80-0.91x
     the time of 512 x 1024 tiles (bfloat16, two threads, medians of 7: 1x8x4096x64 143 against
-    155 ms, 4x8x4096x40 480 against 545, 1x8x2048x64 42 against 47); row blocks of 1024 rows
-    ran as fast as all 4096 at once (143.6 against 143.1 ms)."""
+    155 ms, 4x8x4096x40 480 against 545, 1x8x2048x64 42 against 47). So do more rows per call:
+    :data:`TILE_TARGET`."""
     return inp.B * inp.Hq * qc * inp.Ev * inp.stats_itemsize + thread_bytes(inp)
+
+
+TILE_TARGET = 32 << 20
+"""The planner's ceiling on :func:`tile_bytes` where the loops run a call (the eager tiles' is
+4 MiB, the scores a tile's passes stream): the accumulator is not streamed, and each call copies
+its keys and values again and ends with its threads waiting on the last task
+(:meth:`Matmul.tile_target <subquad._backends.matmul.Matmul.tile_target>`). Whole rows (one
+call) against row blocks of 1024, bfloat16, two threads, medians of 7 (a 2-core AMD EPYC, the
+loops of issue 29): 1x8x4096x64 105.7 against 117.6 ms (float32 184.4 against 202.8),
+4x8x4096x40 307 against 320, 1x8x8192x64 403 (blocks of 4096) against 426, 1x8x2048x64 28.9
+against 29.8."""
 
 
 def forward_rows(inp: Inputs, qs: int, qe: int, segments: Iterable[Segment], out: Tensor, kernel: ModuleType) -> Tensor:
@@ -220,6 +279,65 @@ def forward_rows(inp: Inputs, qs: int, qe: int, segments: Iterable[Segment], out
         mask = None if inp.attn_mask is None else inp.mask_tile(qs, qe, seg.ks, seg.ke).expand(B, Hq, qn, -1)
         run(q, k, v, m, l, acc, alpha, qs, seg.ks, causal, inp.causal_offset, mask, cap)
     return finish_rows(inp, qs, qe, RowState(m, l, acc), out, log2=True)
+
+
+def packed_row_bytes(inp: Inputs) -> int:
+    """What each query row of :func:`forward_packed`'s group holds: its heads' float32 state (the
+    running maximum, sum and accumulator), result and lse, and the result in the output's dtype."""
+    return inp.Hq * ((inp.Ev + 3) * 4 * 2 + inp.Ev * inp.itemsize)
+
+
+def forward_packed(inp: Inputs, kernel: ModuleType, limit: int, out: Tensor, lse: Optional[Tensor]) -> Set[int]:
+    """A packed call's forward through the loop, a sequence at a time inside one kernel call per
+    group of consecutive sequences (no Python per sequence, nothing gathered or padded): each
+    group's rows (:func:`packed_row_bytes`) and, while one of its sequences runs, that sequence's
+    keys and values in the products' layouts (:func:`segment_bytes`) within ``limit`` bytes.
+    Writes the rows of ``out`` ``(1, Hq, total, Ev)`` and ``lse`` ``(1, Hq, total)`` and returns
+    the sequences done; a sequence that alone needs more is left to the caller's tiles."""
+    p = inp.packed
+    assert p is not None
+    row = packed_row_bytes(inp)
+    done: Set[int] = set()
+    group: List[int] = []
+    rows = held = 0  # the group's rows, and the most one of its sequences holds while it runs
+    for s in range(p.n):
+        qs, qe, ks, ke = p.rows(s)
+        own = segment_bytes(inp, qe - qs, ke - ks)
+        contiguous = not group or p.rows(group[-1])[1] == qs
+        if group and (not contiguous or (rows + qe - qs) * row + max(held, own) > limit):
+            _packed_group(inp, kernel, group, out, lse)
+            done.update(group)
+            group, rows, held = [], 0, 0
+        if (qe - qs) * row + own > limit:
+            continue
+        group.append(s)
+        rows, held = rows + qe - qs, max(held, own)
+    if group:
+        _packed_group(inp, kernel, group, out, lse)
+        done.update(group)
+    return done
+
+
+def _packed_group(inp: Inputs, kernel: ModuleType, seqs: List[int], out: Tensor, lse: Optional[Tensor]) -> None:
+    p = inp.packed
+    assert p is not None
+    spans = torch.tensor([p.rows(s) for s in seqs], dtype=torch.int64)
+    r0, r1 = int(spans[0, 0]), int(spans[-1, 1])
+    k0, k1 = int(spans[:, 2].min()), int(spans[:, 3].max())
+    spans -= torch.tensor([r0, r0, k0, k0])
+    offsets = torch.tensor([inp.causal_offset + p.offset(s) for s in seqs], dtype=torch.int64)
+    n, Hq = r1 - r0, inp.Hq
+    m = torch.full((n * Hq,), NEG_INF, dtype=torch.float32)
+    l = torch.zeros(n * Hq, dtype=torch.float32)
+    acc = torch.zeros((n * Hq, inp.Ev), dtype=torch.float32)
+    q = unit_stride(inp.q[:, :, r0:r1])
+    k, v = (unit_stride(t[:, :, k0:k1]) for t in (inp.k, inp.v))
+    run = getattr(kernel, _PACKED[inp.dtype])
+    run(q, k, v, spans, offsets, m, l, acc, inp.scale * LOG2E, inp.is_causal, softcap(inp))
+    # In the caller's (total, Hq, ·) order, as out and lse lie.
+    out[0, :, r0:r1].copy_(acc.div_(l.masked_fill(l == 0, 1.0).unsqueeze(1)).view(n, Hq, inp.Ev).transpose(0, 1))
+    if lse is not None:  # rows that see nothing: -inf (their output 0)
+        lse[0, :, r0:r1].copy_(m.add_(l.log2_()).mul_(LN2).view(n, Hq).t())
 
 
 BACK_ROWS, BACK_KEYS = 128, 128
