@@ -374,3 +374,18 @@ def test_the_avx2_build_runs_both_loops(avx2_build, monkeypatch, two_threads, dt
     monkeypatch.setattr(segments, "amx_tiles", lambda: False)
     big = torch.empty(1, 8, 1024, 64, dtype=dtype)
     assert avx2_build.float_lanes == 8 and subquad.explain(big, big, big).backend == "fused"
+
+
+@pytest.mark.parametrize("dtype", WIDE, ids=str)
+def test_the_time_model_probes_the_loop_in_blocks_of_its_size(wide, dtype):
+    # The loops take whole rows, keys in one call: the probe times blocks of _LOOP_PROBE_SHAPE's
+    # rows with all their keys per call (blocks of 256 rows in calls of 512 keys had predicted
+    # the float32 forward 1x8x4096x64 at 0.60x its time).
+    from subquad import _planner
+
+    bh, nq, _, e = _planner._LOOP_PROBE_SHAPE
+    before = len(wide.calls)
+    per_score, per_row = _planner._measure_backend(torch.device("cpu"), dtype, "matmul")
+    calls = wide.calls[before:]
+    assert calls and all(c == ("forward_segment_f32", (1, bh, nq, e)) for c in calls), calls[:3]
+    assert per_score > 0 and per_row >= 0

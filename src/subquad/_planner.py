@@ -520,6 +520,10 @@ alone varied 20-30% between processes; about 200 ms per backend and dtype in all
 
 _PROBE_ROW_TILES = 4
 """The long probe's row block spans this many tiles of keys (the short one, one)."""
+_LOOP_PROBE_SHAPE = (8, 1024, 512, 64)
+"""The tiles' C++ loops' probe (whole rows, keys in one call): a row block of 256 rows, whose
+keys' copy and per-call costs weigh 4x more per score than in blocks of 1024, predicted the
+float32 forward 1x8x4096x64 at 0.60x its time."""
 _FUSED_PROBE_SHAPE = (2, 1024, 512, 64)
 """The fused kernel's probe: as many scores as the tiles', in rows enough for the blocks of 256
 rows torch's kernel takes from 768 rows on (it takes 64 below: 256 rows ran 1.3x slower per
@@ -537,12 +541,18 @@ def _measure_backend(device: torch.device, dtype: torch.dtype, backend: str) -> 
     q = torch.randn(1, bh, nq, e, device=device, dtype=dtype)
     k, v = (torch.randn(1, bh, lk, e, device=device, dtype=dtype) for _ in range(2))
     run = BACKENDS[backend]
+    loop = backend == "matmul" and segment_kernel(Inputs(q, k, v, (1,), None, False, e**-0.5, 0.0)) is not None
+    if loop:  # the C++ loops take whole rows (segments.TILE_TARGET): a block of their size
+        bh, nq, nk, e = _LOOP_PROBE_SHAPE
+        q = torch.randn(1, bh, nq, e, device=device, dtype=dtype)
+        k, v = (torch.randn(1, bh, lk, e, device=device, dtype=dtype) for _ in range(2))
 
     def timed(keys: int) -> float:
         inp = Inputs(q, k[:, :, :keys], v[:, :, :keys], (1,), None, False, e**-0.5, 0.0)
         out = torch.empty_like(q)
-        # The fused kernel takes a row block's keys in one call (the engine coalesces them).
-        segments = [Segment(0, keys)] if backend == "fused" else [Segment(s, s + nk) for s in range(0, keys, nk)]
+        # The fused kernel and the loops take a row block's keys in one call.
+        whole = backend == "fused" or loop
+        segments = [Segment(0, keys)] if whole else [Segment(s, s + nk) for s in range(0, keys, nk)]
         with run.call_buffers():
             return seconds_per_call(
                 lambda: run.forward_rows(inp, 0, nq, segments, out, 0), lambda: None, min_seconds=_BACKEND_PROBE_S
