@@ -148,3 +148,25 @@ def test_the_kernel_refuses_bad_spans(kernel):
             "a batch of two": (q.expand(2, -1, -1, -1), q, q, spans, offsets, *state(), 0.25, False, 0.0),
         },
     )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_a_forced_matmul_backend_trains_on_the_packed_forward(kernel, dtype):
+    # backend="matmul" in training: the forward through forward_packed, the backward per sequence
+    # from its lse; gradients as a loop of float64 attentions'.
+    _needs(kernel, dtype)
+    q, k, v, cu_q, cu_k = _inputs([0, 5, 33, 64, 7], [3, 5, 40, 64, 0], dtype, Hq=4, Hk=2, E=32)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    before = len(kernel.calls)
+    out = subquad.varlen_attention(*leaves, cu_q, cu_k, is_causal=True, enable_gqa=True, backend="matmul")
+    assert LOOPS[dtype] in kernel.names[before:]
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(3)).to(dtype)
+    got = torch.autograd.grad(out, leaves, g)
+    ref_in = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref, _ = reference(*ref_in, cu_q, cu_k, is_causal=True)
+    want = torch.autograd.grad(ref, ref_in, g.double())
+    ref32_in = [t.detach().float().requires_grad_() for t in (q, k, v)]
+    ref32, _ = reference(*ref32_in, cu_q, cu_k, is_causal=True)
+    want32 = torch.autograd.grad(ref32, ref32_in, g.float())
+    for name, a, b, c in zip("qkv", got, want, want32):
+        assert_close_to_golden(a, b, c.to(dtype), name=f"d{name}")

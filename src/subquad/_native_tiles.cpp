@@ -832,7 +832,10 @@ void forward_segment(const torch::Tensor& q, const torch::Tensor& k, const torch
         Tiles::q_row(q, b * q.stride(0) + h * q.stride(1) + (i0 + r) * q.stride(2), e, q_buf.data() + r * qw);
       for (int64_t j0 = 0; j0 < kn; j0 += kb) {
         if (causal && k0 + j0 > q0 + i0 + rows - 1 + causal_offset) break;  // no row sees these keys
-        const int64_t nb = std::min(kb, kn - j0), nbp = round_up(nb, Tiles::kStep);
+        int64_t nb = std::min(kb, kn - j0);
+        // Causal: the products stop at the last key the block's last row sees (p is 0 beyond it).
+        if (causal) nb = std::min<int64_t>(nb, q0 + i0 + rows - 1 + causal_offset - (k0 + j0) + 1);
+        const int64_t nbp = round_up(nb, Tiles::kStep);
         float* s = s_buf.data();
         Tiles::scores(q_buf.data(), e, kd, kvh, npad, j0, nb, rows, s, kb);
         Op* p;
@@ -1062,7 +1065,7 @@ void backward_segment(const torch::Tensor& q, const torch::Tensor& k, const torc
           Tiles::pack_rows(dout, b, h, i0, rows, o_flat.data(), o_pair.data(), evp);
           std::fill(dq_buf.begin(), dq_buf.end(), 0.0f);
           for (int64_t j0 = 0; j0 < j_end; j0 += kb) {
-            const int64_t nb = std::min(kb, kn - j0), nb2 = round_up(nb, step);
+            const int64_t nb = std::min(kb, j_end - j0), nb2 = round_up(nb, step);  // causal: seen keys
             float* s = s_buf.data();
             float* dp = dp_buf.data();
             Tiles::scores(q_flat.data(), e, kpd, kvh, npad, j0, nb, rows, s, kb);

@@ -24,7 +24,6 @@ from torch.utils import _python_dispatch
 from ._backends import BACKENDS, Options, priority, triton_passes
 from ._backends.offsets import LOG2E, exp_
 from ._backends.products import native_bf16_products, product, widening_products
-from ._backends.segments import KEYS as LOOP_KEYS
 from ._backends.segments import ROWS as LOOP_ROWS
 from ._backends.segments import backward_kernel, before_fused, before_fused_note, segment_kernel, softcap
 from ._budget import format_bytes, format_seconds
@@ -436,13 +435,14 @@ def backward_per_forward(inp: Inputs, backend: str = "matmul") -> float:
 def computed_scores(inp: Inputs, backend: Optional[str], tiles: Optional[Tuple[int, int]]) -> float:
     """The scores ``backend`` computes on ``tiles``: every visible one and, under a causal mask,
     the hidden ones that share a block with a visible one (:meth:`Backend.computed_blocks`; the
-    C++ loops skip within a tile, per 128 rows and 512 keys); ``backend=None``: the visible ones."""
+    C++ loops compute each block of 128 rows up to its last row's keys, in vectors of 16);
+    ``backend=None``: the visible ones."""
     n = 0.0
     loop = backend == "matmul" and inp.is_causal and segment_kernel(inp) is not None
     for Lq, Lk, o in _parts(inp):
         blocks = BACKENDS[backend].computed_blocks(Lq, Lk, tiles) if backend and inp.is_causal else None
         if loop:
-            blocks = (max(1, min(LOOP_ROWS, Lq)), max(1, min(LOOP_KEYS, Lk)))
+            blocks = (max(1, min(LOOP_ROWS, Lq)), max(1, min(16, Lk)))  # to the block's last row's keys
         frac = visible_fraction(Lq, Lk, inp.is_causal, o) if blocks is None else block_fraction(Lq, Lk, o, blocks)
         n += float(Lq * Lk) * frac
     return inp.n_groups * inp.B * inp.Hq * n
