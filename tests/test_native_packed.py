@@ -6,8 +6,8 @@ padded.
 Checked against a loop of float64 attentions, one per sequence, with the suite's tolerance policy:
 lengths 0, 1, non-divisible and longer than a block of keys, query and key lengths that differ,
 GQA, head dim 59, causal alignment top-left and bottom-right, ``seqused_k``, the lse (-inf where a
-row sees nothing); which calls take it (``auto``'s inference of plain packed calls) and which do
-not (training, callbacks, a forced fused backend); groups within a small budget, sequences too
+row sees nothing); which calls take it (``auto``'s plain packed calls, their backward a fused-kernel call per
+sequence) and which do not (callbacks, windows, dropout, a forced fused backend); groups within a small budget, sequences too
 large for it on their own tiles; and the kernel's argument errors. Skipped where the kernel cannot
 be built or was built without the loops.
 """
@@ -115,18 +115,45 @@ def test_groups_stay_within_a_small_budget(kernel):
     _assert_matches(out, lse, q, k, v, cu_q, cu_k)
 
 
-def test_training_callbacks_and_a_forced_backend_keep_their_paths(kernel):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_training_runs_the_packed_forward_and_a_fused_backward(kernel, dtype):
+    # auto in training: the forward through forward_packed, the backward a fused-kernel call per
+    # sequence (as before) from the loop's output and lse; gradients as a float64 loop's.
+    _needs(kernel, dtype)
+    q, k, v, cu_q, cu_k = _inputs([0, 5, 33, 64, 7], [3, 5, 40, 64, 0], dtype, Hq=4, Hk=2, E=32)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    plan = subquad.varlen_explain(*leaves, cu_q, cu_k, is_causal=True, enable_gqa=True)
+    assert (plan.backend, plan.backward_backend) == ("matmul", "fused"), plan
+    before = len(kernel.calls)
+    out = subquad.varlen_attention(*leaves, cu_q, cu_k, is_causal=True, enable_gqa=True)
+    assert set(kernel.names[before:]) == {LOOPS[dtype]}, kernel.calls[before:]
+    _assert_gradients(out, leaves, q, k, v, cu_q, cu_k, dtype)
+
+
+def _assert_gradients(out, leaves, q, k, v, cu_q, cu_k, dtype):
+    """Gradients of ``out`` (causal) against a loop of float64 attentions (the float32 loop's,
+    rounded, as the tolerance's reference)."""
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(3)).to(dtype)
+    got = torch.autograd.grad(out, leaves, g)
+    ref_in = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref, _ = reference(*ref_in, cu_q, cu_k, is_causal=True)
+    want = torch.autograd.grad(ref, ref_in, g.double())
+    ref32_in = [t.detach().float().requires_grad_() for t in (q, k, v)]
+    ref32, _ = reference(*ref32_in, cu_q, cu_k, is_causal=True)
+    want32 = torch.autograd.grad(ref32, ref32_in, g.float())
+    for name, a, b, c in zip("qkv", got, want, want32):
+        assert_close_to_golden(a, b, c.to(dtype), name=f"d{name}")
+
+
+def test_callbacks_windows_and_a_forced_fused_backend_keep_their_paths(kernel):
     _needs(kernel, torch.float32)
     q, k, v, cu_q, cu_k = _inputs([5, 30, 64], [5, 30, 64], torch.float32, Hq=2, Hk=2, E=32)
     subquad.varlen_explain(q, k, v, cu_q, cu_k)  # any probe of the rates first
     before = len(kernel.calls)
-    qg = q.clone().requires_grad_()
-    out = subquad.varlen_attention(qg, k, v, cu_q, cu_k, is_causal=True)
-    (dq,) = torch.autograd.grad(out.sum(), qg)
-    assert torch.isfinite(dq).all()
     subquad.varlen_attention(q, k, v, cu_q, cu_k, backend="fused")
     subquad.varlen_attention(q, k, v, cu_q, cu_k, score_mod=lambda s, b, h, i, j: s * 0.5)
     subquad.varlen_attention(q, k, v, cu_q, cu_k, window=(4, 0))
+    subquad.varlen_attention(q, k, v, cu_q, cu_k, dropout_p=0.1)
     assert "forward_packed_f32" not in kernel.names[before:], kernel.names[before:]
 
 
@@ -160,13 +187,4 @@ def test_a_forced_matmul_backend_trains_on_the_packed_forward(kernel, dtype):
     before = len(kernel.calls)
     out = subquad.varlen_attention(*leaves, cu_q, cu_k, is_causal=True, enable_gqa=True, backend="matmul")
     assert LOOPS[dtype] in kernel.names[before:]
-    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(3)).to(dtype)
-    got = torch.autograd.grad(out, leaves, g)
-    ref_in = [t.detach().double().requires_grad_() for t in (q, k, v)]
-    ref, _ = reference(*ref_in, cu_q, cu_k, is_causal=True)
-    want = torch.autograd.grad(ref, ref_in, g.double())
-    ref32_in = [t.detach().float().requires_grad_() for t in (q, k, v)]
-    ref32, _ = reference(*ref32_in, cu_q, cu_k, is_causal=True)
-    want32 = torch.autograd.grad(ref32, ref32_in, g.float())
-    for name, a, b, c in zip("qkv", got, want, want32):
-        assert_close_to_golden(a, b, c.to(dtype), name=f"d{name}")
+    _assert_gradients(out, leaves, q, k, v, cu_q, cu_k, dtype)

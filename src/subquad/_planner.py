@@ -117,6 +117,8 @@ def make_plan(
             rejected[name] = reasons
             continue
         backward_name = b.backward_backend(inp, opts) if need_grad else None
+        if loop_first and opts.packed and backward_name == "matmul":  # its forward_packed; the fused backward
+            backward_name = "matmul" if BACKENDS["fused"].not_supported_reasons(inp, opts) else "fused"
         fwd, bwd_tiles, pred, smallest = b.fit(
             inp, opts, budget, BACKENDS[backward_name] if backward_name is not None else None
         )
@@ -434,9 +436,8 @@ def backward_per_forward(inp: Inputs, backend: str = "matmul") -> float:
 
 def computed_scores(inp: Inputs, backend: Optional[str], tiles: Optional[Tuple[int, int]]) -> float:
     """The scores ``backend`` computes on ``tiles``: every visible one and, under a causal mask,
-    the hidden ones that share a block with a visible one (:meth:`Backend.computed_blocks`; the
-    C++ loops compute each block of 128 rows up to its last row's keys, in vectors of 16);
-    ``backend=None``: the visible ones."""
+    the hidden ones that share a block with a visible one (:meth:`Backend.computed_blocks`; the C++
+    loops: 128 rows to their last row's keys, in 16s); ``backend=None``: the visible ones."""
     n = 0.0
     loop = backend == "matmul" and inp.is_causal and segment_kernel(inp) is not None
     for Lq, Lk, o in _parts(inp):
@@ -521,9 +522,7 @@ alone varied 20-30% between processes; about 200 ms per backend and dtype in all
 _PROBE_ROW_TILES = 4
 """The long probe's row block spans this many tiles of keys (the short one, one)."""
 _LOOP_PROBE_SHAPE = (8, 1024, 512, 64)
-"""The tiles' C++ loops' probe (whole rows, keys in one call): a row block of 256 rows, whose
-keys' copy and per-call costs weigh 4x more per score than in blocks of 1024, predicted the
-float32 forward 1x8x4096x64 at 0.60x its time."""
+"""The C++ loops' probe, keys in one call (256 rows had predicted float32 1x8x4096x64 at 0.60x)."""
 _FUSED_PROBE_SHAPE = (2, 1024, 512, 64)
 """The fused kernel's probe: as many scores as the tiles', in rows enough for the blocks of 256
 rows torch's kernel takes from 768 rows on (it takes 64 below: 256 rows ran 1.3x slower per

@@ -178,14 +178,15 @@ def before_fused(inp: Inputs, need_grad: bool, packed: bool = False) -> bool:
     """Whether ``auto`` takes the loop before the fused kernel.
 
     ``packed``: ``inp`` is a packed call's planning view (its longest sequences, ``packed=None``):
-    its inference where :func:`packed_kernel` runs it (a plain call: no ``score_mod``,
-    ``mask_mod``, window, mask or dropout). Else a call of :func:`fast_kernel` (with ``need_grad``,
+    where :func:`packed_kernel` runs its forward (a plain call: no ``score_mod``, ``mask_mod``,
+    window, mask or dropout); in training the planner gives its backward to the fused kernel, a
+    call per sequence as before. Else a call of :func:`fast_kernel` (with ``need_grad``,
     its backward too: :func:`backward_kernel`) of :data:`LOOP_BEFORE_FUSED_SCORES` scores or more
     in bfloat16, of :data:`WIDE_LOOP_BEFORE_FUSED_SCORES` in float32 (with
     :data:`WIDE_LOOP_MIN_KEYS` keys or more) and float16."""
     if packed:
         plain = inp.score_mod is None and inp.mask_mod is None and inp.attn_mask is None and inp.dropout_p == 0.0
-        return not need_grad and plain and _with_packed(inp, fast_kernel(inp)) is not None
+        return plain and _with_packed(inp, fast_kernel(inp)) is not None
     if inp.packed is not None or fast_kernel(inp) is None:
         return False
     if need_grad and backward_kernel(inp) is None:
