@@ -21,9 +21,10 @@ each call copies its keys again). Per row of a block, the softmax reads the floa
 once for their maximum and once for ``2^(x·scale - max)`` (one FMA; 16 lanes, and bfloat16's
 ``p`` rounded by ``vcvtne2ps2bf16``, 32 at a time).
 
-A packed call's inference (plain calls: no callback, mask, window or dropout) runs all of its
-sequences through the forward loop in one kernel call per group of consecutive sequences
-(:func:`forward_packed`): no Python, gathering or padding per sequence.
+A plain packed call (no callback, mask, window or dropout) runs all of its sequences through
+the forward loop in one kernel call per group of consecutive sequences (:func:`forward_packed`):
+no Python, gathering or padding per sequence; in training its backward is a fused-kernel call
+per sequence.
 
 Float32 and float16 calls run the same loops (``forward_segment_f32``, ``backward_segment_f32``,
 a build for AVX512F, or AVX2 with FMA) with float32 operands: keys copied transposed (each row
