@@ -597,8 +597,10 @@ def test_auto_takes_the_loops_for_large_calls_without_amx(loop, monkeypatch, two
     assert loop.names and set(loop.names) == {"forward_segment_bf16"}
     golden = naive_attention(*to64(causal, causal, causal), is_causal=True)
     assert_close_to_golden(out, golden, naive_attention(*(t.float() for t in (causal,) * 3), is_causal=True).to(BF16))
-    small = torch.empty(1, 8, 256, 64, dtype=BF16)  # 2^19 scores: the fused kernel is faster
+    small = torch.empty(1, 8, 128, 64, dtype=BF16)  # 2^17 scores: the fused kernel is faster
     assert subquad.explain(small, small, small).backend == "fused"
+    edge = torch.empty(1, 8, 256, 64, dtype=BF16)  # 2^19 scores: the loop (0.84x)
+    assert subquad.explain(edge, edge, edge).backend == "matmul"
     trained = big.clone().requires_grad_()  # both loops: forward + backward 0.65-0.88x the fused kernel
     plan = subquad.explain(trained, trained, trained)
     assert plan.backend == "matmul" and any("forward and backward loops in C++" in n for n in plan.notes), plan

@@ -302,9 +302,11 @@ def test_auto_takes_the_wide_loops_for_large_calls_without_amx(wide, monkeypatch
         assert plan.backend == "matmul" and any("forward loop in C++" in n for n in plan.notes), plan
         small = torch.empty(1, 8, 512, 64, dtype=dtype)  # 2^21 scores: as fast as the fused kernel
         assert subquad.explain(small, small, small).backend == "fused"
-        cross = torch.empty(4, 10, 4096, 64, dtype=dtype)  # 2^23.6 scores of 77 keys: float32 fused as fast
+        cross = torch.empty(4, 10, 4096, 64, dtype=dtype)  # 2^23.6 scores of 77 keys: float32 needs 512 keys
         want = "fused" if dtype == torch.float32 else "matmul"
         assert subquad.explain(cross, cross[:, :, :77], cross[:, :, :77]).backend == want
+        sd = cross[:2]  # 2^22.6 scores (Stable Diffusion 1.5's cross-attention): float16 from 2^22
+        assert subquad.explain(sd, sd[:, :, :77], sd[:, :, :77]).backend == want
         trained = big.clone().requires_grad_()  # both loops: 0.80-0.95x the fused forward + backward
         plan = subquad.explain(trained, trained, trained)
         assert plan.backend == "matmul" and any("forward and backward loops in C++" in n for n in plan.notes), plan

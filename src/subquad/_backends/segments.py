@@ -107,10 +107,14 @@ def softcap(inp: Inputs) -> float:
     return float(cap) if isinstance(cap, float) and cap > 0 else 0.0
 
 
-LOOP_BEFORE_FUSED_SCORES = 1 << 21
+LOOP_BEFORE_FUSED_SCORES = 1 << 19
 """``auto`` takes the loop before the fused kernel from this many scores (``B·Hq·Lq·Lk``) on.
-Bfloat16, two threads, 2-core CPU (AVX512-BF16, no AMX), the loop's time over the fused
-kernel's, both through the full path: 1x8xLx64 at L = 256 (2^19 scores) 1.29, 512 (2^21) 0.81,
+Bfloat16, two threads, 2-core CPU (AVX512-BF16, no AMX), ``bench_loop_sizes.py --dtype bfloat16
+--rounds 7`` on the loops of 2026-12-04 21:00 (skewed pairs, the 16-lane softmax, whole rows),
+per-round ratios, median [min-max]: 1x8xLx64 at L = 128 (2^17 scores) 1.28 [1.27-1.34], 256
+(2^19) 0.84 [0.81-0.84], 512 0.58, 1024 0.53, 2048 0.49, 4096 0.47, causal 1024 0.42;
+4x8x4096x40 0.48; 2x10x4096x64 against 77 keys 0.57 (``docs/benchmarks/loop-sizes-bfloat16-fast.json``).
+Before those loops (2^21 then): 1x8xLx64 at L = 256 (2^19 scores) 1.29, 512 (2^21) 0.81,
 1024 0.69, 2048 0.64; 4x8x4096x40 0.71; 2x10x4096x64 against 77 keys (2^22.6) 0.82; a decode
 step and calls of 16 tokens 0.4 and 7.0 (the fused kernel's fast path skips planning). Forward +
 backward with both loops (``bench_loop_sizes.py --backward``, the final kernel): 1x8xLx64 at
@@ -119,9 +123,12 @@ L = 128 0.66, 256 0.72, 512 0.71, 1024 0.88, 2048 0.71, causal 1024 0.73; 4x8x40
 
 
 WIDE_LOOP_BEFORE_FUSED_SCORES = 1 << 23
-"""The same for float32 and float16 calls, inference and training (float32 also needs
-:data:`WIDE_LOOP_MIN_KEYS` keys). The loops' time over the fused kernel's, two threads, the same
-CPU, ``bench_loop_sizes.py --dtype`` (per-round ratios, median [min-max]):
+"""The same for float32 calls, inference and training (also needing :data:`WIDE_LOOP_MIN_KEYS`
+keys). The loops' time over the fused kernel's, two threads, the same CPU, ``bench_loop_sizes.py
+--dtype`` (per-round ratios, median [min-max]). On the loops of 2026-12-04 21:00 (7 rounds,
+``loop-sizes-float32-fast.json``): 1x8xLx64 at L = 256 1.23, 512 (2^21) 0.97 [0.85-1.02], 1024
+0.98 [0.97-1.00], 2048 0.91, 4096 0.89, causal 1024 0.78, 4x8x4096x40 0.81, 2x10x4096x64 against
+77 keys 0.87. Before them:
 
 - inference, 7 rounds: float32 1x8xLx64 at L = 512 (2^21 scores) 1.08 [0.97-1.15], 1024 0.85,
   2048 0.96, 4096 0.93, causal 1024 0.91, 4x8x4096x40 0.91, 2x10x4096x64 against 77 keys 0.98
@@ -132,6 +139,11 @@ CPU, ``bench_loop_sizes.py --dtype`` (per-round ratios, median [min-max]):
 
 Below 2^21 scores the fused kernel is faster (inference 1.2-1.9x from 2^17 to 2^19 scores, 5-12x
 on tiny calls and decode steps)."""
+HALF_LOOP_BEFORE_FUSED_SCORES = 1 << 22
+"""The same for float16 calls (the fused kernel converts float16 to float32). On the loops of
+2026-12-04 21:00 (7 rounds, ``loop-sizes-float16-fast.json``): 1x8xLx64 at L = 256 1.19, 512
+(2^21) 0.95 [0.94-0.98], 1024 0.88, 2048 0.85, 4096 0.86, causal 1024 0.72, 4x8x4096x40 0.85,
+Stable Diffusion 1.5's cross-attention 2x10x4096x64 against 77 keys (2^22.6) 0.77 [0.75-0.77]."""
 WIDE_LOOP_MIN_KEYS = 512
 """A float32 call with fewer keys than one of the loop's blocks spreads each block's per-row work
 (the accumulator's correction, the row's maximum and sum) over few scores: the fused kernel was
@@ -188,7 +200,8 @@ def before_fused(inp: Inputs, need_grad: bool, packed: bool = False) -> bool:
     call per sequence as before. Else a call of :func:`fast_kernel` (with ``need_grad``,
     its backward too: :func:`backward_kernel`) of :data:`LOOP_BEFORE_FUSED_SCORES` scores or more
     in bfloat16, of :data:`WIDE_LOOP_BEFORE_FUSED_SCORES` in float32 (with
-    :data:`WIDE_LOOP_MIN_KEYS` keys or more) and float16."""
+    :data:`WIDE_LOOP_MIN_KEYS` keys or more) and of :data:`HALF_LOOP_BEFORE_FUSED_SCORES` in
+    float16."""
     if packed:
         plain = inp.score_mod is None and inp.mask_mod is None and inp.attn_mask is None and inp.dropout_p == 0.0
         return plain and _with_packed(inp, fast_kernel(inp)) is not None
@@ -199,7 +212,14 @@ def before_fused(inp: Inputs, need_grad: bool, packed: bool = False) -> bool:
     scores = inp.n_groups * inp.B * inp.Hq * inp.Lq * inp.Lk
     if inp.dtype == torch.float32 and inp.Lk < WIDE_LOOP_MIN_KEYS:
         return False
-    return scores >= (WIDE_LOOP_BEFORE_FUSED_SCORES if inp.dtype in WIDE_DTYPES else LOOP_BEFORE_FUSED_SCORES)
+    return scores >= _BEFORE_FUSED_SCORES[inp.dtype]
+
+
+_BEFORE_FUSED_SCORES = {
+    torch.bfloat16: LOOP_BEFORE_FUSED_SCORES,
+    torch.float32: WIDE_LOOP_BEFORE_FUSED_SCORES,
+    torch.float16: HALF_LOOP_BEFORE_FUSED_SCORES,
+}
 
 
 def before_fused_note(inp: Inputs, need_grad: bool, packed: bool = False) -> str:
@@ -211,15 +231,15 @@ def before_fused_note(inp: Inputs, need_grad: bool, packed: bool = False) -> str
         )
     loops = "forward and backward loops" if need_grad else "forward loop"
     if inp.dtype == torch.bfloat16:
-        gain = "0.65-0.88x its time for forward + backward" if need_grad else "0.64-0.82x its time"
+        gain = "0.65-0.88x its time for forward + backward" if need_grad else "0.42-0.84x its time"
         return (
             f"the tiles' {loops} in C++ (native kernel, AVX512-BF16, no AMX) before the fused kernel: {gain} "
-            "from 2^21 bfloat16 scores on an AMD EPYC"
+            "from 2^19 bfloat16 scores on an AMD EPYC"
         )
-    gain = "0.80-0.95x its time for forward + backward" if need_grad else "0.85-0.93x its time"
+    gain = "0.80-0.95x its time for forward + backward" if need_grad else "0.72-0.98x its time"
     return (
         f"the tiles' {loops} in C++ (native kernel, float32 products on AVX512F, no AMX) before the fused kernel: "
-        f"{gain} from 2^23 float32 or float16 scores on an AMD EPYC"
+        f"{gain} from 2^23 float32 or 2^22 float16 scores on an AMD EPYC"
     )
 
 
