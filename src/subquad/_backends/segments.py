@@ -49,7 +49,7 @@ Against the per-tile backward (bfloat16 products of offset scores, whose P carri
 from __future__ import annotations
 
 from types import ModuleType
-from typing import Iterable, List, Optional, Set, Tuple
+from typing import Dict, Iterable, List, Optional, Set, Tuple
 
 import torch
 from torch import Tensor
@@ -325,19 +325,21 @@ def forward_packed(inp: Inputs, kernel: ModuleType, limit: int, out: Tensor, lse
     row = packed_row_bytes(inp)
     done: Set[int] = set()
     group: List[int] = []
-    rows = held = 0  # the group's rows, and the most one of its sequences holds while it runs
+    rows = held = end = 0  # the group's rows, the most one of its sequences holds, its last row
+    sizes: Dict[Tuple[int, int], int] = {}  # segment_bytes by lengths: a few distinct ones, many sequences
     for s in range(p.n):
         qs, qe, ks, ke = p.rows(s)
-        own = segment_bytes(inp, qe - qs, ke - ks)
-        contiguous = not group or p.rows(group[-1])[1] == qs
-        if group and (not contiguous or (rows + qe - qs) * row + max(held, own) > limit):
+        own = sizes.get((qe - qs, ke - ks)) or sizes.setdefault(
+            (qe - qs, ke - ks), segment_bytes(inp, qe - qs, ke - ks)
+        )
+        if group and (end != qs or (rows + qe - qs) * row + max(held, own) > limit):
             _packed_group(inp, kernel, group, out, lse)
             done.update(group)
             group, rows, held = [], 0, 0
         if (qe - qs) * row + own > limit:
             continue
         group.append(s)
-        rows, held = rows + qe - qs, max(held, own)
+        rows, held, end = rows + qe - qs, max(held, own), qe
     if group:
         _packed_group(inp, kernel, group, out, lse)
         done.update(group)
