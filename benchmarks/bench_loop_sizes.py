@@ -12,7 +12,9 @@ AVX512-BF16, or AVX512F for float32 and float16) and ``backend="fused"``, in ``-
 order alternating from round to round; the figures are the best round's median per backend and
 the per-round ratio, median [min-max]. Shapes: 1x8xLx64 for L = 16 ... 4096, causal 1024, a
 decode step (32 query heads on 8 key heads, 512 keys), Stable Diffusion 1.5's self-attention at
-512x512 (4x8x4096x40) and its cross-attention (2x10x4096x64 against 77 keys).
+512x512 (4x8x4096x40) and its cross-attention (2x10x4096x64 against 77 keys). ``--cases hosts``
+times what a Stable Diffusion host runs per step instead (:data:`HOST_CASES`), ``--cases
+head-dims`` wide heads (:data:`HEAD_DIM_CASES`).
 ``segments.LOOP_BEFORE_FUSED_SCORES`` and ``WIDE_LOOP_BEFORE_FUSED_SCORES`` are read off these.
 ``--backward`` times forward + backward (the backward loop where it runs), without the decode
 step.
@@ -51,6 +53,35 @@ CASES = [
     ("SD 1.5 cross 2x10x4096x64, 77 keys", (2, 10, 4096, 64), (2, 10, 77, 64), False, False),
 ]
 
+# ``--cases hosts``: what a Stable Diffusion host on a CPU runs per image step, at batch 2
+# (classifier-free guidance): the UNet's self- and cross-attention (77 text tokens) at each of
+# its resolutions, and the VAE decoder's one-head attention over the latent's pixels.
+HOST_CASES = [
+    ("SD 1.5 self 2x8x4096x40", (2, 8, 4096, 40), (2, 8, 4096, 40), False, False),
+    ("SD 1.5 self 2x8x1024x80", (2, 8, 1024, 80), (2, 8, 1024, 80), False, False),
+    ("SD 1.5 self 2x8x256x160", (2, 8, 256, 160), (2, 8, 256, 160), False, False),
+    ("SD 1.5 cross 2x8x4096x40, 77 keys", (2, 8, 4096, 40), (2, 8, 77, 40), False, False),
+    ("SD 1.5 cross 2x8x1024x80, 77 keys", (2, 8, 1024, 80), (2, 8, 77, 80), False, False),
+    ("SD 1.5 cross 2x8x256x160, 77 keys", (2, 8, 256, 160), (2, 8, 77, 160), False, False),
+    ("SDXL self 2x10x4096x64", (2, 10, 4096, 64), (2, 10, 4096, 64), False, False),
+    ("SDXL self 2x20x1024x64", (2, 20, 1024, 64), (2, 20, 1024, 64), False, False),
+    ("SDXL cross 2x10x4096x64, 77 keys", (2, 10, 4096, 64), (2, 10, 77, 64), False, False),
+    ("SDXL cross 2x20x1024x64, 77 keys", (2, 20, 1024, 64), (2, 20, 77, 64), False, False),
+    ("VAE 1x1x1024x512 (256 px)", (1, 1, 1024, 512), (1, 1, 1024, 512), False, False),
+    ("VAE 1x1x4096x512 (512 px)", (1, 1, 4096, 512), (1, 1, 4096, 512), False, False),
+]
+
+# ``--cases head-dims``: wide heads at 2^24-2^25 scores (where float32 leaves the loops).
+HEAD_DIM_CASES = [
+    ("1x8x2048x128", (1, 8, 2048, 128), (1, 8, 2048, 128), False, False),
+    ("2x8x1024x160", (2, 8, 1024, 160), (2, 8, 1024, 160), False, False),
+    ("1x4x2048x256", (1, 4, 2048, 256), (1, 4, 2048, 256), False, False),
+    ("1x1x4096x256", (1, 1, 4096, 256), (1, 1, 4096, 256), False, False),
+    ("1x2x4096x384", (1, 2, 4096, 384), (1, 2, 4096, 384), False, False),
+    ("1x1x4096x512", (1, 1, 4096, 512), (1, 1, 4096, 512), False, False),
+]
+SETS = {"sizes": CASES, "hosts": HOST_CASES, "head-dims": HEAD_DIM_CASES}
+
 
 def _median_ms(fn: Callable[[], Any], n: int) -> float:
     times = []
@@ -86,6 +117,12 @@ def main() -> None:
     ap.add_argument("--backward", action="store_true", help="forward + backward, not inference")
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "float16"))
     ap.add_argument("--rounds", type=int, default=2, help="rounds per case, the backends alternating")
+    ap.add_argument(
+        "--cases",
+        default="sizes",
+        choices=tuple(SETS),
+        help="sizes: by call size; hosts: Stable Diffusion's; head-dims: wide heads",
+    )
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
     kernel = _native.tile_kernel()
@@ -94,7 +131,7 @@ def main() -> None:
         raise SystemExit(f"the native kernel's forward loop is not available: {_native.status()}")
     rows: List[Dict[str, Any]] = []
     g = torch.Generator().manual_seed(0)
-    for name, sq, skv, causal, gqa in CASES:
+    for name, sq, skv, causal, gqa in SETS[args.cases]:
         if args.backward and sq[2] == 1:
             continue  # a decode step needs no gradient
         q = torch.randn(sq, generator=g).to(dtype).requires_grad_(args.backward)
@@ -132,6 +169,7 @@ def main() -> None:
                     "torch_threads": torch.get_num_threads(),
                     "mode": mode,
                     "dtype": args.dtype,
+                    "cases": args.cases,
                     "rows": rows,
                 },
                 f,

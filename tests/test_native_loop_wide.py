@@ -173,6 +173,43 @@ def _check_grads(q, k, v, d_out, out, grads, **kw):
     return torch.isfinite(golden).all(dim=-1, keepdim=True)
 
 
+@pytest.mark.parametrize(
+    "shape, chunk, in_place",
+    [
+        ((1, 1, 300, 40), None, True),  # whole rows: size-1 dims whose strides the output may not share
+        ((1, 1, 300, 40), (64, 300), True),  # blocks of rows of one head: each block contiguous in the output
+        ((1, 3, 300, 40), (64, 300), False),  # blocks of rows of three heads: strided, their own accumulator
+    ],
+)
+def test_float32_rows_accumulate_in_the_output(wide, two_threads, monkeypatch, shape, chunk, in_place):
+    """Where a float32 call's rows are contiguous in its output, the loop accumulates in them
+    (no buffer of the output's size to allocate and fault in per call); elsewhere in its own
+    buffer. Both give the float64 result, forward and backward, rows that see no key included."""
+    accumulators = []
+    real = wide.kernel
+
+    class Spy:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def forward_segment_f32(self, q, k, v, m, l, acc, *rest):
+            accumulators.append(acc.data_ptr())
+            return real.forward_segment_f32(q, k, v, m, l, acc, *rest)
+
+    monkeypatch.setattr(wide, "kernel", Spy())
+    g = torch.Generator().manual_seed(24)
+    q, k, v = (torch.randn(shape, generator=g).requires_grad_() for _ in range(3))
+    keep = torch.arange(300) <= torch.arange(300).view(-1, 1) - 40  # the first 40 rows see nothing
+    out = subquad.attention(q, k, v, attn_mask=keep, backend="matmul", chunk_size=chunk)
+    assert accumulators, wide.names
+    inside = [out.data_ptr() <= a < out.data_ptr() + out.numel() * 4 for a in accumulators]
+    assert all(inside) if in_place else not any(inside), (inside, chunk)
+    assert bool((out[:, :, :40] == 0).all())
+    d_out = torch.randn(out.shape, generator=g)
+    grads = torch.autograd.grad(out, (q, k, v), d_out)
+    _check_grads(q, k, v, d_out, out, grads, attn_mask=keep)
+
+
 @pytest.mark.parametrize("dtype", WIDE, ids=str)
 @pytest.mark.parametrize("name", list(CASES))
 def test_the_wide_backward_loop_matches_float64(wide, two_threads, name, dtype):
@@ -307,6 +344,10 @@ def test_auto_takes_the_wide_loops_for_large_calls_without_amx(wide, monkeypatch
         assert subquad.explain(cross, cross[:, :, :77], cross[:, :, :77]).backend == want
         sd = cross[:2]  # 2^22.6 scores (Stable Diffusion 1.5's cross-attention): float16 from 2^22
         assert subquad.explain(sd, sd[:, :, :77], sd[:, :, :77]).backend == want
+        vae = torch.empty(1, 1, 4096, 512, dtype=dtype)  # 2^24 scores, a head of 512: float32 at parity
+        assert subquad.explain(vae, vae, vae).backend == ("fused" if dtype == torch.float32 else "matmul")
+        wide_head = torch.empty(1, 2, 4096, 384, dtype=dtype)  # 384 wide: the loop, 0.92-0.96x
+        assert subquad.explain(wide_head, wide_head, wide_head).backend == "matmul"
         trained = big.clone().requires_grad_()  # both loops: 0.80-0.95x the fused forward + backward
         plan = subquad.explain(trained, trained, trained)
         assert plan.backend == "matmul" and any("forward and backward loops in C++" in n for n in plan.notes), plan

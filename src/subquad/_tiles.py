@@ -121,10 +121,14 @@ class RowState(NamedTuple):
 
 def finish_rows(inp: Inputs, qs: int, qe: int, state: RowState, out: Tensor, log2: bool) -> Tensor:
     """Rows ``[qs, qe)`` done: ``acc / l`` written into ``out`` (0 where a row saw nothing: its acc
-    is 0), and their lse ``(B, Hq, qn)`` returned, from ``m`` in log2 units if ``log2``."""
+    is 0; in place where ``acc`` is those rows of ``out``), and their lse ``(B, Hq, qn)``
+    returned, from ``m`` in log2 units if ``log2``."""
     B, Hq, qn = inp.B, inp.Hq, qe - qs
     l_safe = state.l.masked_fill(state.l == 0, 1.0)
-    out[:, :, qs:qe].copy_(state.acc.div_(l_safe.unsqueeze(-1)).view(B, Hq, qn, inp.Ev))
+    rows = state.acc.div_(l_safe.unsqueeze(-1)).view(B, Hq, qn, inp.Ev)
+    dest = out[:, :, qs:qe]
+    if rows.data_ptr() != dest.data_ptr():  # else acc is dest's memory (strides of size-1 dims aside)
+        dest.copy_(rows)
     if log2:
         return (state.m + torch.log2(state.l)).mul_(math.log(2.0)).view(B, Hq, qn)
     return (state.m + torch.log(state.l)).view(B, Hq, qn)

@@ -146,8 +146,16 @@ HALF_LOOP_BEFORE_FUSED_SCORES = 1 << 22
 Stable Diffusion 1.5's cross-attention 2x10x4096x64 against 77 keys (2^22.6) 0.77 [0.75-0.77]."""
 WIDE_LOOP_MIN_KEYS = 512
 """A float32 call with fewer keys than one of the loop's blocks spreads each block's per-row work
-(the accumulator's correction, the row's maximum and sum) over few scores: the fused kernel was
-faster (77 keys above)."""
+(the accumulator's correction, the row's maximum and sum) over few scores. Set when the fused
+kernel was faster at 77 keys (above); on the loops of 2026-12-04 (5 rounds, the accumulator in
+the output, ``bench_loop_sizes.py --cases hosts``) 77 keys take 0.78-0.98x its time for inference
+and 0.88-0.96x for training, but 128 and 256 keys at 2^22 scores 1.01-1.06x: kept, as the
+cross-attention it leaves to the fused kernel is a few percent of Stable Diffusion's attention."""
+WIDE_LOOP_MAX_HEAD_DIM = 384
+"""A float32 call with a wider head leaves the loops to the fused kernel: both run at the FMA
+units' peak there, the fused kernel's GEMMs a little ahead. The VAE decoder's one-head attention
+(1x1x4096x512) took 1.02-1.06x its time in the loop (four runs), head dims 256 and 384
+0.92-0.96x (``loop-sizes-hosts-*.json``, ``loop-sizes-head-dims-float32.json``)."""
 
 
 WIDE_LOOP_MIN_LANES = 16
@@ -200,8 +208,8 @@ def before_fused(inp: Inputs, need_grad: bool, packed: bool = False) -> bool:
     call per sequence as before. Else a call of :func:`fast_kernel` (with ``need_grad``,
     its backward too: :func:`backward_kernel`) of :data:`LOOP_BEFORE_FUSED_SCORES` scores or more
     in bfloat16, of :data:`WIDE_LOOP_BEFORE_FUSED_SCORES` in float32 (with
-    :data:`WIDE_LOOP_MIN_KEYS` keys or more) and of :data:`HALF_LOOP_BEFORE_FUSED_SCORES` in
-    float16."""
+    :data:`WIDE_LOOP_MIN_KEYS` keys or more and heads of :data:`WIDE_LOOP_MAX_HEAD_DIM` at most)
+    and of :data:`HALF_LOOP_BEFORE_FUSED_SCORES` in float16."""
     if packed:
         plain = inp.score_mod is None and inp.mask_mod is None and inp.attn_mask is None and inp.dropout_p == 0.0
         return plain and _with_packed(inp, fast_kernel(inp)) is not None
@@ -210,7 +218,7 @@ def before_fused(inp: Inputs, need_grad: bool, packed: bool = False) -> bool:
     if need_grad and backward_kernel(inp) is None:
         return False
     scores = inp.n_groups * inp.B * inp.Hq * inp.Lq * inp.Lk
-    if inp.dtype == torch.float32 and inp.Lk < WIDE_LOOP_MIN_KEYS:
+    if inp.dtype == torch.float32 and (inp.Lk < WIDE_LOOP_MIN_KEYS or max(inp.E, inp.Ev) > WIDE_LOOP_MAX_HEAD_DIM):
         return False
     return scores >= _BEFORE_FUSED_SCORES[inp.dtype]
 
@@ -294,7 +302,11 @@ def forward_rows(inp: Inputs, qs: int, qe: int, segments: Iterable[Segment], out
     rows = B * Hq * qn
     m = torch.full((rows,), NEG_INF, dtype=torch.float32)
     l = torch.zeros(rows, dtype=torch.float32)
-    acc = torch.zeros((rows, inp.Ev), dtype=torch.float32)
+    dest = out[:, :, qs:qe]
+    if dest.dtype == torch.float32 and dest.is_contiguous():  # the output's own rows accumulate
+        acc = dest.view(rows, inp.Ev).zero_()  # (one buffer of B·Hq·qn·Ev fewer to fault in)
+    else:
+        acc = torch.zeros((rows, inp.Ev), dtype=torch.float32)
     q = unit_stride(inp.q[:, :, qs:qe])
     alpha = inp.scale * LOG2E  # scores in log2 units: exp2 needs no multiply
     cap = softcap(inp)
