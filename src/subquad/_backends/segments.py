@@ -148,14 +148,15 @@ WIDE_LOOP_MIN_KEYS = 512
 """A float32 call with fewer keys than one of the loop's blocks spreads each block's per-row work
 (the accumulator's correction, the row's maximum and sum) over few scores. Set when the fused
 kernel was faster at 77 keys (above); on the loops of 2026-12-04 (5 rounds, the accumulator in
-the output, ``bench_loop_sizes.py --cases hosts``) 77 keys take 0.78-0.98x its time for inference
+the output, ``bench_loop_sizes.py --cases hosts``) 77 keys take 0.81-0.97x its time for inference
 and 0.88-0.96x for training, but 128 and 256 keys at 2^22 scores 1.01-1.06x: kept, as the
 cross-attention it leaves to the fused kernel is a few percent of Stable Diffusion's attention."""
 WIDE_LOOP_MAX_HEAD_DIM = 384
 """A float32 call with a wider head leaves the loops to the fused kernel: both run at the FMA
 units' peak there, the fused kernel's GEMMs a little ahead. The VAE decoder's one-head attention
-(1x1x4096x512) took 1.02-1.06x its time in the loop (four runs), head dims 256 and 384
-0.92-0.96x (``loop-sizes-hosts-*.json``, ``loop-sizes-head-dims-float32.json``)."""
+(1x1x4096x512) took 1.03x and 1.05x its time in the loop (per-round medians of the two runs on
+file, rounds 0.99-1.07x), head dims 128 to 384 0.92-0.96x (``loop-sizes-hosts-float32.json``,
+``loop-sizes-head-dims-float32.json``)."""
 
 
 WIDE_LOOP_MIN_LANES = 16
