@@ -300,7 +300,6 @@ def _extract(tmp: str) -> str:
     candidates = [
         os.environ.get("SUBQUAD_HOSTS_DIR"),
         os.path.join(REPO, "..", "shared", "hosts"),
-        "/work/shared/hosts",
     ]
     for folder in candidates:
         if folder and os.path.isfile(os.path.join(folder, SNAPSHOT)):

@@ -2,8 +2,9 @@
 
 ``python tests/_comfyui_cases.py COMFYUI_ROOT [case ...]`` (run by tests/test_hosts_comfyui.py):
 ComfyUI mutates global state when imported (its cli args, model management, ``sys.path``), so it
-is imported here, never in the pytest process. Each case prints one JSON line ``{"case", "ok",
-"detail"}``; a ComfyUI that cannot be imported prints ``{"skip": reason}`` instead.
+is imported here, never in the pytest process. Each case prints one JSON line
+(tests/_host_snapshots.py: ``Worker``); a third-party package ComfyUI needs and this Python lacks
+(``.ci/host-requirements.txt``) prints a skip line instead.
 
 Only ``torchvision`` is a stand-in (the wheel on the index links CUDA and fails next to the CPU
 build of torch; only the cascade/cosmos/ace model files import it). Attention, samplers, model
@@ -16,21 +17,17 @@ from __future__ import annotations
 
 import asyncio
 import importlib.machinery
-import json
 import logging
 import os
 import sys
-import time
-import traceback
 import types
 
+from _host_snapshots import Worker, close
+
 ROOT = os.path.abspath(sys.argv[1])
-CASES = {}
-
-
-def case(fn):
-    CASES[fn.__name__] = fn
-    return fn
+WORKER = Worker("ComfyUI", ROOT, own=["comfy", "comfy_extras", "comfy_api", "comfy_execution", "nodes"])
+case = WORKER.case
+FUDGE = 4.0  # vs ComfyUI's attention_pytorch: another order of the same float32 sums
 
 
 def _torchvision_stand_in():
@@ -49,9 +46,9 @@ def _torchvision_stand_in():
     sys.modules["torchvision.transforms"] = tr
 
 
-try:
-    import torch
+import torch  # noqa: E402
 
+with WORKER.imports():  # a package of .ci/host-requirements.txt missing here: one skip line, the end
     _torchvision_stand_in()
     sys.path.insert(0, ROOT)
     import comfy.cli_args
@@ -68,9 +65,6 @@ try:
     import comfy.sd
     import comfy.supported_models
     import nodes
-except Exception as e:  # a missing dependency of ComfyUI: the tests skip, saying which
-    print(json.dumps({"skip": f"ComfyUI could not be imported: {type(e).__name__}: {e}"}), flush=True)
-    sys.exit(0)
 
 import subquad  # noqa: E402
 import subquad.integrations.comfyui as sqc  # noqa: E402
@@ -115,21 +109,6 @@ def check(cond, message):
         raise AssertionError(message)
 
 
-def close(name, test, ref, golden, fudge=4.0, floor=1e-6):
-    """err(test) <= fudge * err(ref) + floor against the float64 golden, with a message that says where."""
-    test, ref = test.double(), ref.double()
-    check(test.shape == golden.shape, f"{name}: shape {tuple(test.shape)}, expected {tuple(golden.shape)}")
-    check(bool(torch.isfinite(test).all()), f"{name}: non-finite values in the output")
-    err, ref_err = (test - golden).abs(), (ref - golden).abs().max().item()
-    worst = err.max().item()
-    if worst > fudge * ref_err + floor:
-        at = tuple(int(i) for i in torch.nonzero(err == worst)[0])
-        raise AssertionError(
-            f"{name}: max error {worst:.3g} at {at} vs ComfyUI's attention_pytorch {ref_err:.3g} "
-            f"(allowed {fudge} x that + {floor})"
-        )
-
-
 def golden(q, k, v, heads, mask=None, skip_reshape=False, skip_output_reshape=False):
     """Float64 attention in ComfyUI's layouts, written out: softmax(q kᵀ / sqrt(D) + mask) v; a row
     that sees no key gives 0."""
@@ -170,7 +149,7 @@ def attention_layouts():
                 kw = dict(skip_reshape=skip_reshape, skip_output_reshape=skip_out)
                 ours = sqc.attention(q, k, v, heads, **kw)
                 theirs = attn.attention_pytorch(q, k, v, heads, **kw)
-                close(f"{b}x{lq}x{lk} heads={heads} D={d} {kw}", ours, theirs, golden(q, k, v, heads, **kw))
+                close(f"{b}x{lq}x{lk} heads={heads} D={d} {kw}", ours, theirs, golden(q, k, v, heads, **kw), FUDGE)
     # value with its own head dim (ComfyUI's own functions assume D == Dv; subquad does not)
     q, k, _ = qkv(2, 9, 17, 3, 8)
     v = torch.randn(2, 17, 3 * 5)
@@ -180,7 +159,8 @@ def attention_layouts():
     # non-contiguous inputs (chunks of one projection, as VAEs and some DiTs pass them)
     qkv_ = torch.randn(2, 21, 3 * 24)
     q, k, v = qkv_.chunk(3, dim=-1)
-    close("chunked views", sqc.attention(q, k, v, 4), attn.attention_pytorch(q, k, v, 4), golden(q, k, v, 4))
+    ours, theirs = sqc.attention(q, k, v, 4), attn.attention_pytorch(q, k, v, 4)
+    close("chunked views", ours, theirs, golden(q, k, v, 4), FUDGE)
 
 
 @case
@@ -210,7 +190,7 @@ def attention_masks():
                 name = f"{kind} {label} {tuple(shape)} skip_reshape={skip_reshape}"
                 ours = sqc.attention(q, k, v, heads, mask=mask, **kw)
                 theirs = attn.attention_pytorch(q, k, v, heads, mask=mask, **kw)
-                close(name, ours, theirs, golden(q, k, v, heads, mask=mask, **kw))
+                close(name, ours, theirs, golden(q, k, v, heads, mask=mask, **kw), FUDGE)
     # a row that sees no key gives 0 (SDPA's convention), not NaN
     q, k, v = qkv(1, 4, 6, 2, 8)
     mask = torch.ones(4, 6, dtype=torch.bool)
@@ -387,12 +367,26 @@ def model_node():
         raise AssertionError("a 1KiB budget from the node did not reach subquad")
     except MemoryBudgetError:
         pass
+    shown = refusal_as_comfyui_shows_it(lambda: model_cls().patch(model, "lots"))
+    _, vae_cls = node_classes()
+    check(refusal_as_comfyui_shows_it(lambda: vae_cls().patch(None, "lots")) == shown, "the VAE node says otherwise")
+    return {"attention_calls_per_step": n_default, "relative_difference": rel(out, base), "lots": shown}
+
+
+def refusal_as_comfyui_shows_it(run_node):
+    """The error a node raises as ComfyUI's error dialog shows it (execution.py: exception_type,
+    exception_message): public names only, the input, the value, what would work."""
+    import execution
+
     try:
-        model_cls().patch(model, "lots")
+        run_node()
+    except Exception as e:
+        shown = f"{execution.full_type_name(type(e))}: {e}"
+    else:
         raise AssertionError("memory_budget='lots' was accepted by the node")
-    except ValueError as e:
-        check("lots" in str(e), f"message: {e}")
-    return {"attention_calls_per_step": n_default, "relative_difference": rel(out, base)}
+    want = "subquad.ArgumentError: memory_budget: expected bytes or a size like '512MiB' or '2GB'"
+    check(shown.startswith(want) and shown.endswith("got 'lots'."), f"the dialog shows {shown!r}")
+    return shown
 
 
 @case
@@ -432,6 +426,10 @@ def unsupported_host():
         raise AssertionError("no error without any hook")
     except sqc.HostUnsupported as e:
         message = str(e)
+        import execution
+
+        shown = execution.full_type_name(type(e))  # the type ComfyUI's error dialog names
+        check(shown == "subquad.integrations.comfyui.HostUnsupported", f"the dialog names {shown}")
     finally:
         attn.wrap_attn, patcher_cls.set_model_attn1_replace, patcher_cls.set_model_attn2_replace = saved
     for part in ("0.3.64", "optimized_attention_override", "set_model_attn1_replace"):
@@ -541,12 +539,4 @@ def default_mode():
 
 
 if __name__ == "__main__":
-    for name in sys.argv[2:] or list(CASES):
-        start = time.perf_counter()
-        try:
-            extra = CASES[name]()
-            row = {"case": name, "ok": True, "detail": extra}
-        except Exception:
-            row = {"case": name, "ok": False, "detail": traceback.format_exc()[-3000:]}
-        row["seconds"] = round(time.perf_counter() - start, 2)
-        print(json.dumps(row, default=str), flush=True)
+    WORKER.main(sys.argv[2:])

@@ -1,12 +1,13 @@
 """subquad.integrations.a1111 against AUTOMATIC1111's real code (the snapshots in shared/hosts).
 
 The three snapshots (stable-diffusion-webui, Stability-AI's ``ldm`` and ``sgm``) are found through
-``SUBQUAD_HOSTS_DIR``, else ``<repo>/../shared/hosts``, else ``/work/shared/hosts``, and extracted
-to a temporary folder laid out as A1111's installer lays them out (``repositories/...``); without
-them the tests skip. Importing the web UI puts ``modules``, ``ldm`` and ``sgm`` into
-``sys.modules`` and patches torch, so every check that imports it runs in one child process
-(tests/_a1111_cases.py, one JSON line per case; its docstring lists the stand-ins) and each case is
-a test here:
+``SUBQUAD_HOSTS_DIR``, else ``<repo>/../shared/hosts``, and extracted to a temporary folder laid out
+as A1111's installer lays them out (``repositories/...``); without them the tests skip, and so do
+the cases when a package of ``.ci/host-requirements.txt`` is missing (the reason names it).
+Importing the web UI puts ``modules``, ``ldm`` and ``sgm`` into ``sys.modules`` and patches torch,
+so every check that imports it runs in one child process (tests/_a1111_cases.py, one JSON line per
+case; its docstring lists the stand-ins; tests/_host_snapshots.py runs it) and each case is a test
+here:
 
 - the extension folder that ``install`` wrote, loaded by A1111's own script loader, registers
   subquad through ``script_callbacks.on_list_optimizers``; A1111's ``sd_hijack.list_optimizers``
@@ -17,23 +18,31 @@ a test here:
   golden as they are in float32;
 - a real A1111 ``Hypernetwork`` in ``shared.loaded_hypernetworks`` is applied as A1111's own
   forward applies it; ``opts.upcast_attn`` (fp16, bf16; fp16 products that overflow); the budget
-  from the setting and from ``SUBQUAD_MEMORY_BUDGET`` reaches subquad.
+  from the setting and from ``SUBQUAD_MEMORY_BUDGET`` reaches subquad; a setting that is not a
+  size fails the generation with the message A1111 shows (the setting, what works, the value) and
+  the public ``subquad.ArgumentError``.
 
 Installing, the refusals and the import isolation need no A1111 import and run here.
 """
 
 from __future__ import annotations
 
-import ast
-import json
-import os
 import pathlib
 import subprocess
 import sys
 
 import pytest
 
-from _host_snapshots import extract, extract_root, hosts_folder
+from _host_snapshots import (
+    case_names,
+    check_case,
+    extract,
+    extract_root,
+    fake_host,
+    imported_modules,
+    run_worker,
+    snapshots,
+)
 from subquad.integrations import a1111
 from subquad.integrations._hosts import MARKER, HostNotFound
 
@@ -43,20 +52,11 @@ LAYOUT = {  # archive -> where A1111's installer puts its top folder's contents,
     "stablediffusion-cf1d67a6-ldm.tar.gz": "repositories/stable-diffusion-stability-ai",
     "generative-models-45c443b3-sgm.tar.gz": "repositories/generative-models",
 }
-CASES = [
-    node.name
-    for node in ast.parse(WORKER.read_text()).body
-    if isinstance(node, ast.FunctionDef) and any(getattr(d, "id", None) == "case" for d in node.decorator_list)
-]
 
 
 @pytest.fixture(scope="module")
 def webui_root(tmp_path_factory):
-    folder = hosts_folder(WEBUI, *LAYOUT)
-    if folder is None:
-        pytest.skip(
-            f"no A1111 snapshots ({WEBUI}, {', '.join(LAYOUT)}); set SUBQUAD_HOSTS_DIR to the folder that holds them"
-        )
+    folder = snapshots(WEBUI, *LAYOUT)
     root = extract_root(folder / WEBUI, tmp_path_factory.mktemp("a1111"))
     for archive, under in LAYOUT.items():
         (root / under).mkdir(parents=True)
@@ -66,32 +66,16 @@ def webui_root(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def results(webui_root):
-    env = {k: v for k, v in os.environ.items() if k not in (a1111.ENV_BUDGET, "COMMANDLINE_ARGS", "ATTN_PRECISION")}
-    run = subprocess.run(
-        [sys.executable, str(WORKER), str(webui_root)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=900,  # the cases take about 10 s on 2 cores: only a hang gets near this
-    )
-    found = {}
-    for line in run.stdout.splitlines():
-        if line.startswith("{"):
-            row = json.loads(line)
-            found[row["case"]] = row
-    return found, run.stderr[-3000:]
+    return run_worker(WORKER, webui_root, drop_env=(a1111.ENV_BUDGET, "COMMANDLINE_ARGS", "ATTN_PRECISION"))
 
 
-@pytest.mark.parametrize("name", CASES)
+@pytest.mark.parametrize("name", case_names(WORKER))
 def test_a1111(results, name):
-    found, stderr = results
-    assert name in found, f"the worker reported nothing for {name}; its stderr:\n{stderr}"
-    assert found[name]["ok"], found[name]["detail"]
+    check_case(results, name)
 
 
-def test_install_is_idempotent_and_uninstall_removes_it(webui_root, results):
-    # after the worker (``results``), which installed into the same tree and loaded the script
-    a1111.uninstall(webui_root)
+def test_install_is_idempotent_and_uninstall_removes_it(webui_root):
+    a1111.uninstall(webui_root)  # the worker's, if it ran first in this process
     path = a1111.install(webui_root)
     assert path == webui_root.resolve() / "extensions" / "subquad"
     files = sorted(str(p.relative_to(path)) for p in path.rglob("*") if p.is_file())
@@ -100,23 +84,18 @@ def test_install_is_idempotent_and_uninstall_removes_it(webui_root, results):
     assert a1111.install(webui_root) == path
     assert {name: (path / name).read_text() for name in files} == texts
     # subquad's own code only: the script imports A1111's callback module and subquad, nothing else
-    tree = ast.parse(texts["scripts/subquad_optimization.py"])
-    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)} | {
-        a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names
-    }
+    imported = imported_modules(texts["scripts/subquad_optimization.py"])
     assert imported == {"modules", "subquad.integrations"}, imported
     assert a1111.TITLE in texts["scripts/subquad_optimization.py"]
-    installer = ast.parse(texts["install.py"])  # run by the web UI at start: only its own launch helpers
-    assert {a.name for n in ast.walk(installer) if isinstance(n, ast.Import) for a in n.names} == {"launch"}
+    # run by the web UI at start: only its own launch helpers
+    assert imported_modules(texts["install.py"]) == {"launch"}
     assert a1111.uninstall(webui_root) == path and not path.exists()
     assert a1111.uninstall(webui_root) is None
     assert (webui_root / "extensions").is_dir()
 
 
 def test_install_creates_extensions_in_a_fresh_checkout(tmp_path):
-    for marker in a1111.MARKERS:
-        (tmp_path / marker).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / marker).write_text("")
+    fake_host(tmp_path, a1111.MARKERS)
     assert a1111.install(tmp_path) == tmp_path.resolve() / "extensions" / "subquad"
 
 
@@ -132,18 +111,14 @@ def test_install_refuses_a_folder_that_is_not_a1111(tmp_path):
 
 
 def test_install_refuses_forge(tmp_path):
-    for marker in [*a1111.MARKERS, "backend/attention.py"]:
-        (tmp_path / marker).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / marker).write_text("")
+    fake_host(tmp_path, [*a1111.MARKERS, "backend/attention.py"])
     with pytest.raises(HostNotFound, match=r"is Stable Diffusion WebUI Forge \(it has backend/attention\.py\)"):
         a1111.install(tmp_path)
     assert not (tmp_path / "extensions").exists()
 
 
 def test_install_refuses_a_folder_of_the_same_name_that_is_not_ours(tmp_path):
-    for marker in a1111.MARKERS:
-        (tmp_path / marker).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / marker).write_text("")
+    fake_host(tmp_path, a1111.MARKERS)
     theirs = tmp_path / "extensions" / "subquad"
     theirs.mkdir(parents=True)
     (theirs / "keep.txt").write_text("a user's own extension")

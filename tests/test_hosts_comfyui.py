@@ -1,9 +1,10 @@
 """subquad.integrations.comfyui against ComfyUI's real code (the v0.3.64 snapshot in shared/hosts).
 
-The snapshot is found through ``SUBQUAD_HOSTS_DIR``, else ``<repo>/../shared/hosts``, else
-``/work/shared/hosts``, and extracted to a temporary folder; without it the tests skip. ComfyUI
-mutates global state when imported, so every check that imports it runs in one child process
-(tests/_comfyui_cases.py, one JSON line per case) and each case is a test here:
+The snapshot is found through ``SUBQUAD_HOSTS_DIR``, else ``<repo>/../shared/hosts``, and
+extracted to a temporary folder; without it the tests skip, and so do the cases when a package of
+``.ci/host-requirements.txt`` is missing (the reason names it). ComfyUI mutates global state when
+imported, so every check that imports it runs in one child process (tests/_comfyui_cases.py, one
+JSON line per case; tests/_host_snapshots.py runs it) and each case is a test here:
 
 - the attention function vs ComfyUI's ``attention_pytorch`` and a float64 golden, in every layout,
   mask kind and skip flag; fp16 scores that overflow; extra keywords; the budget's three sources;
@@ -12,7 +13,8 @@ mutates global state when imported, so every check that imports it runs in one c
   one ``common_ksampler`` step of a tiny SD1.5-config UNet equals ComfyUI's default closely, every
   attention call went through ``subquad.sdpa`` and none through ComfyUI's sub-quad, the original
   model is untouched; the replace-patch path of hosts without the override hook; the message of a
-  host without hooks;
+  host without hooks; a ``memory_budget`` that is not a size, as ComfyUI's error dialog shows it
+  (``subquad.ArgumentError: memory_budget: ...``);
 - the VAE node on a tiny ``AutoencoderKL``; default mode and its undo.
 
 Installing, the refusals and the import isolation need no ComfyUI import and run here.
@@ -20,61 +22,34 @@ Installing, the refusals and the import isolation need no ComfyUI import and run
 
 from __future__ import annotations
 
-import ast
-import json
-import os
 import pathlib
 import subprocess
 import sys
 
 import pytest
 
-from _host_snapshots import extract_root, hosts_folder
+import subquad
+from _host_snapshots import case_names, check_case, extract_root, fake_host, imported_modules, run_worker, snapshots
 from subquad.integrations import comfyui
 from subquad.integrations._hosts import MARKER, HostNotFound
 
 WORKER = pathlib.Path(__file__).with_name("_comfyui_cases.py")
 SNAPSHOT = "ComfyUI-a125cd84.tar.gz"
-CASES = [
-    node.name
-    for node in ast.parse(WORKER.read_text()).body
-    if isinstance(node, ast.FunctionDef) and any(getattr(d, "id", None) == "case" for d in node.decorator_list)
-]
 
 
 @pytest.fixture(scope="module")
 def comfyui_root(tmp_path_factory):
-    folder = hosts_folder(SNAPSHOT)
-    if folder is None:
-        pytest.skip(f"no ComfyUI snapshot ({SNAPSHOT}); set SUBQUAD_HOSTS_DIR to the folder that holds it")
-    return extract_root(folder / SNAPSHOT, tmp_path_factory.mktemp("comfyui"))
+    return extract_root(snapshots(SNAPSHOT) / SNAPSHOT, tmp_path_factory.mktemp("comfyui"))
 
 
 @pytest.fixture(scope="module")
 def results(comfyui_root):
-    env = {k: v for k, v in os.environ.items() if k not in (comfyui.ENV_DEFAULT, comfyui.ENV_BUDGET)}
-    run = subprocess.run(
-        [sys.executable, str(WORKER), str(comfyui_root)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=900,  # the cases take about 30 s on 2 cores: only a hang gets near this
-    )
-    found = {}
-    for line in run.stdout.splitlines():
-        if line.startswith("{"):
-            row = json.loads(line)
-            if "skip" in row:
-                pytest.skip(row["skip"])
-            found[row["case"]] = row
-    return found, run.stderr[-3000:]
+    return run_worker(WORKER, comfyui_root, drop_env=(comfyui.ENV_DEFAULT, comfyui.ENV_BUDGET))
 
 
-@pytest.mark.parametrize("name", CASES)
+@pytest.mark.parametrize("name", case_names(WORKER))
 def test_comfyui(results, name):
-    found, stderr = results
-    assert name in found, f"the worker reported nothing for {name}; its stderr:\n{stderr}"
-    assert found[name]["ok"], found[name]["detail"]
+    check_case(results, name)
 
 
 def test_install_is_idempotent_and_uninstall_removes_it(comfyui_root):
@@ -85,10 +60,7 @@ def test_install_is_idempotent_and_uninstall_removes_it(comfyui_root):
     assert (path / "__init__.py").read_text() == text and (path / MARKER).is_file()
     assert sorted(p.name for p in path.iterdir()) == sorted(["__init__.py", MARKER])
     # subquad's own code only: the node folder imports the package and defines nothing of ComfyUI's
-    tree = ast.parse(text)
-    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)} | {
-        a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names
-    }
+    imported = imported_modules(text)
     assert imported == {"sys", "subquad.integrations"}, imported
     assert comfyui.uninstall(comfyui_root) == path and not path.exists()
     assert comfyui.uninstall(comfyui_root) is None
@@ -108,13 +80,7 @@ def test_install_refuses_a_folder_that_is_not_comfyui(tmp_path):
 
 
 def test_install_leaves_a_users_own_folder_alone(tmp_path):
-    for marker in comfyui.MARKERS:
-        target = tmp_path / marker
-        if "." in marker:
-            target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_text("")
-        else:
-            target.mkdir(parents=True, exist_ok=True)
+    fake_host(tmp_path, comfyui.MARKERS)
     own = tmp_path / "custom_nodes" / "subquad"
     own.mkdir()
     (own / "__init__.py").write_text("# the user's\n")
@@ -143,3 +109,15 @@ def test_hooks_outside_comfyui_say_so():
         pytest.skip("ComfyUI is importable in this process")
     with pytest.raises(ImportError, match="runs inside ComfyUI"):
         comfyui.hooks()
+
+
+@pytest.mark.parametrize("node", [comfyui.SubquadModelAttention, comfyui.SubquadVAEAttention], ids=lambda n: n.__name__)
+def test_a_bad_budget_is_refused_before_the_node_touches_comfyui(node):
+    # the refusal needs no ComfyUI (the worker's model_node checks it inside ComfyUI's own dialog)
+    with pytest.raises(subquad.ArgumentError) as refused:
+        node().patch(None, " lots ")
+    assert str(refused.value) == (
+        "memory_budget: expected bytes or a size like '512MiB' or '2GB', or nothing for the default; got 'lots'."
+    )
+    assert isinstance(refused.value, ValueError) and isinstance(refused.value, RuntimeError)
+    assert f"{type(refused.value).__module__}.{type(refused.value).__qualname__}" == "subquad.ArgumentError"

@@ -9,7 +9,7 @@ install, while ``import subquad.jax`` and ``subquad --version`` work (see ``_req
 
 from typing import Any
 
-from ._errors import MemoryBudgetError
+from ._errors import ArgumentError, ArgumentTypeError, MemoryBudgetError
 from ._requires import require_torch, torch_face_wanted
 from ._version import __version__
 
@@ -28,6 +28,8 @@ __all__ = [
     "varlen_explain",
     "Plan",
     "MemoryBudgetError",
+    "ArgumentError",
+    "ArgumentTypeError",
     "BACKENDS",
     "mods",
     "patch_sdpa",

@@ -6,6 +6,11 @@ it at run time. Nothing of the hosts' code is copied (ComfyUI is GPL-3.0, A1111 
 
 A folder written here holds :data:`MARKER`: ``uninstall`` removes a folder only if it has it, so a
 user's own folder of the same name is never deleted, and ``install`` twice rewrites the same files.
+
+The integrations and the CLI may use :func:`find_host`, :func:`write_folder`, :func:`remove_folder`,
+:class:`HostNotFound` and :data:`MARKER`; :func:`checked_budget`, :func:`env_budget` and
+:data:`ENV_BUDGET` (a host's budget settings, refused in one wording); :data:`REQUIREMENT` and
+:func:`pip_install` (the one install line every host message gives).
 """
 
 from __future__ import annotations
@@ -20,30 +25,45 @@ from .._errors import ArgumentError
 from .._version import __version__
 
 MARKER = ".subquad-installed"
+"""The file that marks a folder as written by ``subquad install`` (it holds subquad's version)."""
+
+REQUIREMENT = "subquad"
+"""What a host's Python installs: subquad without the ``torch`` extra. The host has its own torch
+build (CUDA, ROCm, MPS, CPU); the extra could make pip fetch another one beside it."""
 
 ENV_BUDGET = "SUBQUAD_MEMORY_BUDGET"
 """The environment variable both hosts read a memory budget from when nothing else sets one."""
 
 
+def pip_install(python: str) -> str:
+    """The install line every host message gives (the CLI, the ComfyUI node, the A1111 extension):
+    ``{python} -m pip install subquad``."""
+    return f"{python} -m pip install {REQUIREMENT}"
+
+
 def checked_budget(text: object, where: str) -> Budget:
     """``text`` as a memory budget (``None`` when empty), checked now: a typo in a host's setting
-    is refused with ``where`` it came from, not at the first attention call."""
+    is refused when the node or setting is used, not at the first attention call.
+
+    Raises:
+        ArgumentError: one line that stands alone in the host's error dialog: ``where`` (the
+            input, setting or variable, as the host names it), what would work, and the value.
+    """
     value = str(text or "").strip()
     if not value:
         return None
     try:
         parse_budget(value)
-    except ArgumentError as e:
-        raise ArgumentError(f"{where} is {value!r}, not a memory budget: {e}") from None
+    except ArgumentError:
+        raise ArgumentError(
+            f"{where}: expected bytes or a size like '512MiB' or '2GB', or nothing for the default; got {value!r}."
+        ) from None
     return value
 
 
 def env_budget() -> Budget:
     """The budget of ``SUBQUAD_MEMORY_BUDGET`` (``None`` when unset or empty)."""
-    return checked_budget(os.environ.get(ENV_BUDGET), f"the environment variable {ENV_BUDGET}")
-
-
-"""The file that marks a folder as written by ``subquad install`` (it holds subquad's version)."""
+    return checked_budget(os.environ.get(ENV_BUDGET), f"{ENV_BUDGET} (the environment variable)")
 
 
 class HostNotFound(ArgumentError):

@@ -51,7 +51,17 @@ import subquad
 
 from .._budget import Budget
 from .._errors import ArgumentError
-from ._hosts import ENV_BUDGET, HostNotFound, checked_budget, env_budget, find_host, remove_folder, write_folder
+from ._hosts import (
+    ENV_BUDGET,
+    REQUIREMENT,
+    HostNotFound,
+    checked_budget,
+    env_budget,
+    find_host,
+    pip_install,
+    remove_folder,
+    write_folder,
+)
 
 __all__ = [
     "NAME",
@@ -112,10 +122,13 @@ def memory_budget() -> Budget:
     """The budget of the next call: the setting :data:`SETTING`, else ``SUBQUAD_MEMORY_BUDGET``, else ``None``.
 
     Raises:
-        ArgumentError: the setting or the variable is not a memory budget (says which, and why).
+        ArgumentError: the setting or the variable is not a memory budget (says which, what would
+            work, and the value).
     """
     opts = _module("modules.shared").opts
-    setting = checked_budget(getattr(opts, SETTING, None), f'the setting "subquad memory budget" ({SETTING})')
+    setting = checked_budget(
+        getattr(opts, SETTING, None), f"subquad memory budget (Settings → Optimizations, {SETTING})"
+    )
     return setting if setting is not None else env_budget()
 
 
@@ -320,7 +333,7 @@ try:
 except ImportError as error:
     print(
         f"[subquad] the extension is not active: {{error}}. Install subquad into the web UI's Python "
-        "(its venv: `venv/bin/python -m pip install subquad`) and restart the web UI."
+        "(its venv: `{install}`) and restart the web UI."
     )
 else:
     script_callbacks.on_list_optimizers(subquad_a1111.list_optimizers)
@@ -332,15 +345,15 @@ _INSTALL = '''\
 
 import launch
 
-if not launch.is_installed("subquad"):
-    launch.run_pip("install \\"subquad>={version}\\"", "subquad for the subquad extension")
+if not launch.is_installed("{requirement}"):
+    launch.run_pip("install \\"{requirement}>={version}\\"", "subquad for the subquad extension")
 '''
 
 
 def _files() -> Dict[str, str]:
     return {
-        "scripts/subquad_optimization.py": _SCRIPT.format(title=TITLE),
-        "install.py": _INSTALL.format(version=subquad.__version__),
+        "scripts/subquad_optimization.py": _SCRIPT.format(title=TITLE, install=pip_install("venv/bin/python")),
+        "install.py": _INSTALL.format(requirement=REQUIREMENT, version=subquad.__version__),
     }
 
 

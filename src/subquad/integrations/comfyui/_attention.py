@@ -1,7 +1,7 @@
 """ComfyUI's attention signatures over ``subquad.sdpa``, and where their memory budget comes from.
 
 Nothing here imports ComfyUI: these run anywhere torch does. The rest of the package may use
-:func:`attention`, :func:`vae_attention`, :func:`resolve_budget`, :func:`node_budget`,
+:func:`attention`, :func:`vae_attention`, :func:`resolve_budget`,
 :func:`set_memory_budget` and the callables ComfyUI's hooks take
 (:class:`Override`, :class:`Replace`, :class:`VaeAttention`).
 """
@@ -44,15 +44,6 @@ def resolve_budget(memory_budget: Budget) -> Budget:
     if _SETTING:
         return _SETTING[0]
     return env_budget()
-
-
-def node_budget(text: str) -> Budget:
-    """A node's ``memory_budget`` input: empty means "not set here"; anything else must parse."""
-    text = (text or "").strip()
-    if not text:
-        return None
-    parse_budget(text)  # refuse a typo when the node runs, not at the first attention call
-    return text
 
 
 def attention(

@@ -23,6 +23,8 @@ VAE = "comfy.ldm.modules.diffusionmodules.model"
 class HostUnsupported(NotImplementedError):
     """The running ComfyUI has none of the hooks a subquad feature needs (the message names its version)."""
 
+    __module__ = "subquad.integrations.comfyui"  # the public name ComfyUI's error dialog shows
+
 
 @dataclass(frozen=True)
 class Hooks:

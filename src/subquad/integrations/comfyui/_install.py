@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-from .._hosts import find_host, remove_folder, write_folder
+from .._hosts import find_host, pip_install, remove_folder, write_folder
 
 MARKERS = ("main.py", "nodes.py", "comfy/model_management.py", "custom_nodes")
 """What makes a folder a ComfyUI checkout for :func:`install`."""
@@ -33,8 +33,8 @@ try:
     from subquad.integrations import comfyui as _subquad_comfyui
 except ImportError as error:
     raise ImportError(
-        f"subquad is not importable in the Python that runs ComfyUI ({sys.executable}): {error}. "
-        f"Install it there: {sys.executable} -m pip install 'subquad[torch]'"
+        f"subquad is not importable in the Python that runs ComfyUI ({{sys.executable}}): {{error}}. "
+        f"Install it there: {install}"
     ) from error
 
 NODE_CLASS_MAPPINGS = _subquad_comfyui.NODE_CLASS_MAPPINGS
@@ -51,7 +51,8 @@ def install(root: "str | Path") -> Path:
         HostNotFound: ``root`` is not a ComfyUI folder, or ``custom_nodes/subquad`` exists and is not ours.
     """
     host = find_host(root, "ComfyUI", MARKERS)
-    return write_folder(host / "custom_nodes" / FOLDER, {"__init__.py": _NODE_INIT})
+    node_init = _NODE_INIT.format(install=pip_install("{sys.executable}"))  # the f-string's, in the node
+    return write_folder(host / "custom_nodes" / FOLDER, {"__init__.py": node_init})
 
 
 def uninstall(root: "str | Path") -> Optional[Path]:

@@ -15,8 +15,8 @@ from typing import Any, Dict, List, Tuple
 import torch
 
 from ..._budget import Budget, parse_budget
-from .._hosts import ENV_BUDGET
-from ._attention import Override, Replace, VaeAttention, node_budget, vae_attention
+from .._hosts import ENV_BUDGET, checked_budget
+from ._attention import Override, Replace, VaeAttention, vae_attention
 from ._hooks import VAE, hooks, unsupported
 
 _log = logging.getLogger(__name__)
@@ -150,7 +150,13 @@ class SubquadModelAttention:
         }
 
     def patch(self, model: Any, memory_budget: str = "") -> Tuple[Any]:
-        return (patch_model(model, node_budget(memory_budget)),)
+        return (patch_model(model, _node_budget(memory_budget)),)
+
+
+def _node_budget(text: str) -> Budget:
+    """A node's ``memory_budget`` input: empty means "not set here"; a typo is refused when the
+    node runs (naming the input, in ComfyUI's error dialog), not at the first attention call."""
+    return checked_budget(text, "memory_budget")
 
 
 def _budget_input(examples: str) -> Tuple[str, Dict[str, str]]:
@@ -186,7 +192,7 @@ class SubquadVAEAttention:
         }
 
     def patch(self, vae: Any, memory_budget: str = "") -> Tuple[Any]:
-        return (patch_vae(vae, node_budget(memory_budget)),)
+        return (patch_vae(vae, _node_budget(memory_budget)),)
 
 
 NODE_CLASS_MAPPINGS: Dict[str, type] = {
