@@ -110,7 +110,8 @@ def main() -> None:
         f"first build {costs['build_s']:.1f} s; `subquad build` once built {costs['build_again_s']:.2f} s; "
         f"a fresh process loads it in {costs['load_s'] * 1e3:.0f} ms"
     )
-    products._NATIVE_BF16 = True  # the offset bfloat16 products, which the kernel serves, whatever this CPU has
+    # The offset bfloat16 products, which the kernel serves, whatever this CPU has.
+    products._CPU = products.cpu_features()._replace(avx512_bf16=True)
     kernel = _native.build()
     acc = _accuracy(kernel)
     if not hasattr(kernel, "forward_segment_bf16"):

@@ -11,9 +11,15 @@ environment, check that nothing else leaks through (``.ci/robustness``, docs/ci/
 ``SUBQUAD_TEST_RATE_FACTOR=F``
     every rate subquad measures is ``F`` times the measured one (``10``: a machine ten times
     faster; ``0.1``: ten times slower). Rates a test injects are left as injected.
+``SUBQUAD_TEST_CPU=NAME``
+    the CPU is one of :data:`MACHINES` (``amx``, ``avx512-bf16``, ``avx512f``, ``avx2``, ``arm``,
+    ``no-compiler``) wherever a test does not state its own: torch's feature probes, the float16
+    GEMMs' verdict, and what ``subquad build`` gives there (the session's build seen through that
+    machine's functions and lanes, or no build at all). A test of a choice that depends on the CPU
+    states the machine it assumes (:func:`fake_cpu`); this switch finds the ones that do not.
 ``SUBQUAD_TEST_RECORD=PATH``
     append to ``PATH`` one JSON line per reading: which test (``PYTEST_CURRENT_TEST``) read which
-    of ``rates``, ``threads``, ``free-memory``, ``clock``, and from which function.
+    of ``rates``, ``threads``, ``free-memory``, ``clock``, ``cpu``, and from which function.
 
 Both apply to the test process and to the helpers it starts (``_memory_probe.py``,
 ``_distributed_cases.py`` call :func:`install` too). Nothing here imports pytest.
@@ -26,11 +32,14 @@ import json
 import os
 import sys
 import time
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Set, Tuple
+from types import ModuleType
+from typing import Any, Callable, Dict, FrozenSet, Iterable, Iterator, List, NamedTuple, Optional, Set, Tuple
 
 import torch
 
-from subquad import _budget, _planner
+from subquad import _budget, _native, _planner
+from subquad._backends import products
+from subquad._backends.products import CpuFeatures
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -46,7 +55,7 @@ any such table, not for these numbers."""
 
 RATE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
-KINDS = ("rates", "threads", "free-memory", "clock")
+KINDS = ("rates", "threads", "free-memory", "clock", "cpu")
 
 # Clock readings whose value cannot change a result: the free-memory cache's expiry, the start of
 # a progress log that is off unless a call is predicted long (then ``Progress.tick`` reads the
@@ -95,6 +104,9 @@ def install() -> None:
 
         scaled_own.__wrapped__ = own  # type: ignore[attr-defined]
         _planner._measure_backend = scaled_own
+    ambient = os.environ.get("SUBQUAD_TEST_CPU", "").strip()
+    if ambient:
+        _install_cpu(ambient)
     if os.environ.get("SUBQUAD_TEST_RECORD"):
         _install_recorder()
 
@@ -115,6 +127,106 @@ def inject_rates(
 
 FIXED_SCORE_MOD_S = 5e-9
 """What :func:`inject_rates` makes a ``score_mod`` cost per score."""
+
+
+# ------------------------------------------------------------------------------ the CPU
+
+TILE_PASSES = frozenset({"exp2_rows_bf16", "softmax_grad_rows_bf16", "next_offsets", "online_update"})
+"""The native kernel's per-tile passes: every build has them (portable C++)."""
+WIDE_LOOPS = frozenset({"forward_segment_f32", "backward_segment_f32", "forward_packed_f32"})
+"""Its float32/float16 loops: a build for AVX512F, or AVX2 with FMA."""
+BF16_LOOPS = frozenset({"forward_segment_bf16", "backward_segment_bf16", "forward_packed_bf16"})
+"""Its bfloat16 loops: a build for AVX512-BF16."""
+
+
+class Machine(NamedTuple):
+    """A kind of CPU as subquad sees it."""
+
+    features: CpuFeatures
+    fp16_products: bool
+    """Whether its float16 GEMMs run at float32 speed or better (:func:`products.native_fp16_products`)."""
+    build: Optional[FrozenSet[str]]
+    """The functions ``subquad build`` gives there; ``None``: it cannot build (no compiler)."""
+    float_lanes: int = 0
+    """The build's float lanes (16: AVX512F, 8: AVX2; 0: no float loops)."""
+
+
+MACHINES: Dict[str, Machine] = {
+    # Intel Xeon from Sapphire Rapids on: AMX tiles, AVX512-BF16 and AVX512-FP16.
+    "amx": Machine(CpuFeatures(True, True), True, TILE_PASSES | WIDE_LOOPS | BF16_LOOPS, 16),
+    # AMD EPYC from Zen 4 on, Intel Cooper Lake: AVX512-BF16, no AMX.
+    "avx512-bf16": Machine(CpuFeatures(False, True), False, TILE_PASSES | WIDE_LOOPS | BF16_LOOPS, 16),
+    # Intel Xeon Skylake to Ice Lake: AVX512F, no bfloat16 products.
+    "avx512f": Machine(CpuFeatures(False, False), False, TILE_PASSES | WIDE_LOOPS, 16),
+    # AMD EPYC before Zen 4, desktop x86: AVX2 with FMA.
+    "avx2": Machine(CpuFeatures(False, False), False, TILE_PASSES | WIDE_LOOPS, 8),
+    # Arm servers (Graviton, Ampere): native float16 arithmetic, no x86 loops.
+    "arm": Machine(CpuFeatures(False, False), True, TILE_PASSES),
+    # An AVX512-BF16 CPU where PyTorch's extension builder finds no C++ compiler.
+    "no-compiler": Machine(CpuFeatures(False, True), False, None),
+}
+"""The kinds of CPU the suite's choices are tested on (:func:`fake_cpu`, ``SUBQUAD_TEST_CPU``)."""
+
+
+class Build:
+    """The native kernel as ``subquad build`` gives it on a :class:`Machine`: the functions of that
+    machine's build and its ``float_lanes``; each call runs the session's real build (``real``),
+    or, without one, raises (a test of a choice that ran the kernel it only planned for)."""
+
+    def __init__(self, machine: Machine, real: Optional[ModuleType] = None) -> None:
+        assert machine.build is not None
+        self.machine, self.real = machine, real
+        self.float_lanes = machine.float_lanes
+
+    def __getattr__(self, name: str) -> Any:
+        if name not in self.machine.build:  # type: ignore[operator]
+            raise AttributeError(f"this machine's build has no {name}")
+        fn = getattr(self.real, name, None)
+        if fn is None:
+
+            def absent(*args: Any) -> None:
+                raise RuntimeError(f"{name} ran, but the session's build lacks it (a stand-in for another CPU's)")
+
+            return absent
+        return fn
+
+
+def fake_cpu(monkeypatch: Any, name: str, kernel: Any = "keep") -> Machine:
+    """Make this test's CPU :data:`MACHINES[name] <MACHINES>`: torch's probes and the float16
+    verdict, and with ``kernel`` what subquad loads as the native kernel: ``"keep"`` leaves it as it
+    is (off in the suite), ``"stub"`` that machine's build of functions that must not run (tests of
+    a choice), a module (the session's build) seen through that machine's build."""
+    machine = MACHINES[name]
+    monkeypatch.setattr(products, "_CPU", machine.features)
+    monkeypatch.setattr(products, "_NATIVE_FP16", machine.fp16_products)
+    if kernel != "keep":
+        real = None if kernel == "stub" else kernel
+        view = None if machine.build is None else Build(machine, real)
+        monkeypatch.setitem(_native._LOADED, "module", view)
+    return machine
+
+
+def ambient_machine() -> Optional[str]:
+    """``SUBQUAD_TEST_CPU``, or ``None``."""
+    return os.environ.get("SUBQUAD_TEST_CPU", "").strip() or None
+
+
+def _install_cpu(name: str) -> None:
+    if name not in MACHINES:
+        raise ValueError(f"SUBQUAD_TEST_CPU must be one of {', '.join(MACHINES)}, got {name!r}")
+    machine = MACHINES[name]
+    products._CPU = machine.features
+    products._NATIVE_FP16 = machine.fp16_products
+    if machine.build is None:
+
+        def no_compiler(*args: Any, **kwargs: Any) -> ModuleType:
+            raise RuntimeError(f"no C++ compiler (SUBQUAD_TEST_CPU={name})")
+
+        _native.build = no_compiler  # type: ignore[assignment]
+        _native._import = no_compiler  # type: ignore[assignment]
+    else:
+        load = _native._import
+        _native._import = lambda path: Build(machine, load(path))  # type: ignore[assignment,return-value]
 
 
 # ------------------------------------------------------------------------------ the recorder
@@ -185,29 +297,61 @@ def plans_once() -> Iterator[None]:
 
 def _planning(make_plan: Callable[..., Any]) -> Callable[..., Any]:
     """``make_plan`` that also plans the call for 1 and for 64 threads (the fused kernels'
-    scratch grows with the thread count): a plan that changes makes the test read ``threads``."""
+    scratch grows with the thread count) and on each of :data:`MACHINES`: a plan that changes
+    makes the test read ``threads`` or ``cpu``."""
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         plan = make_plan(*args, **kwargs)
         if not _replanning:
             return plan
-        real = torch.get_num_threads
-        try:
-            outcomes = set()
-            for n in (1, 64):
-                torch.get_num_threads = lambda n=n: n  # type: ignore[misc]
-                outcomes.add(_outcome(make_plan, args, kwargs))
-        finally:
-            torch.get_num_threads = real  # type: ignore[misc]
-        if len(outcomes | {_outcome(make_plan, args, kwargs)}) > 1:
+        here = _outcome(make_plan, args, kwargs)
+        if _outcomes_by_threads(make_plan, args, kwargs) - {here}:
             _record("threads", "plan: " + _where(sys._getframe(1)))
+        if _outcomes_by_machine(make_plan, args, kwargs) - {here}:
+            _record("cpu", "plan: " + _where(sys._getframe(1)))
         return plan
 
     wrapper.__wrapped__ = make_plan  # type: ignore[attr-defined]
     return wrapper
 
 
+def _outcomes_by_threads(make_plan: Callable[..., Any], args: Any, kwargs: Any) -> Set[Any]:
+    real = torch.get_num_threads
+    try:
+        outcomes = set()
+        for n in (1, 64):
+            torch.get_num_threads = lambda n=n: n  # type: ignore[misc]
+            outcomes.add(_outcome(make_plan, args, kwargs))
+        return outcomes
+    finally:
+        torch.get_num_threads = real  # type: ignore[misc]
+
+
+def _outcomes_by_machine(make_plan: Callable[..., Any], args: Any, kwargs: Any) -> Set[Any]:
+    """The call's plans on each machine, with the kernel subquad has loaded (if any) seen through
+    that machine's build."""
+    saved = products._CPU, products._NATIVE_FP16, dict(_native._LOADED)
+    loaded = saved[2].get("module")
+    real = getattr(loaded, "real", loaded)
+    try:
+        outcomes = set()
+        for machine in MACHINES.values():
+            products._CPU, products._NATIVE_FP16 = machine.features, machine.fp16_products
+            if real is not None:
+                _native._LOADED["module"] = None if machine.build is None else Build(machine, real)
+            outcomes.add(_outcome(make_plan, args, kwargs))
+        return outcomes
+    finally:
+        products._CPU, products._NATIVE_FP16 = saved[0], saved[1]
+        _native._LOADED.clear()
+        _native._LOADED.update(saved[2])
+
+
 def _install_recorder() -> None:
+    for name in ("native_bf16_products", "native_fp16_products"):
+        fn = getattr(products, name)
+        _REPLACED[id(fn)] = wrapper = _reading("cpu-read", fn, only_ours=False)
+        setattr(products, name, wrapper)
     _planner._device_rates = _reading("rates", _planner._device_rates, only_ours=False)
     _planner.backend_seconds = _reading("rates", _planner.backend_seconds, only_ours=False)
     plan = _planner.make_plan
@@ -260,23 +404,34 @@ def selects(row: Dict[str, str]) -> bool:
     return row["kind"] == "rates"
 
 
+def selects_cpu(row: Dict[str, str]) -> bool:
+    """Whether a reading makes its test one that ``.ci/robustness`` reruns on other CPUs
+    (``SUBQUAD_TEST_CPU``): one of its plans changes with the machine (``_planning`` plans every
+    call again on each of :data:`MACHINES`), or it asked whether the CPU multiplies half
+    precision natively outside the planner (the products a tile runs)."""
+    return row["test"] != "<outside a test>" and row["kind"] == "cpu"
+
+
 def main(argv: List[str]) -> int:
-    """``python tests/_machine.py select RECORD...``: the node ids to rerun, one a line;
+    """``python tests/_machine.py select RECORD...``: the node ids to rerun on a faster, slower or
+    busier machine, one a line; ``select-cpu RECORD...``: those to rerun on other CPUs;
     ``python tests/_machine.py summary RECORD...``: how many tests read what."""
     command, paths = argv[0], argv[1:]
     rows = read_records(paths)
-    if command == "select":
-        for test in sorted({r["test"] for r in rows if selects(r)}):
+    if command in ("select", "select-cpu"):
+        chosen = selects if command == "select" else selects_cpu
+        for test in sorted({r["test"] for r in rows if chosen(r)}):
             print(test)
         return 0
     if command == "summary":
         by_kind: Dict[str, Set[str]] = {}
         for r in rows:
-            by_kind.setdefault(r["kind"] + ("" if selects(r) else " (not selected)"), set()).add(r["test"])
+            chosen = selects(r) or selects_cpu(r)
+            by_kind.setdefault(r["kind"] + ("" if chosen else " (not selected)"), set()).add(r["test"])
         for kind, tests in sorted(by_kind.items()):
             print(f"{kind}: {len(tests)} tests")
         return 0
-    print(f"unknown command {command!r}; use select or summary", file=sys.stderr)
+    print(f"unknown command {command!r}; use select, select-cpu or summary", file=sys.stderr)
     return 2
 
 

@@ -20,6 +20,7 @@ from torch.utils import _pytree as pytree
 
 import subquad
 from _devices import OpRecorder
+from _machine import fake_cpu
 from conftest import assert_close_to_golden, float32_scores_reference, naive_attention, to64
 from subquad import _planner
 from subquad._backends import matmul
@@ -31,7 +32,7 @@ BF16 = torch.bfloat16
 @pytest.fixture(params=[True, False], ids=["bf16-products", "float32-products"])
 def products(request, monkeypatch):
     """Run the tiles with bfloat16 products (as on a CPU with AVX512-BF16/AMX) or float32 ones."""
-    monkeypatch.setattr(cpu_products, "_NATIVE_BF16", request.param)
+    fake_cpu(monkeypatch, "avx512-bf16" if request.param else "avx2")
     return request.param
 
 
@@ -105,7 +106,7 @@ def test_bf16_products_are_bf16_gemms_and_float32_products_are_not(monkeypatch):
     q, k, v, kw, chunk = _case("causal", 1.0)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     for native, want in [(True, BF16), (False, torch.float32)]:
-        monkeypatch.setattr(cpu_products, "_NATIVE_BF16", native)
+        fake_cpu(monkeypatch, "avx512-bf16" if native else "avx2")
         with OpRecorder() as rec:
             out = subquad.attention(q, k, v, backend="matmul", chunk_size=chunk, **kw)
             out.backward(torch.ones_like(out))
@@ -147,7 +148,7 @@ def test_offsets_keep_large_scores_exact(monkeypatch):
     v = torch.randn(1, 2, 300, 64, generator=g).to(BF16)
     scores = (q.double() @ k.double().transpose(-1, -2)) / 8
     assert scores.min() > 40, "the case needs large raw scores"
-    monkeypatch.setattr(cpu_products, "_NATIVE_BF16", True)
+    fake_cpu(monkeypatch, "avx512-bf16")
     out = subquad.attention(q, k, v, backend="matmul", chunk_size=(64, 64))
     golden = naive_attention(*to64(q, k, v))
     assert_close_to_golden(out, golden, float32_scores_reference(q, k, v), fudge=2.0)
@@ -157,7 +158,7 @@ def test_offsets_keep_large_scores_exact(monkeypatch):
 
 def test_a_row_whose_maximum_jumps_late_is_recomputed(monkeypatch):
     # Small scores in the first tiles, one large score in the last: the row's offset must follow.
-    monkeypatch.setattr(cpu_products, "_NATIVE_BF16", True)
+    fake_cpu(monkeypatch, "avx512-bf16")
     g = torch.Generator().manual_seed(4)
     q = torch.randn(1, 1, 8, 64, generator=g).to(BF16)
     k = torch.randn(1, 1, 256, 64, generator=g).mul(0.1).to(BF16)
@@ -182,7 +183,7 @@ def test_first_offsets_leave_a_margin_above_the_sampled_maximum(monkeypatch, gap
     # (`gap`, on an unsampled key) lies more than OFFSET_DRIFT (2) above the sample's largest (0):
     # with the margin (0.5) a gap of 2.3 is still close enough to the offset, one of 2.8 is not.
     # A tile with a mask (here one hiding nothing) gets no margin: its sample may hold hidden keys.
-    monkeypatch.setattr(cpu_products, "_NATIVE_BF16", True)
+    fake_cpu(monkeypatch, "avx512-bf16")
     g = torch.Generator().manual_seed(5)
     q = torch.zeros(1, 1, 8, 64, dtype=BF16)
     q[0, 0, 0, 0] = 8.0  # row 0's score with key j is k[j, 0] (scale 1/8)
@@ -285,7 +286,7 @@ def test_tile_buffers_are_allocated_once_per_pass_not_per_tile_or_row_block(prod
     ],
 )
 def test_time_model_times_the_products_the_tiles_run(monkeypatch, native, dtype, want):
-    monkeypatch.setattr(cpu_products, "_NATIVE_BF16", native)
+    fake_cpu(monkeypatch, "avx512-bf16" if native else "avx2")
     monkeypatch.setattr(_planner, "_RATES", {})
     timed = []
     monkeypatch.setattr(_planner, "_measure_rates", lambda device, dt: timed.append(dt) or (1e11, 1e-9))
@@ -295,7 +296,7 @@ def test_time_model_times_the_products_the_tiles_run(monkeypatch, native, dtype,
 
 def test_explain_predicts_bf16_from_its_own_rate(monkeypatch):
     # Rates injected: bfloat16 GEMMs 3x float32's; the prediction follows the call's dtype.
-    monkeypatch.setattr(cpu_products, "_NATIVE_BF16", True)
+    fake_cpu(monkeypatch, "avx512-bf16")
     monkeypatch.setattr(_planner, "_RATES", {("cpu", torch.float32): (1e11, 1e-9), ("cpu", BF16): (3e11, 1e-9)})
     monkeypatch.setattr(_planner, "backend_seconds", lambda device, dtype, backend: None)
     q32 = torch.empty(1, 8, 4096, 64)
@@ -312,7 +313,7 @@ def test_tiled_fused_backward_rounds_its_gradients_once(monkeypatch, dtype):
     # flash-attn's criterion (fp16 gradients within 3x PyTorch's error against float32) failed by
     # one ulp of dV: each tile's dV came back from the kernel rounded to fp16 before the tiles
     # were summed. GQA 8/2 heads, head dim 59, ALiBi, a local window, 64x64 tiles.
-    monkeypatch.setattr(cpu_products, "_NATIVE_BF16", False)  # bf16 as on a CPU without native products
+    fake_cpu(monkeypatch, "avx2")  # bf16 as on a CPU without native products
     g = torch.Generator().manual_seed(5)
     q = torch.randn(1, 8, 312, 59, generator=g)
     k, v = (torch.randn(1, 2, 156, 59, generator=g) for _ in range(2))
@@ -465,10 +466,12 @@ def test_the_sdpa_fast_path_runs_float16_on_float32_copies_where_emulated(monkey
 
 
 def test_float16_gemm_verdict_is_a_wide_gap_timed_on_real_tensors(monkeypatch):
+    # Where the CPU's flags do not say (off x86), the two GEMMs are timed.
     from torch._subclasses.fake_tensor import FakeTensor
 
     from _devices import fake_tensors
 
+    monkeypatch.setattr(cpu_products, "_x86_fp16_gemm", lambda: None)
     for slowdown, native in ((23.4, False), (1.1, True), (0.4, True)):
         monkeypatch.setattr(cpu_products, "_NATIVE_FP16", None)
         monkeypatch.setattr(cpu_products, "_fp16_gemm_slowdown", lambda s=slowdown: s)
@@ -480,12 +483,41 @@ def test_float16_gemm_verdict_is_a_wide_gap_timed_on_real_tensors(monkeypatch):
         cpu_products.native_fp16_products()
         cpu_products.native_fp16_products()  # asked once per process
     assert len(made) == 1 and not isinstance(made[0], FakeTensor)
+    assert cpu_products._fp16_gemm_slowdown is not None and cpu_products._x86_fp16_gemm() is None
+
+
+@pytest.mark.parametrize(
+    "machine,amx_fp16,flags,want",
+    [
+        ("x86_64", False, "fpu avx2 avx512f avx512_bf16", False),  # AMD EPYC (Zen 4)
+        ("x86_64", False, "fpu avx512f avx512_bf16 avx512_fp16 amx_tile", True),  # Intel Sapphire Rapids
+        ("x86_64", True, "fpu avx2", True),  # AMX-FP16, as torch probes it
+        ("AMD64", False, None, None),  # no /proc/cpuinfo (Windows): timed
+        ("aarch64", False, "fp asimd fphp asimdhp", None),  # Arm: timed
+    ],
+)
+def test_float16_gemm_verdict_on_x86_reads_the_flags(monkeypatch, tmp_path, machine, amx_fp16, flags, want):
+    # On x86 the verdict is torch's own rule (AVX512-FP16 or AMX-FP16), not a timing that a busy
+    # machine can swing; the timing is left to CPUs whose flags do not say.
+    import builtins
+    import platform
+
+    monkeypatch.setattr(platform, "machine", lambda: machine)
+    monkeypatch.setattr(torch.cpu, "_is_amx_fp16_supported", lambda: amx_fp16, raising=False)
+    cpuinfo = tmp_path / "cpuinfo"
+    if flags is not None:
+        cpuinfo.write_text(f"processor\t: 0\nflags\t\t: {flags}\n")
+    real_open = builtins.open
+    monkeypatch.setattr(
+        builtins, "open", lambda path, *a, **kw: real_open(cpuinfo if path == "/proc/cpuinfo" else path, *a, **kw)
+    )
+    assert cpu_products._x86_fp16_gemm() is want
 
 
 def test_small_head_dims_take_float32_products(monkeypatch):
     # Below HALF_PRODUCTS_MIN_HEAD_DIM a bfloat16 product's rounding of the scores (an lse off by
     # ~2e-3) would dominate the gradients' error: head dim 1 gave dQ 2.4x SDPA's error with them.
-    monkeypatch.setattr(cpu_products, "_NATIVE_BF16", True)
+    fake_cpu(monkeypatch, "avx512-bf16")
     g = torch.Generator().manual_seed(3)
     q = (torch.randn(2, 2, 40, 1, generator=g) * 2).to(BF16)
     k, v = ((torch.randn(2, 2, 50, 1, generator=g) * 2).to(BF16) for _ in range(2))

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 import subquad
+import _machine
 from _devices import OpRecorder
 from conftest import assert_close_to_golden, naive_attention, to64
 from subquad import _cli, _native
@@ -35,25 +36,28 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def load_kernel(native_dir, monkeypatch):
-    """The session's build of the native kernel, used by subquad as on a CPU with AVX512-BF16
-    (bfloat16 products)."""
+def load_kernel(native_dir, monkeypatch, machine="avx512-bf16"):
+    """The session's build of the native kernel, used by subquad on ``machine``
+    (tests/_machine.py; by default a CPU with AVX512-BF16 and no AMX, where ``auto`` takes the
+    loops): returns the build itself, whatever the machine under the suite."""
     monkeypatch.setenv("SUBQUAD_NATIVE_DIR", str(native_dir))
     monkeypatch.setenv("SUBQUAD_NATIVE", "auto")
-    monkeypatch.setattr(products, "_NATIVE_BF16", True)
     monkeypatch.setattr(_native, "_LOADED", {})
     module = _native.tile_kernel()
-    assert module is not None, _native.status()
-    return module
+    if module is None:
+        pytest.skip(f"the native kernel does not load here: {_native.status()}")
+    real = getattr(module, "real", module)  # the build itself, not a SUBQUAD_TEST_CPU machine's view of it
+    _machine.fake_cpu(monkeypatch, machine, kernel=real)
+    return real
 
 
-def recorded_kernel(native_dir, monkeypatch, needs, why):
-    """The session's build, its calls recorded (:class:`Counting`) and used by subquad; skips the
-    test (``why``) where the build lacks the function ``needs``."""
-    module = load_kernel(native_dir, monkeypatch)
-    if not hasattr(module, needs):
+def recorded_kernel(native_dir, monkeypatch, needs, why, machine="avx512-bf16"):
+    """The session's build on ``machine`` (:func:`load_kernel`), its calls recorded
+    (:class:`Counting`); skips the test (``why``) where the build lacks the function ``needs``."""
+    real = load_kernel(native_dir, monkeypatch, machine)
+    if not hasattr(real, needs):
         pytest.skip(why)
-    counting = Counting(module)
+    counting = Counting(_native._LOADED["module"], real)
     monkeypatch.setitem(_native._LOADED, "module", counting)
     return counting
 
@@ -70,10 +74,12 @@ def kernel(native_dir, monkeypatch):
 
 class Counting:
     """The kernel, with the calls of each of its functions recorded: ``(name, the first
-    argument's shape)``; ``names``: the names alone."""
+    argument's shape)``; ``names``: the names alone. ``real``: the build behind it (``kernel``
+    may be a machine's view of it, tests/_machine.py)."""
 
-    def __init__(self, kernel):
+    def __init__(self, kernel, real=None):
         self.kernel, self.calls = kernel, []
+        self.real = kernel if real is None else real
 
     @property
     def names(self):
@@ -381,7 +387,7 @@ def test_a_failed_build_warns_once_and_the_tiles_run_eager(tmp_path, monkeypatch
     monkeypatch.setenv("SUBQUAD_NATIVE_DIR", str(tmp_path))
     monkeypatch.setenv("SUBQUAD_NATIVE", "build")
     monkeypatch.setenv("CXX", "false")  # a compiler that always fails
-    monkeypatch.setattr(products, "_NATIVE_BF16", True)
+    _machine.fake_cpu(monkeypatch, "avx512-bf16")  # bfloat16 products, the tiles' passes the kernel serves
     q = torch.randn(1, 2, 30, 32).to(BF16)
     with pytest.warns(UserWarning, match="the native tile kernel is not used"):
         out = subquad.attention(q, q, q, backend="matmul")

@@ -186,7 +186,7 @@ def test_float32_rows_accumulate_in_the_output(wide, two_threads, monkeypatch, s
     (no buffer of the output's size to allocate and fault in per call); elsewhere in its own
     buffer. Both give the float64 result, forward and backward, rows that see no key included."""
     accumulators = []
-    real = wide.kernel
+    real = wide.real
 
     class Spy:
         def __getattr__(self, name):
@@ -288,7 +288,7 @@ def test_the_loop_takes_float_calls_without_callbacks_or_dropout(wide):
 
 
 def test_the_wide_loop_refuses_what_it_does_not_take(wide):
-    kernel = wide.kernel
+    kernel = wide.real
     q = torch.zeros(1, 2, 8, 16)
     m, l, acc = torch.zeros(16), torch.zeros(16), torch.zeros(16, 16)
     ok = (q, q, q, m, l, acc, 1.0, 0, 0, False, 0, None, 0.0)
@@ -308,7 +308,7 @@ def test_the_wide_loop_refuses_what_it_does_not_take(wide):
 
 
 def test_the_wide_backward_loop_refuses_bad_arguments(wide):
-    kernel = wide.kernel
+    kernel = wide.real
     q = torch.zeros(1, 2, 8, 16)
     rows, dq = torch.zeros(16), torch.zeros(1, 2, 8, 16)
     ok = (q, q, q, q, rows, rows, dq, dq.clone(), dq.clone(), 1.0, 0.25, 0, 0, False, 0, None, 0.0)
@@ -327,39 +327,15 @@ def test_the_wide_backward_loop_refuses_bad_arguments(wide):
     assert_refused(kernel.backward_segment_f32, bad)
 
 
-def test_auto_takes_the_wide_loops_for_large_calls_without_amx(wide, monkeypatch, two_threads):
-    from subquad._backends import segments
-
-    monkeypatch.setattr(segments, "amx_tiles", lambda: False)
-    if wide.kernel.float_lanes < 16:  # auto leaves an AVX2 build's loops alone (test_the_avx2_build_runs_both_loops)
-        pytest.skip("the kernel was built without AVX512F")
-    for dtype in WIDE:
-        big = torch.empty(1, 8, 1024, 64, dtype=dtype)  # 2^23 scores
-        plan = subquad.explain(big, big, big)
-        assert plan.backend == "matmul" and any("forward loop in C++" in n for n in plan.notes), plan
-        small = torch.empty(1, 8, 512, 64, dtype=dtype)  # 2^21 scores: as fast as the fused kernel
-        assert subquad.explain(small, small, small).backend == "fused"
-        cross = torch.empty(4, 10, 4096, 64, dtype=dtype)  # 2^23.6 scores of 77 keys: float32 needs 512 keys
-        want = "fused" if dtype == torch.float32 else "matmul"
-        assert subquad.explain(cross, cross[:, :, :77], cross[:, :, :77]).backend == want
-        sd = cross[:2]  # 2^22.6 scores (Stable Diffusion 1.5's cross-attention): float16 from 2^22
-        assert subquad.explain(sd, sd[:, :, :77], sd[:, :, :77]).backend == want
-        vae = torch.empty(1, 1, 4096, 512, dtype=dtype)  # 2^24 scores, a head of 512: float32 at parity
-        assert subquad.explain(vae, vae, vae).backend == ("fused" if dtype == torch.float32 else "matmul")
-        wide_head = torch.empty(1, 2, 4096, 384, dtype=dtype)  # 384 wide: the loop, 0.92-0.96x
-        assert subquad.explain(wide_head, wide_head, wide_head).backend == "matmul"
-        trained = big.clone().requires_grad_()  # both loops: 0.80-0.95x the fused forward + backward
-        plan = subquad.explain(trained, trained, trained)
-        assert plan.backend == "matmul" and any("forward and backward loops in C++" in n for n in plan.notes), plan
-        learnable = torch.zeros(1024, 1024, dtype=dtype, requires_grad=True)  # no mask gradient in the loop
-        assert subquad.explain(trained, trained, trained, attn_mask=learnable).backend == "fused"
-        one_head = torch.empty(1, 1, 8192, 64, dtype=dtype, requires_grad=True)  # one task for two threads
-        assert subquad.explain(one_head, one_head, one_head).backend == "fused"
-    out = subquad.attention(*(torch.randn(1, 8, 1024, 64) for _ in range(3)))
+def test_auto_runs_the_wide_loop_where_it_takes_it(wide, two_threads):
+    # On a CPU whose build has 16 float lanes and no AMX (the fixture's; what auto takes on each
+    # CPU: tests/test_cpus.py), a large float32 call runs the forward loop.
+    q, k, v = (torch.randn(1, 8, 1024, 64) for _ in range(3))
+    plan = subquad.explain(q, k, v)
+    assert plan.backend == "matmul" and any("forward loop in C++" in n for n in plan.notes), plan
+    out = subquad.attention(q, k, v)
     assert wide.names and set(wide.names) == {"forward_segment_f32"}, wide.names
-    monkeypatch.setattr(segments, "amx_tiles", lambda: True)
-    assert subquad.explain(big, big, big).backend == "fused"
-    assert out.shape == (1, 8, 1024, 64)
+    torch.testing.assert_close(out, naive_attention(*to64(q, k, v)).float(), rtol=2e-5, atol=2e-6)
 
 
 def test_measured_peak_within_budget_and_prediction_honest(wide, native_dir):
@@ -391,7 +367,10 @@ def avx2_build(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("SUBQUAD_NATIVE_FLAGS", "-mno-avx512f")
         mp.setenv("SUBQUAD_NATIVE_DIR", str(tmp_path_factory.mktemp("avx2")))
-        module = _native.build()
+        try:
+            module = _native.build()
+        except Exception as e:
+            pytest.skip(f"the AVX2 build failed here ({type(e).__name__}: {str(e)[:300]})")
     if not hasattr(module, "forward_segment_f32") or hasattr(module, "forward_segment_bf16"):
         pytest.skip("the compiler did not give an AVX2 build with the float32 loops")
     return module
@@ -411,12 +390,7 @@ def test_the_avx2_build_runs_both_loops(avx2_build, monkeypatch, two_threads, dt
     grads = torch.autograd.grad(out, (q, k, v), d_out)
     assert {"forward_segment_f32", "backward_segment_f32"} == set(counting.names), counting.names
     _check_grads(q, k, v, d_out, out, grads, **kw)
-    # auto leaves the 8-lane loops to backend="matmul": slower than the fused kernel (segments.WIDE_LOOP_MIN_LANES)
-    from subquad._backends import segments
-
-    monkeypatch.setattr(segments, "amx_tiles", lambda: False)
-    big = torch.empty(1, 8, 1024, 64, dtype=dtype)
-    assert avx2_build.float_lanes == 8 and subquad.explain(big, big, big).backend == "fused"
+    assert avx2_build.float_lanes == 8  # auto leaves these loops to backend="matmul" (tests/test_cpus.py)
 
 
 @pytest.mark.parametrize("dtype", WIDE, ids=str)

@@ -14,7 +14,7 @@ from typing import List, NoReturn, Optional, cast
 from subquad._budget import format_bytes, free_memory_bytes
 from subquad._requires import require_torch
 from subquad._version import __version__
-from subquad.integrations._hosts import HostNotFound
+from subquad.integrations._hosts import HostNotFound, pip_install
 
 
 def _info(args: argparse.Namespace) -> int:
@@ -23,6 +23,7 @@ def _info(args: argparse.Namespace) -> int:
     import subquad  # optional: the torch face, loaded in full once torch is there
     from subquad import _native  # optional: needs torch
     from subquad._backends import cpu_flash_unavailable_reason  # optional: needs torch
+    from subquad._backends.products import describe_cpu  # optional: needs torch
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     print(f"subquad {subquad.__version__}, torch {torch.__version__}")
@@ -35,6 +36,8 @@ def _info(args: argparse.Namespace) -> int:
     why = cpu_flash_unavailable_reason()
     print(f"fused CPU flash kernel (per tile, with lse): {'available' if why is None else 'unavailable: ' + why}")
     print(f"native tile kernel: {_native.status()}")
+    if device.type == "cpu":
+        print(f"CPU: {describe_cpu()}")
     if device.type == "cuda":
         from torch.backends import cuda as bc
 
@@ -171,7 +174,7 @@ def _install(verb: str, host: str, folder: str) -> int:
         return 0
     print(f"installed subquad {__version__} for {name} in {done}")
     python = _host_python(folder) or "<the Python that runs it>"
-    print(f"{name} imports subquad when it starts; if its Python does not have it: {python} -m pip install subquad")
+    print(f"{name} imports subquad when it starts; if its Python does not have it: {pip_install(python)}")
     print(f"undo: subquad uninstall {host} {folder}")
     return 0
 

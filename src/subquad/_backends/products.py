@@ -6,8 +6,9 @@ them to float32 first; and whether a GPU writes float32 products from half opera
 from __future__ import annotations
 
 import math
+import platform
 import time
-from typing import Dict, Optional
+from typing import Dict, NamedTuple, Optional
 
 import torch
 from torch import Tensor
@@ -23,29 +24,55 @@ at head dims below 32 the products are a small share of a tile's time: 1x8x2048x
 threads, float32 / bfloat16 products 1.13 (E = 1), 1.00 (8), 0.74 (16), 0.83 (32), 0.98 (64)."""
 
 
+class CpuFeatures(NamedTuple):
+    """The CPU's units that subquad's choices depend on, from torch's own probes (asked once per
+    process by :func:`cpu_features`). Tests state the machine they assume by replacing this record
+    (tests/_machine.py), never by reading the CPU they happen to run on."""
+
+    amx_tiles: bool
+    """AMX tiles: torch's fused CPU kernel multiplies bfloat16 on them (oneDNN's brgemm)."""
+    avx512_bf16: bool
+    """AVX512-BF16 dot products (bfloat16 operands, float32 sums)."""
+
+
+def cpu_features() -> CpuFeatures:
+    """This CPU's :class:`CpuFeatures`, asked once per process."""
+    global _CPU
+    if _CPU is None:
+        _CPU = CpuFeatures(
+            amx_tiles=_torch_probe("_is_amx_tile_supported"), avx512_bf16=_torch_probe("_is_avx512_bf16_supported")
+        )
+    return _CPU
+
+
+_CPU: Optional[CpuFeatures] = None
+
+
+def _torch_probe(name: str) -> bool:
+    return bool(getattr(torch.cpu, name, lambda: False)())
+
+
 def native_bf16_products() -> bool:
     """Whether this CPU multiplies bfloat16 natively (AMX or AVX512-BF16): its bfloat16 GEMM then
-    runs at 2-3x (AVX512-BF16) to 10x (AMX) its float32 rate. Asked once per process."""
-    global _NATIVE_BF16
-    if _NATIVE_BF16 is None:
-        probes = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")
-        _NATIVE_BF16 = any(bool(getattr(torch.cpu, name, lambda: False)()) for name in probes)
-    return _NATIVE_BF16
-
-
-_NATIVE_BF16: Optional[bool] = None
+    runs several times faster than its float32 one (:func:`cpu_features`)."""
+    cpu = cpu_features()
+    return cpu.amx_tiles or cpu.avx512_bf16
 
 
 def native_fp16_products() -> bool:
-    """Whether this CPU's float16 GEMM runs at its float32 speed or better (AVX512-FP16, AMX-FP16,
-    Arm's FP16 arithmetic). torch has no query for all of these, so the two GEMMs are timed once
-    per process on a small product: where float16 is emulated it ran 26x slower than float32 on
-    the 2-core CPU (AVX512-BF16, no FP16), and the CPU flash kernel's float16 backward 7.6x
-    slower than its float32 one. The verdict needs a 3x gap, far outside timing noise."""
+    """Whether this CPU's float16 GEMM runs at its float32 speed or better: where it is emulated
+    the CPU flash kernel's float16 backward runs several times slower than its float32 one
+    (docs/benchmarks/half-precision.md). On x86 it is read off the CPU's flags, as torch's own
+    dispatch decides it (oneDNN's float16 GEMM needs AVX512-FP16 or AMX-FP16); elsewhere the two
+    GEMMs are timed once per process, interleaved, and the verdict needs a
+    :data:`FP16_EMULATED_SLOWDOWN` gap, far outside timing noise."""
     global _NATIVE_FP16
     if _NATIVE_FP16 is None:
-        with _python_dispatch._disable_current_modes():  # real tensors under a FakeTensorMode
-            _NATIVE_FP16 = _fp16_gemm_slowdown() < FP16_EMULATED_SLOWDOWN
+        known = _x86_fp16_gemm()
+        if known is None:
+            with _python_dispatch._disable_current_modes():  # real tensors under a FakeTensorMode
+                known = _fp16_gemm_slowdown() < FP16_EMULATED_SLOWDOWN
+        _NATIVE_FP16 = known
     return _NATIVE_FP16
 
 
@@ -54,23 +81,48 @@ FP16_EMULATED_SLOWDOWN = 3.0
 """A float16 GEMM this many times slower than the float32 one is taken for emulated."""
 
 
+def _x86_fp16_gemm() -> Optional[bool]:
+    """Whether an x86 CPU has AVX512-FP16 or AMX-FP16 (torch's ``use_mkldnn_fp16_matmul``); None
+    off x86, or where the flags cannot be read."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return None
+    if _torch_probe("_is_amx_fp16_supported"):
+        return True
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), None)
+    except OSError:
+        return None
+    return None if flags is None else "avx512_fp16" in flags.split()
+
+
 def _fp16_gemm_slowdown() -> float:
-    times = {}
-    for dtype in (torch.float32, torch.float16):
-        a = torch.ones(4, 64, 64, dtype=dtype)
-        torch.bmm(a, a)  # the first call picks the kernel
-        best = math.inf
-        for _ in range(3):
+    """The float16 GEMM's time over the float32 one's: each the best of rounds that alternate
+    between them, so that a busy spell slows both."""
+    a = {dtype: torch.ones(4, 64, 64, dtype=dtype) for dtype in (torch.float32, torch.float16)}
+    best = dict.fromkeys(a, math.inf)
+    for x in a.values():
+        torch.bmm(x, x)  # the first call picks the kernel
+    for _ in range(5):
+        for dtype, x in a.items():
             t0 = time.perf_counter()
-            torch.bmm(a, a)
-            best = min(best, time.perf_counter() - t0)
-        times[dtype] = max(best, 1e-9)
-    return times[torch.float16] / times[torch.float32]
+            torch.bmm(x, x)
+            best[dtype] = min(best[dtype], time.perf_counter() - t0)
+    return max(best[torch.float16], 1e-9) / max(best[torch.float32], 1e-9)
+
+
+def describe_cpu() -> str:
+    """What ``subquad info`` says of the CPU's units: those its choices depend on."""
+    cpu = cpu_features()
+    units = [name for name, has in (("AMX tiles", cpu.amx_tiles), ("AVX512-BF16", cpu.avx512_bf16)) if has]
+    bf16 = "bfloat16 products native" if native_bf16_products() else "bfloat16 products on float32"
+    fp16 = "float16 GEMMs native" if native_fp16_products() else "float16 GEMMs emulated (run on float32 copies)"
+    return f"{', '.join(units) or 'neither AMX nor AVX512-BF16'}; {bf16}; {fp16}"
 
 
 def amx_tiles() -> bool:
     """Whether this CPU has AMX tiles (torch's fused CPU kernel then multiplies bfloat16 on them)."""
-    return bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
+    return cpu_features().amx_tiles
 
 
 def product(a: Tensor, b: Tensor, out: Tensor, alpha: float = 1.0) -> Tensor:
