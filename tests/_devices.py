@@ -74,7 +74,10 @@ def device_memory(
         monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (cuda_free, total))
         monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: cuda_allocated)
         monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: cuda_reserved)
-        stats = {"allocated_bytes": {"all": {"current": cuda_allocated}}, "reserved_bytes": {"all": {"current": cuda_reserved}}}
+        stats = {
+            "allocated_bytes": {"all": {"current": cuda_allocated}},
+            "reserved_bytes": {"all": {"current": cuda_reserved}},
+        }
         monkeypatch.setattr(torch.cuda, "memory_stats_as_nested_dict", lambda device=None: stats)
         monkeypatch.setattr(_budget, "_CUDA_FREE_CACHE", {})  # the driver's numbers are read afresh
         fraction = 1.0 if cuda_fraction is None else cuda_fraction  # 1.0: torch's default, no cap

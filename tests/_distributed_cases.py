@@ -18,10 +18,9 @@ import torch
 import torch.distributed as dist
 
 import subquad
+from _memory_probe import _kib  # the RSS fields in bytes, as the single-process probe reads them
 from subquad import distributed as sd
 from subquad import mods
-
-from _memory_probe import _kib  # the RSS fields in bytes, as the single-process probe reads them
 
 
 def _err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -33,10 +32,24 @@ def _err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def compare(
-    *, B: Any = 2, Hq: int = 4, Hk: Optional[int] = None, Lq: int = 24, Lk: Optional[int] = None, E: int = 8,
-    Ev: Optional[int] = None, dtype: torch.dtype = torch.float64, layout: str = "zigzag", strategy: str = "ring",
-    is_causal: bool = False, score_mod: Optional[Callable[..., Any]] = None, mask_mod: Any = None,
-    mask: Optional[str] = None, budget: Any = None, captured: Optional[torch.Tensor] = None, scale: Optional[float] = None,
+    *,
+    B: Any = 2,
+    Hq: int = 4,
+    Hk: Optional[int] = None,
+    Lq: int = 24,
+    Lk: Optional[int] = None,
+    E: int = 8,
+    Ev: Optional[int] = None,
+    dtype: torch.dtype = torch.float64,
+    layout: str = "zigzag",
+    strategy: str = "ring",
+    is_causal: bool = False,
+    score_mod: Optional[Callable[..., Any]] = None,
+    mask_mod: Any = None,
+    mask: Optional[str] = None,
+    budget: Any = None,
+    captured: Optional[torch.Tensor] = None,
+    scale: Optional[float] = None,
     sub_block_bytes: Optional[int] = None,
 ) -> Dict[str, float]:
     """Errors of this rank's shard of the distributed call against the whole call, float64."""
@@ -46,9 +59,25 @@ def compare(
         old = _ring.SUB_BLOCK_BYTES
         _ring.SUB_BLOCK_BYTES = sub_block_bytes
         try:
-            return compare(B=B, Hq=Hq, Hk=Hk, Lq=Lq, Lk=Lk, E=E, Ev=Ev, dtype=dtype, layout=layout, strategy=strategy,
-                           is_causal=is_causal, score_mod=score_mod, mask_mod=mask_mod, mask=mask, budget=budget,
-                           captured=captured, scale=scale)
+            return compare(
+                B=B,
+                Hq=Hq,
+                Hk=Hk,
+                Lq=Lq,
+                Lk=Lk,
+                E=E,
+                Ev=Ev,
+                dtype=dtype,
+                layout=layout,
+                strategy=strategy,
+                is_causal=is_causal,
+                score_mod=score_mod,
+                mask_mod=mask_mod,
+                mask=mask,
+                budget=budget,
+                captured=captured,
+                scale=scale,
+            )
         finally:
             _ring.SUB_BLOCK_BYTES = old
     Hk = Hq if Hk is None else Hk
@@ -75,8 +104,14 @@ def compare(
     if captured is not None:
         captured.grad = None
     out, lse = subquad.attention(
-        *ref_in, attn_mask=ref_mask, is_causal=is_causal, score_mod=score_mod, mask_mod=mask_mod, scale=scale,
-        enable_gqa=gqa, return_lse=True,
+        *ref_in,
+        attn_mask=ref_mask,
+        is_causal=is_causal,
+        score_mod=score_mod,
+        mask_mod=mask_mod,
+        scale=scale,
+        enable_gqa=gqa,
+        return_lse=True,
     )
     finite = torch.isfinite(lse)
     ((out * go).sum() + (lse.where(finite, torch.zeros_like(lse)) * gl).sum()).backward()
@@ -95,8 +130,16 @@ def compare(
         my_mask = cut(m)
         if want_mask:
             my_mask = my_mask.clone().requires_grad_()
-    kwargs: Dict[str, Any] = dict(is_causal=is_causal, score_mod=score_mod, mask_mod=mask_mod, scale=scale,
-                                  enable_gqa=gqa, memory_budget=budget, layout=layout, return_lse=True)
+    kwargs: Dict[str, Any] = dict(
+        is_causal=is_causal,
+        score_mod=score_mod,
+        mask_mod=mask_mod,
+        scale=scale,
+        enable_gqa=gqa,
+        memory_budget=budget,
+        layout=layout,
+        return_lse=True,
+    )
     sd.STATS.reset()
     if strategy == "ulysses":
         o, l = sd.ulysses_attention(*mine, **kwargs)
@@ -104,14 +147,18 @@ def compare(
         o, l = sd.attention(*mine, strategy=strategy, attn_mask=my_mask, **kwargs)
     stats = {"blocks": sd.STATS.blocks, "skipped_steps": sd.STATS.skipped_steps}
     my_finite = torch.isfinite(l)
-    ((o * cut(go).to(o.dtype)).sum() + (l.where(my_finite, torch.zeros_like(l)) * cut(gl, -1).to(l.dtype)).sum()).backward()
+    (
+        (o * cut(go).to(o.dtype)).sum() + (l.where(my_finite, torch.zeros_like(l)) * cut(gl, -1).to(l.dtype)).sum()
+    ).backward()
     result = {
         "out": _err(o, cut(out)),
         "lse": _err(l, cut(lse, -1)),
         "dq": _err(mine[0].grad, cut(ref_grads[0])),
         "dk": _err(mine[1].grad, cut(ref_grads[1])),
         "dv": _err(mine[2].grad, cut(ref_grads[2])),
-        "out_dtype_ok": float(o.dtype == dtype and l.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)),
+        "out_dtype_ok": float(
+            o.dtype == dtype and l.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+        ),
         "shape_ok": float(tuple(o.shape) == tuple(cut(out).shape)),
         **stats,
     }
@@ -123,8 +170,14 @@ def compare(
         result["dcaptured"] = _err(total, ref_dcap)
     if dtype != torch.float64:
         # What the same dtype gives in one process: the tolerance scales with it.
-        single = subquad.attention(*(t.to(dtype) for t in (q, k, v)), attn_mask=m, is_causal=is_causal,
-                                   score_mod=score_mod, mask_mod=mask_mod, enable_gqa=gqa)
+        single = subquad.attention(
+            *(t.to(dtype) for t in (q, k, v)),
+            attn_mask=m,
+            is_causal=is_causal,
+            score_mod=score_mod,
+            mask_mod=mask_mod,
+            enable_gqa=gqa,
+        )
         result["single_out"] = _err(cut(single), cut(out))
     return result
 
@@ -186,9 +239,19 @@ CASES: Dict[str, Callable[[int], Dict[str, Any]]] = {
 }
 
 QUICK = [
-    "ring-zigzag", "ring-causal-zigzag", "ring-causal-contiguous", "ulysses-causal-zigzag", "auto-causal",
-    "ring-alibi-window", "ring-learnable-bias", "ring-documents", "ring-gqa-causal", "ring-bf16-causal",
-    "ring-unequal-shards", "ring-float-mask-grad", "ring-sub-blocks-window",
+    "ring-zigzag",
+    "ring-causal-zigzag",
+    "ring-causal-contiguous",
+    "ulysses-causal-zigzag",
+    "auto-causal",
+    "ring-alibi-window",
+    "ring-learnable-bias",
+    "ring-documents",
+    "ring-gqa-causal",
+    "ring-bf16-causal",
+    "ring-unequal-shards",
+    "ring-float-mask-grad",
+    "ring-sub-blocks-window",
 ]
 
 
@@ -206,17 +269,27 @@ def _errors(rank: int, P: int) -> Dict[str, str]:
             with pytest.raises(exc, match=match):
                 fn()
             results[name] = "ok"
-        except BaseException as e:  # noqa: BLE001 - reported to the test
+        except BaseException as e:  # reported to the test
             results[name] = f"{type(e).__name__}: {e}"
 
     other_e = torch.randn(1, 2, 4, 8 if rank == 0 else 16)
-    check("shapes-differ", lambda: sd.ring_attention(other_e, other_e, other_e), ArgumentError, "must be the same on every rank")
+    check(
+        "shapes-differ",
+        lambda: sd.ring_attention(other_e, other_e, other_e),
+        ArgumentError,
+        "must be the same on every rank",
+    )
     uneven = torch.randn(1, 2, 4 if rank == 0 else 6, 8)
     check("zigzag-unequal", lambda: sd.ring_attention(uneven, uneven, uneven), ArgumentError, "layout='zigzag' needs")
     odd = torch.randn(1, 2, 3, 8)
     check("zigzag-odd", lambda: sd.ring_attention(odd, odd, odd), ArgumentError, "equal and even")
     causal = rank == 0
-    check("options-differ", lambda: sd.ring_attention(x, x, x, is_causal=causal), ArgumentError, "is_causal must be the same")
+    check(
+        "options-differ",
+        lambda: sd.ring_attention(x, x, x, is_causal=causal),
+        ArgumentError,
+        "is_causal must be the same",
+    )
     if rank == 1:
         check("one-rank-invalid", lambda: sd.ring_attention(x, x, x, scale="big"), TypeError, "scale")
     else:
@@ -225,17 +298,37 @@ def _errors(rank: int, P: int) -> Dict[str, str]:
     check("strategy", lambda: sd.attention(x, x, x, strategy="tree"), ArgumentError, "Unknown strategy")
     h3 = torch.randn(1, 3, 4, 8)
     check("ulysses-heads", lambda: sd.ulysses_attention(h3, h3, h3), ArgumentError, "not divisible")
-    check("ulysses-mask", lambda: sd.attention(x, x, x, strategy="ulysses", attn_mask=torch.ones(4, 8, dtype=torch.bool)),
-          ArgumentError, "no attn_mask")
-    check("mask-shape", lambda: sd.ring_attention(x, x, x, attn_mask=torch.ones(4, 4, dtype=torch.bool)), ArgumentError,
-          "a rank's mask is its shard")
-    check("mask-and-causal", lambda: sd.ring_attention(x, x, x, attn_mask=torch.ones(4, 8, dtype=torch.bool), is_causal=True),
-          ArgumentError, "not both")
-    check("batch-broadcast", lambda: sd.ring_attention(x, torch.randn(2, 2, 4, 8), torch.randn(2, 2, 4, 8)), ArgumentError,
-          "same batch dims")
+    check(
+        "ulysses-mask",
+        lambda: sd.attention(x, x, x, strategy="ulysses", attn_mask=torch.ones(4, 8, dtype=torch.bool)),
+        ArgumentError,
+        "no attn_mask",
+    )
+    check(
+        "mask-shape",
+        lambda: sd.ring_attention(x, x, x, attn_mask=torch.ones(4, 4, dtype=torch.bool)),
+        ArgumentError,
+        "a rank's mask is its shard",
+    )
+    check(
+        "mask-and-causal",
+        lambda: sd.ring_attention(x, x, x, attn_mask=torch.ones(4, 8, dtype=torch.bool), is_causal=True),
+        ArgumentError,
+        "not both",
+    )
+    check(
+        "batch-broadcast",
+        lambda: sd.ring_attention(x, torch.randn(2, 2, 4, 8), torch.randn(2, 2, 4, 8)),
+        ArgumentError,
+        "same batch dims",
+    )
     check("shard-length", lambda: sd.shard(torch.randn(1, 2, 6, 8), -2), ArgumentError, "not a multiple")
-    check("callback-on-one-rank", lambda: sd.ring_attention(x, x, x, mask_mod=mods.causal() if rank == 0 else None),
-          ArgumentError, "mask_mod must be the same")
+    check(
+        "callback-on-one-rank",
+        lambda: sd.ring_attention(x, x, x, mask_mod=mods.causal() if rank == 0 else None),
+        ArgumentError,
+        "mask_mod must be the same",
+    )
     return results
 
 
@@ -292,7 +385,7 @@ def _timeout(rank: int, P: int) -> Dict[str, Any]:
     try:
         sd.ring_attention(x, x, x, group=group, mask_mod=fails_on_rank_0).sum().backward()
         return {"raised": "nothing", "seconds": time.monotonic() - start}
-    except Exception as e:  # noqa: BLE001 - reported to the test
+    except Exception as e:  # reported to the test
         if rank == 0:
             time.sleep(4)  # alive but failed: the others must not wait longer than the timeout
         return {"raised": f"{type(e).__name__}: {str(e)[:200]}", "seconds": time.monotonic() - start}
@@ -307,12 +400,14 @@ def worker(rank: int, P: int, port: int, names: List[str], out_dir: str, extras:
     for name in names:
         try:
             results[name] = compare(**CASES[name](P))
-        except Exception:  # noqa: BLE001 - reported to the test
+        except Exception:  # reported to the test
             results[name] = {"error": traceback.format_exc()}
     for extra in extras:
         try:
-            results[extra] = {"errors": _errors, "singletons": _singletons, "memory": _memory, "timeout": _timeout}[extra](rank, P)
-        except Exception:  # noqa: BLE001
+            results[extra] = {"errors": _errors, "singletons": _singletons, "memory": _memory, "timeout": _timeout}[
+                extra
+            ](rank, P)
+        except Exception:
             results[extra] = {"error": traceback.format_exc()}
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
             json.dump(results, f)

@@ -19,10 +19,11 @@ import traceback
 
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 jax.config.update("jax_enable_x64", True)
 
@@ -55,6 +56,7 @@ def weights(q, v):
 
 def reference(q, k, v, w, u, **options):
     """out, lse and d(sum(out w) + sum(lse u)) / d(q, k, v) of single-device subquad.jax.attention."""
+
     def loss(q, k, v):
         out, lse = sj.attention(q, k, v, return_lse=True, **options)
         return (out * w).sum() + (lse * u).sum(), (out, lse)
@@ -108,18 +110,28 @@ def fix_vma_single_device_calls_inside_shard_map():
     q, k, v = arrays(T=64, S=64)
     slopes = jnp.asarray([0.5, 0.25])
     calls = {
-        "causal+alibi": lambda a, b, c: sj.attention(a, b, c, is_causal=True, score_mod=lambda s, b_, h, qi, ki: s - slopes[h] * jnp.abs(qi - ki)),
+        "causal+alibi": lambda a, b, c: sj.attention(
+            a, b, c, is_causal=True, score_mod=lambda s, b_, h, qi, ki: s - slopes[h] * jnp.abs(qi - ki)
+        ),
         "dot_product_attention": lambda a, b, c: sj.dot_product_attention(a, b, c),
     }
-    for name, fn in calls.items():
+    # each device attends its own 16 rows to its own 16 keys
+    split = lambda x: x.reshape(1, 4, 16, *x.shape[2:])  # noqa: E731
+
+    def check(name, fn):
         body = jax.shard_map(fn, mesh=mesh, in_specs=(SEQ,) * 3, out_specs=SEQ)
         out, grads = jax.jit(jax.value_and_grad(lambda a, b, c: (body(a, b, c) ** 2).sum(), argnums=(0, 1, 2)))(q, k, v)
-        # each device attends its own 16 rows to its own 16 keys
-        split = lambda x: x.reshape(1, 4, 16, *x.shape[2:])  # noqa: E731
-        want, want_grads = jax.jit(jax.value_and_grad(
-            lambda a, b, c: (jax.vmap(fn, in_axes=1, out_axes=1)(split(a), split(b), split(c)) ** 2).sum(), argnums=(0, 1, 2)))(q, k, v)
+        want, want_grads = jax.jit(
+            jax.value_and_grad(
+                lambda a, b, c: (jax.vmap(fn, in_axes=1, out_axes=1)(split(a), split(b), split(c)) ** 2).sum(),
+                argnums=(0, 1, 2),
+            )
+        )(q, k, v)
         assert abs(float(out - want)) < 1e-9, name
         assert all(np.abs(np.asarray(g - w)).max() < 1e-12 for g, w in zip(grads, want_grads)), name
+
+    for name, fn in calls.items():
+        check(name, fn)
     return "attention (causal + ALiBi callback), dot_product_attention: forward and grad under check_vma=True"
 
 
@@ -184,7 +196,8 @@ def ring_bias_and_mask_rows_sharded():
 
     sh = lambda x: sj.shard(x, 4)  # noqa: E731
     (_, (out, lse)), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(
-        sh(q), sh(k), sh(v), sh(w), sh(u), to(bias), to(keep))
+        sh(q), sh(k), sh(v), sh(w), sh(u), to(bias), to(keep)
+    )
     un = lambda x: sj.unshard(x, 4)  # noqa: E731
     return compare((un(out), un(lse), tuple(un(g) for g in grads)), want, 1e-10, "bias+mask")
 
@@ -196,7 +209,9 @@ def ulysses_causal_and_callbacks():
     w, u = weights(q, v)
     score = lambda s, b, h, qi, ki: s - slopes[h] * jnp.abs(qi - ki)  # noqa: E731
     want = reference(q, k, v, w, u, is_causal=True, score_mod=score)
-    fn = lambda a, b, c: sj.ulysses_attention(a, b, c, axis_name="seq", is_causal=True, score_mod=score, return_lse=True)  # noqa: E731
+    fn = lambda a, b, c: sj.ulysses_attention(  # noqa: E731
+        a, b, c, axis_name="seq", is_causal=True, score_mod=score, return_lse=True
+    )
     return compare(sharded(fn, mesh_of(4), q, k, v, w, u, "zigzag"), want, 1e-10, "ulysses")
 
 
@@ -205,7 +220,9 @@ def ulysses_gqa_two_devices_contiguous():
     q, k, v = arrays(N=4, K=2)
     w, u = weights(q, v)
     want = reference(q, k, v, w, u, is_causal=True)
-    fn = lambda a, b, c: sj.ulysses_attention(a, b, c, axis_name="seq", is_causal=True, layout="contiguous", return_lse=True)  # noqa: E731
+    fn = lambda a, b, c: sj.ulysses_attention(  # noqa: E731
+        a, b, c, axis_name="seq", is_causal=True, layout="contiguous", return_lse=True
+    )
     return compare(sharded(fn, mesh_of(2), q, k, v, w, u, "contiguous"), want, 1e-10, "ulysses gqa")
 
 
@@ -225,7 +242,12 @@ def ring_bf16_within_tolerance():
     got = sharded(fn, mesh_of(4), *lo, w.astype(jnp.bfloat16), u, "zigzag")
     assert got[0].dtype == jnp.bfloat16 and got[1].dtype == jnp.float32
     errs = []
-    for name, a, b, r in zip(("out", "lse", "dq", "dk", "dv"), (got[0], got[1], *got[2]), (want[0], want[1], *want[2]), (naive[0], naive[1], *naive[2])):
+    for name, a, b, r in zip(
+        ("out", "lse", "dq", "dk", "dv"),
+        (got[0], got[1], *got[2]),
+        (want[0], want[1], *want[2]),
+        (naive[0], naive[1], *naive[2]),
+    ):
         a, b, r = (np.asarray(x, np.float64) for x in (a, b, r))
         e, e_ref = np.abs(a - b).max(), np.abs(r - b).max()
         errs.append(f"{name} {e:.1e} (single-device bf16 {e_ref:.1e})")
@@ -237,14 +259,21 @@ def ring_bf16_within_tolerance():
 def vmap_over_batch_and_jit():
     mesh = mesh_of(4)
     q, k, v = arrays(B=3)
-    fn = jax.shard_map(lambda a, b, c: sj.ring_attention(a, b, c, axis_name="seq", is_causal=True), mesh=mesh,
-                       in_specs=(P("seq"),) * 3, out_specs=P("seq"))  # (T, N, H) per example, sharded along T
+    fn = jax.shard_map(
+        lambda a, b, c: sj.ring_attention(a, b, c, axis_name="seq", is_causal=True),
+        mesh=mesh,
+        in_specs=(P("seq"),) * 3,
+        out_specs=P("seq"),  # (T, N, H) per example, sharded along T
+    )
     sh = lambda x: jax.vmap(lambda e: sj.shard(e, 4, axis=0))(x)  # noqa: E731
     un = lambda x: jax.vmap(lambda e: sj.unshard(e, 4, axis=0))(x)  # noqa: E731
     per_example = jax.jit(jax.vmap(jax.value_and_grad(lambda a, b, c: (fn(a, b, c) ** 2).sum(), argnums=(0, 1, 2))))
     loss, grads = per_example(sh(q), sh(k), sh(v))
-    want_loss, want_grads = jax.jit(jax.vmap(jax.value_and_grad(
-        lambda a, b, c: (sj.attention(a, b, c, is_causal=True) ** 2).sum(), argnums=(0, 1, 2))))(q, k, v)
+    want_loss, want_grads = jax.jit(
+        jax.vmap(
+            jax.value_and_grad(lambda a, b, c: (sj.attention(a, b, c, is_causal=True) ** 2).sum(), argnums=(0, 1, 2))
+        )
+    )(q, k, v)
     err = float(np.abs(np.asarray(loss - want_loss)).max())
     gerr = max(float(np.abs(np.asarray(un(g) - w)).max()) for g, w in zip(grads, want_grads))
     assert err < 1e-10 and gerr < 1e-10, (err, gerr)
@@ -255,21 +284,21 @@ def vmap_over_batch_and_jit():
 def mesh_wrapper_auto_and_explain():
     q, k, v = arrays(N=4, K=4)
     w, u = weights(q, v)
-    results = []
-    for n, explicit, strategy in ((4, True, "auto"), (2, False, "ring")):
+
+    def check(n, explicit, strategy):
         mesh = mesh_of(n, explicit)
         qs, ks, vs = (jax.device_put(x, NamedSharding(mesh, SEQ)) for x in (q, k, v))
-        if True:
-            want = reference(q, k, v, w, u, is_causal=True)
+        want = reference(q, k, v, w, u, is_causal=True)
 
-            def loss(q, k, v):
-                out, lse = sj.attention(q, k, v, is_causal=True, mesh=mesh, strategy=strategy, return_lse=True)
-                return (out * w).sum() + (lse * u).sum(), (out, lse)
+        def loss(q, k, v):
+            out, lse = sj.attention(q, k, v, is_causal=True, mesh=mesh, strategy=strategy, return_lse=True)
+            return (out * w).sum() + (lse * u).sum(), (out, lse)
 
-            (_, (out, lse)), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(qs, ks, vs)
-            compare((out, lse, grads), want, 1e-10, f"mesh P={n} {strategy}")
-            text = sj.explain(q, k, v, is_causal=True, mesh=mesh, strategy=strategy)
-            results.append(text.splitlines()[0])
+        (_, (out, lse)), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(qs, ks, vs)
+        compare((out, lse, grads), want, 1e-10, f"mesh P={n} {strategy}")
+        return sj.explain(q, k, v, is_causal=True, mesh=mesh, strategy=strategy).splitlines()[0]
+
+    results = [check(n, explicit, strategy) for n, explicit, strategy in ((4, True, "auto"), (2, False, "ring"))]
     auto4 = sj.explain(q, k, v, is_causal=True, mesh=mesh_of(4))
     assert "ulysses over 4 devices" in auto4 and "not ring: sends" in auto4, auto4
     gqa = sj.explain(*arrays(N=4, K=2), mesh=mesh_of(4))
@@ -295,17 +324,36 @@ def memory_per_device_at_most_a_quarter_plus_kv_in_flight():
     whole = jax.ShapeDtypeStruct((B, T, N, H), jnp.float32)
     local = dict(chunk_size=(64, 64))
     block = prepare(*(jnp.zeros((B, T // 4, N, H), jnp.float32),) * 3, is_causal=True, **local).spec
-    plan = mesh_plan(whole, whole, whole, None, None, mesh=mesh, axis_name="seq", strategy="ring", layout="contiguous",
-                     is_causal=True, score_mod=None, mask_mod=None, scale=None, memory_budget=None, **local)
+    plan = mesh_plan(
+        whole,
+        whole,
+        whole,
+        None,
+        None,
+        mesh=mesh,
+        axis_name="seq",
+        strategy="ring",
+        layout="contiguous",
+        is_causal=True,
+        score_mod=None,
+        mask_mod=None,
+        scale=None,
+        memory_budget=None,
+        **local,
+    )
 
     def temp(fn, *args):
         return jax.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes
 
+    one = lambda a, b, c: sj.attention(a, b, c, is_causal=True, **local)  # noqa: E731
+    ring = jax.shard_map(
+        lambda a, b, c: sj.ring_attention(a, b, c, axis_name="seq", is_causal=True, layout="contiguous", **local),
+        mesh=mesh,
+        in_specs=(SEQ,) * 3,
+        out_specs=SEQ,
+    )
     lines = []
     for grad in (False, True):
-        one = lambda a, b, c: sj.attention(a, b, c, is_causal=True, **local)  # noqa: E731
-        ring = jax.shard_map(lambda a, b, c: sj.ring_attention(a, b, c, axis_name="seq", is_causal=True, layout="contiguous", **local),
-                             mesh=mesh, in_specs=(SEQ,) * 3, out_specs=SEQ)
         if grad:
             one_f = jax.grad(lambda a, b, c: one(a, b, c).sum(), argnums=(0, 1, 2))
             ring_f = jax.grad(lambda a, b, c: ring(a, b, c).sum(), argnums=(0, 1, 2))
@@ -317,9 +365,11 @@ def memory_per_device_at_most_a_quarter_plus_kv_in_flight():
             kv_in_flight *= 2  # and their dK/dV accumulators
         block_bytes = memory_model(block, jnp.float32, need_grad=grad)
         bound = single / 4 + kv_in_flight + block_bytes
-        lines.append(f"{'fwd+bwd' if grad else 'forward'}: one device {single / 2**20:.2f} MiB, ring per device "
-                     f"{per_device / 2**20:.2f} MiB <= {bound / 2**20:.2f} MiB (1/4: {single / 4 / 2**20:.2f}, K/V in flight "
-                     f"{kv_in_flight / 2**20:.2f}, one block {block_bytes / 2**20:.2f})")
+        lines.append(
+            f"{'fwd+bwd' if grad else 'forward'}: one device {single / 2**20:.2f} MiB, ring per device "
+            f"{per_device / 2**20:.2f} MiB <= {bound / 2**20:.2f} MiB (1/4: {single / 4 / 2**20:.2f}, K/V in flight "
+            f"{kv_in_flight / 2**20:.2f}, one block {block_bytes / 2**20:.2f})"
+        )
         assert per_device <= bound, lines[-1]
         predicted = plan.backward_bytes if grad else plan.forward_bytes
         lines[-1] += f"; explain's model {predicted / 2**20:.2f} MiB"
@@ -346,7 +396,12 @@ def refusals_name_the_argument():
     with pytest.raises(ValueError, match=r"Expected bias to broadcast to \(B, N, T, S\) = \(1, 2, 8, 32\)"):
         run(lambda a, b, c: sj.ring_attention(a, b, c, axis_name="seq", bias=jnp.zeros((1, 2, 8, 8))), q, k, v)
     with pytest.raises(TypeError, match="Expected bias to have a floating dtype"):
-        run(lambda a, b, c: sj.ring_attention(a, b, c, axis_name="seq", bias=jnp.zeros((1, 1, 1, 32), jnp.int32)), q, k, v)
+        run(
+            lambda a, b, c: sj.ring_attention(a, b, c, axis_name="seq", bias=jnp.zeros((1, 1, 1, 32), jnp.int32)),
+            q,
+            k,
+            v,
+        )
     with pytest.raises(TypeError, match="Expected mask to be bool"):
         run(lambda a, b, c: sj.ring_attention(a, b, c, axis_name="seq", mask=jnp.zeros((1, 1, 1, 32))), q, k, v)
     with pytest.raises(ValueError, match="axis_name='seq' is not bound"):
@@ -357,7 +412,7 @@ def refusals_name_the_argument():
         sj.attention(q, k, v, mesh=mesh, strategy="ulysses")
     with pytest.raises(ValueError, match="axis_name='data' is not an axis of the mesh"):
         sj.attention(q, k, v, mesh=mesh, axis_name="data")
-    with pytest.raises(TypeError, match="Expected mesh to be a jax.sharding.Mesh"):
+    with pytest.raises(TypeError, match=r"Expected mesh to be a jax\.sharding\.Mesh"):
         sj.attention(q, k, v, mesh="seq")
     with pytest.raises(ValueError, match="axis_name, strategy and layout go with mesh="):
         sj.attention(q, k, v, strategy="ring")
@@ -369,7 +424,9 @@ def refusals_name_the_argument():
         sj.shard(q, 4, layout="rows")
     with pytest.raises(ValueError, match="Unknown layout='rows'"):
         sj.attention(q, k, v, mesh=mesh, layout="rows")
-    with pytest.raises(TypeError, match=r"explain\(mesh=...\) got unexpected keyword arguments \['local_window_size'\]"):
+    with pytest.raises(
+        TypeError, match=r"explain\(mesh=...\) got unexpected keyword arguments \['local_window_size'\]"
+    ):
         sj.explain(q, k, v, mesh=mesh, local_window_size=3)
     with pytest.raises(ValueError, match="mesh has axes \\('data', 'seq'\\): pass axis_name="):
         sj.attention(q, k, v, mesh=jax.sharding.Mesh(np.array(jax.devices()).reshape(2, 2), ("data", "seq")))
@@ -383,7 +440,12 @@ def main(names):
             detail, ok = CASES[name](), True
         except Exception as e:  # reported, not raised: the other cases still run
             detail, ok = f"{type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}", False
-        print(json.dumps({"case": name, "ok": ok, "detail": str(detail), "seconds": round(time.perf_counter() - start, 1)}), flush=True)
+        print(
+            json.dumps(
+                {"case": name, "ok": ok, "detail": str(detail), "seconds": round(time.perf_counter() - start, 1)}
+            ),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

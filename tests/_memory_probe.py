@@ -72,8 +72,14 @@ def _run(case: dict) -> dict:
         k = torch.randn(n * L, Hk, E, generator=g, dtype=dt).requires_grad_(grad)
         v = torch.randn(n * L, Hk, E, generator=g, dtype=dt).requires_grad_(grad)
         cu = torch.arange(0, n * L + 1, L, dtype=torch.int32)
-        return _measure(case, lambda: subquad.varlen_attention(q, k, v, cu, cu, is_causal=case.get("mask") == "causal", **kw),
-                        lambda: subquad.varlen_explain(q, k, v, cu, cu, **kw), (q, k, v), [], grad)
+        return _measure(
+            case,
+            lambda: subquad.varlen_attention(q, k, v, cu, cu, is_causal=case.get("mask") == "causal", **kw),
+            lambda: subquad.varlen_explain(q, k, v, cu, cu, **kw),
+            (q, k, v),
+            [],
+            grad,
+        )
     q = torch.randn(*batch, H, Lq, E, generator=g, dtype=dt).requires_grad_(grad)
     k = torch.randn(*batch, Hk, Lk, E, generator=g, dtype=dt).requires_grad_(grad)
     v = torch.randn(*batch, Hk, Lk, E, generator=g, dtype=dt).requires_grad_(grad)
@@ -101,7 +107,9 @@ def _run(case: dict) -> dict:
         module = RelativeBias(H, max(Lq, Lk))
         kw["score_mod"] = module.score_mod
     params = [] if module is None else list(module.parameters())
-    return _measure(case, lambda: subquad.attention(q, k, v, **kw), lambda: subquad.explain(q, k, v, **kw), (q, k, v), params, grad)
+    return _measure(
+        case, lambda: subquad.attention(q, k, v, **kw), lambda: subquad.explain(q, k, v, **kw), (q, k, v), params, grad
+    )
 
 
 def _measure(case: dict, attend, explain, inputs, params, grad: bool) -> dict:
@@ -131,8 +139,13 @@ def _measure(case: dict, attend, explain, inputs, params, grad: bool) -> dict:
         out_bytes += grad_out.numel() * grad_out.element_size()
         out_bytes += sum(t.grad.numel() * t.grad.element_size() for t in (*inputs, *params) if t.grad is not None)
     return dict(
-        case=case, backend=plan.backend, chunk=plan.chunk_size, predicted=plan.predicted_peak_bytes,
-        budget=plan.budget_bytes, measured=peak, output=out_bytes,
+        case=case,
+        backend=plan.backend,
+        chunk=plan.chunk_size,
+        predicted=plan.predicted_peak_bytes,
+        budget=plan.budget_bytes,
+        measured=peak,
+        output=out_bytes,
         grads_set=[p.grad is not None for p in params],
     )
 

@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 import _machine
+import subquad
 
 
 def _cores() -> int:
@@ -97,10 +98,7 @@ def naive_attention(
             s4 = s4.masked_fill(~mask_mod(b, h, qi, ki).expand(B, Hq, Lq, Lk), float("-inf"))
         s = s4.reshape(*lead, Hq, Lq, Lk)
     if attn_mask is not None:
-        if attn_mask.dtype == torch.bool:
-            s = s.masked_fill(~attn_mask, float("-inf"))
-        else:
-            s = s + attn_mask.to(s.dtype)
+        s = s.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else s + attn_mask.to(s.dtype)
     if is_causal:
         keep = torch.ones(Lq, Lk, dtype=torch.bool, device=s.device).tril()
         s = s.masked_fill(~keep, float("-inf"))
@@ -120,8 +118,15 @@ def to64(*ts):
     return [None if t is None else (t.detach().double() if t.is_floating_point() else t) for t in ts]
 
 
-def assert_close_to_golden(test: Tensor, golden: Tensor, reference: Optional[Tensor] = None, *,
-                           fudge: float = 3.0, floor: Optional[float] = None, name: str = "output") -> None:
+def assert_close_to_golden(
+    test: Tensor,
+    golden: Tensor,
+    reference: Optional[Tensor] = None,
+    *,
+    fudge: float = 3.0,
+    floor: Optional[float] = None,
+    name: str = "output",
+) -> None:
     """err(test) <= fudge * err(reference) + floor, errors measured against the float64 golden.
 
     Without a reference (float64 runs) the test must match the golden to ``floor`` (default 1e-12
@@ -162,6 +167,20 @@ def fixed_rates(monkeypatch):
     """A fixed rate table in place of the rates subquad measures on this machine (for tests of
     predicted times, whose verdicts must not depend on how fast or busy the machine is)."""
     return _machine.inject_rates(monkeypatch)
+
+
+def spy_sdpa_calls(monkeypatch) -> list:
+    """Record the keyword arguments of every ``subquad.sdpa`` call from now on, each call going
+    through (the integrations call it by module attribute); returns the list they are appended to."""
+    calls = []
+    real = subquad.sdpa
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(subquad, "sdpa", spy)
+    return calls
 
 
 def pytest_runtest_setup(item):

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import ast
 import collections
-import os
 import pathlib
 import sys
 from typing import Dict, List, Set, Tuple
@@ -177,8 +176,11 @@ def test_function_local_imports_only_guard_optional_dependencies():
     for i in local:
         assert i.comment, f"{i.source}:{i.line} imports {i.target} inside {i.in_function}() without saying why"
     allowed = {(i.source, i.target) for i in local if i.source in LAZY_WING or "optional" in i.comment}
-    stray = [f"{i.source}:{i.line} in {i.in_function}(): {i.target}  # {i.comment}" for i in local
-             if (i.source, i.target) not in allowed]
+    stray = [
+        f"{i.source}:{i.line} in {i.in_function}(): {i.target}  # {i.comment}"
+        for i in local
+        if (i.source, i.target) not in allowed
+    ]
     assert not stray, "function-local imports of subquad's own modules:\n" + "\n".join(stray)
 
 
@@ -189,19 +191,35 @@ def test_the_face_is_thin_and_modules_hold_one_job():
     assert not too_long, too_long
     for package in ("subquad", "subquad.distributed", "subquad.jax", "subquad._backends", "subquad.integrations"):
         tree = ast.parse(MODULES[package].read_text())
-        defined = [n.name for n in tree.body if isinstance(n, (ast.ClassDef, ast.FunctionDef)) and n.name != "__getattr__"]
+        defined = [
+            n.name for n in tree.body if isinstance(n, (ast.ClassDef, ast.FunctionDef)) and n.name != "__getattr__"
+        ]
         assert not defined, f"{package}/__init__.py defines {defined}: package faces re-export only"
 
 
 def test_no_caller_reaches_past_the_backend_protocol():
-    hits = [f"{m}:{n}" for m, p in MODULES.items() for n, line in enumerate(p.read_text().splitlines(), 1)
-            if "type: ignore[attr-defined]" in line and "BACKENDS" in line]
+    hits = [
+        f"{m}:{n}"
+        for m, p in MODULES.items()
+        for n, line in enumerate(p.read_text().splitlines(), 1)
+        if "type: ignore[attr-defined]" in line and "BACKENDS" in line
+    ]
     assert not hits, hits
 
 
-@pytest.mark.parametrize("name", ["forward", "forward, tiles", "causal forward+backward", "bool mask, matmul",
-                                  "score_mod forward+backward", "explain", "torch.compile operator",
-                                  "packed sequences forward+backward"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "forward",
+        "forward, tiles",
+        "causal forward+backward",
+        "bool mask, matmul",
+        "score_mod forward+backward",
+        "explain",
+        "torch.compile operator",
+        "packed sequences forward+backward",
+    ],
+)
 def test_memory_budget_goes_down_the_layers(name):
     """Issue 19's bound: at most 10 returns to a module the budget had left, the face entered at
     most twice (at 1765e92: 18 and 4 for the causal backward, 21 and 4 with a score_mod)."""

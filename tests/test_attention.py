@@ -58,7 +58,11 @@ def test_float64_matches_golden(shape, backend, chunk, causal):
 
 @pytest.mark.parametrize("backend,chunk", PATHS)
 def test_matches_torch_sdpa_float32(backend, chunk):
-    q, k, v = _rand(2, 4, 70, 32, dtype=torch.float32), _rand(2, 4, 90, 32, dtype=torch.float32), _rand(2, 4, 90, 32, dtype=torch.float32)
+    q, k, v = (
+        _rand(2, 4, 70, 32, dtype=torch.float32),
+        _rand(2, 4, 90, 32, dtype=torch.float32),
+        _rand(2, 4, 90, 32, dtype=torch.float32),
+    )
     out = _call(q, k, v, backend, chunk)
     ref = F.scaled_dot_product_attention(q, k, v)
     golden = naive_attention(*to64(q, k, v))
@@ -240,8 +244,8 @@ def test_dropout_mask_independent_of_tiling():
 
 
 def test_dropout_keep_rate():
-    from subquad._validate import make_inputs
     from subquad._tiles import dropout_scale
+    from subquad._validate import make_inputs
 
     inp = make_inputs(_rand(2, 4, 64, 8), _rand(2, 4, 256, 8), _rand(2, 4, 256, 8), dropout_p=0.25)
     z = dropout_scale(inp, 1234, 0, 64, 0, 256, torch.float64)
@@ -288,7 +292,10 @@ def test_causal_with_a_mask_that_hides_every_visible_key_of_a_row(backend, chunk
     q = k = v = _rand(1, 1, 8, 16)
     dense = torch.ones(8, 8, dtype=torch.bool).tril() & ~torch.eye(8, dtype=torch.bool)
     golden, golden_lse = naive_attention(q, k, v, attn_mask=dense, return_lse=True)
-    for kw in (dict(is_causal=True, mask_mod=lambda b, h, i, j: i != j), dict(attn_mask=~torch.eye(8, dtype=torch.bool), mask_mod=subquad.mods.causal())):
+    for kw in (
+        dict(is_causal=True, mask_mod=lambda b, h, i, j: i != j),
+        dict(attn_mask=~torch.eye(8, dtype=torch.bool), mask_mod=subquad.mods.causal()),
+    ):
         out, lse = _call(q, k, v, backend, chunk or (4, 4), return_lse=True, **kw)
         assert_close_to_golden(out, golden)
         assert_close_to_golden(lse, golden_lse, name="lse")
@@ -302,7 +309,9 @@ def test_causal_with_a_mask_on_the_planners_tiles():
     assert plan.backend == "fused" and plan.chunk_size[0] < 2048
     out = subquad.attention(q, k, v, attn_mask=mask, mask_mod=subquad.mods.causal(), memory_budget="2MiB")
     golden = naive_attention(*to64(q, k, v), attn_mask=mask & torch.ones(2048, 2048, dtype=torch.bool).tril())
-    assert_close_to_golden(out, golden, naive_attention(q, k, v, attn_mask=mask & torch.ones(2048, 2048, dtype=torch.bool).tril()))
+    assert_close_to_golden(
+        out, golden, naive_attention(q, k, v, attn_mask=mask & torch.ones(2048, 2048, dtype=torch.bool).tril())
+    )
 
 
 @pytest.mark.parametrize("backend,chunk", PATHS)
@@ -324,10 +333,10 @@ def test_causal_with_nonpositive_scale_backward():
 def test_half_inputs_with_a_float32_mask_keep_the_mask_in_float32(dtype):
     q, k, v = (_rand(1, 2, 64, 16, dtype=torch.float32).to(dtype) for _ in range(3))
     mask = torch.randn(64, 64) * 3
-    golden_out, golden_lse = naive_attention(*to64(q, k, v), attn_mask=mask.double(), return_lse=True)
+    _golden_out, golden_lse = naive_attention(*to64(q, k, v), attn_mask=mask.double(), return_lse=True)
     errs = {}
     for backend in ("fused", "matmul"):
-        out, lse = subquad.attention(q, k, v, attn_mask=mask, return_lse=True, backend=backend)
+        _out, lse = subquad.attention(q, k, v, attn_mask=mask, return_lse=True, backend=backend)
         errs[backend] = (lse.double() - golden_lse).abs().max().item()
     # Rounding the mask to 8 bits of mantissa gave 4e-2 on the fused path; the matmul path is ~1e-6.
     assert errs["fused"] < 1e-3, errs

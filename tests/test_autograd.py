@@ -25,7 +25,11 @@ def _leaf(*shape, dtype=torch.float64):
 def _grads(fn, tensors, grad_out=None):
     tensors = [t.detach().clone().requires_grad_(t.requires_grad) for t in tensors]
     out = fn(*tensors)
-    g = torch.randn(out.shape, dtype=out.dtype, generator=torch.Generator().manual_seed(7)) if grad_out is None else grad_out
+    g = (
+        torch.randn(out.shape, dtype=out.dtype, generator=torch.Generator().manual_seed(7))
+        if grad_out is None
+        else grad_out
+    )
     out.backward(g)
     return out, [t.grad for t in tensors]
 
@@ -36,6 +40,7 @@ def _call(backend, chunk, **kw):
             return subquad.attention(q, k, v, attn_mask=mask, backend=backend, chunk_size=chunk, **kw)
         except NotImplementedError as e:
             pytest.skip(str(e))
+
     return fn
 
 
@@ -74,7 +79,13 @@ def test_gradcheck(case, backend, chunk):
 @pytest.mark.parametrize("backend,chunk", PATHS)
 @pytest.mark.parametrize(
     "shape",
-    [(2, 3, 113, 203, 16, 16), (1, 2, 64, 17, 59, 59), (1, 1, 33, 40, 111, 111), (1, 2, 1, 30, 8, 8), (1, 2, 19, 23, 16, 7)],
+    [
+        (2, 3, 113, 203, 16, 16),
+        (1, 2, 64, 17, 59, 59),
+        (1, 1, 33, 40, 111, 111),
+        (1, 2, 1, 30, 8, 8),
+        (1, 2, 19, 23, 16, 7),
+    ],
     ids=["113x203", "E59", "E111", "Lq1", "Ev!=E"],
 )
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -98,10 +109,12 @@ def test_gqa_and_mask_gradients(backend, chunk):
     bias = torch.randn(6, 1, 27, dtype=torch.float64).requires_grad_()  # broadcast over queries
     fn = lambda q, k, v, m: subquad.attention(q, k, v, attn_mask=m, enable_gqa=True, backend=backend, chunk_size=chunk)  # noqa: E731
     try:
-        out, grads = _grads(fn, [q, k, v, bias])
+        _out, grads = _grads(fn, [q, k, v, bias])
     except NotImplementedError as e:
         pytest.skip(str(e))
-    ref_out, ref_grads = _grads(lambda q, k, v, m: naive_attention(q, k, v, attn_mask=m, enable_gqa=True), [q, k, v, bias])
+    _ref_out, ref_grads = _grads(
+        lambda q, k, v, m: naive_attention(q, k, v, attn_mask=m, enable_gqa=True), [q, k, v, bias]
+    )
     assert grads[3].shape == bias.shape
     for name, g, r in zip(["dq", "dk", "dv", "dbias"], grads, ref_grads):
         assert_close_to_golden(g, r, name=name, floor=1e-11)
@@ -112,8 +125,11 @@ def test_fully_masked_rows_have_zero_gradients():
     keep = torch.rand(6, 9) > 0.3
     keep[2] = False
     for backend in ("fused", "matmul"):
-        out, grads = _grads(lambda q, k, v: subquad.attention(q, k, v, attn_mask=keep, backend=backend, chunk_size=(2, 4)), [q, k, v])
-        ref_out, ref_grads = _grads(lambda q, k, v: naive_attention(q, k, v, attn_mask=keep), [q, k, v])
+        _out, grads = _grads(
+            lambda q, k, v: subquad.attention(q, k, v, attn_mask=keep, backend=backend, chunk_size=(2, 4)),  # noqa: B023 - _grads calls it at once
+            [q, k, v],
+        )
+        _ref_out, ref_grads = _grads(lambda q, k, v: naive_attention(q, k, v, attn_mask=keep), [q, k, v])
         assert torch.isfinite(grads[0]).all() and torch.equal(grads[0][:, :, 2], torch.zeros_like(grads[0][:, :, 2]))
         for g, r in zip(grads, ref_grads):
             assert_close_to_golden(g, r, floor=1e-11)
@@ -128,7 +144,7 @@ def test_low_precision_gradients(dtype, backend, chunk):
     gold = [t.double().requires_grad_() for t in low]
     grad_out = torch.randn(2, 2, 40, 32, generator=g)
     fn = _call(backend, chunk, is_causal=True)
-    out, grads = _grads(fn, low, grad_out.to(dtype))
+    _out, grads = _grads(fn, low, grad_out.to(dtype))
     _, ref_grads = _grads(lambda q, k, v: naive_attention(q, k, v, is_causal=True), low, grad_out.to(dtype))
     _, gold_grads = _grads(lambda q, k, v: naive_attention(q, k, v, is_causal=True), gold, grad_out.double())
     for name, t, r, gg in zip("qkv", grads, ref_grads, gold_grads):
@@ -137,8 +153,8 @@ def test_low_precision_gradients(dtype, backend, chunk):
 
 
 def test_dropout_backward_uses_the_same_masks():
-    from subquad._validate import make_inputs
     from subquad._tiles import dropout_scale
+    from subquad._validate import make_inputs
 
     q, k, v = _leaf(1, 2, 12, 8), _leaf(1, 2, 20, 8), _leaf(1, 2, 20, 8)
     torch.manual_seed(3)
@@ -152,7 +168,7 @@ def test_dropout_backward_uses_the_same_masks():
 
     for chunk in [None, (5, 7)]:
         torch.manual_seed(3)
-        out, grads = _grads(lambda q, k, v: subquad.attention(q, k, v, dropout_p=0.4, chunk_size=chunk), [q, k, v])
+        out, grads = _grads(lambda q, k, v: subquad.attention(q, k, v, dropout_p=0.4, chunk_size=chunk), [q, k, v])  # noqa: B023 - _grads calls it at once
         ref_out, ref_grads = _grads(reference, [q, k, v])
         assert_close_to_golden(out, ref_out)
         for g, r in zip(grads, ref_grads):
@@ -210,10 +226,12 @@ def test_lse_is_differentiable_for_merging(backend, chunk):
     keep[4, :11] = False  # row 4 sees nothing in the first half: lse1 = -inf there
 
     def merged(q, k, v):
-        o1, l1 = subquad.attention(q, k[:, :, :11], v[:, :, :11], attn_mask=keep[:, :11], return_lse=True,
-                                   backend=backend, chunk_size=chunk)
-        o2, l2 = subquad.attention(q, k[:, :, 11:], v[:, :, 11:], attn_mask=keep[:, 11:], return_lse=True,
-                                   backend=backend, chunk_size=chunk)
+        o1, l1 = subquad.attention(
+            q, k[:, :, :11], v[:, :, :11], attn_mask=keep[:, :11], return_lse=True, backend=backend, chunk_size=chunk
+        )
+        o2, l2 = subquad.attention(
+            q, k[:, :, 11:], v[:, :, 11:], attn_mask=keep[:, 11:], return_lse=True, backend=backend, chunk_size=chunk
+        )
         lse = torch.logaddexp(l1, l2)
         return o1 * (l1 - lse).exp().unsqueeze(-1) + o2 * (l2 - lse).exp().unsqueeze(-1)
 

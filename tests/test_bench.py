@@ -36,8 +36,9 @@ def fake(name, body, **kw):
     def prepare(inputs):
         def forward():
             body()
-            return F.scaled_dot_product_attention(inputs.query, inputs.key, inputs.value,
-                                                  scale=inputs.scale, **impls._sdpa_mask_args(inputs))
+            return F.scaled_dot_product_attention(
+                inputs.query, inputs.key, inputs.value, scale=inputs.scale, **impls._sdpa_mask_args(inputs)
+            )
 
         return forward, {}
 
@@ -96,11 +97,15 @@ def test_memory_meter_kinds():
 # -------------------------------------------------------------------- statuses
 
 
-@pytest.mark.parametrize("exc", [
-    torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.50 GiB"),
-    RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory"),
-    MemoryError(),
-], ids=["torch-oom", "cpu-allocator", "memory-error"])
+@pytest.mark.parametrize(
+    "exc",
+    [
+        torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.50 GiB"),
+        RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory"),
+        MemoryError(),
+    ],
+    ids=["torch-oom", "cpu-allocator", "memory-error"],
+)
 def test_out_of_memory_is_a_record_not_a_crash(exc):
     result = measure.run_case(fake("oom", raising(exc)), TINY, FAST)
     assert result.status == "oom"
@@ -109,8 +114,9 @@ def test_out_of_memory_is_a_record_not_a_crash(exc):
 
 def test_declared_refusals_skip_the_run():
     calls = []
-    impl = fake("cuda-only", lambda: calls.append(1), devices=("cuda",), dtypes=("fp16",),
-                masks=("none",), backward=False)
+    impl = fake(
+        "cuda-only", lambda: calls.append(1), devices=("cuda",), dtypes=("fp16",), masks=("none",), backward=False
+    )
     case = Case(1, 2, 8, 8, 16, dtype="fp32", mask="causal", backward=True)
     result = measure.run_case(impl, case, FAST)
     assert result.status == "unsupported" and not calls
@@ -119,17 +125,20 @@ def test_declared_refusals_skip_the_run():
 
 
 def test_missing_module_is_unsupported_with_install_hint():
-    impl = fake("missing", lambda: None, module="no_such_module_for_subquad_tests",
-                install="pip install it")
+    impl = fake("missing", lambda: None, module="no_such_module_for_subquad_tests", install="pip install it")
     result = measure.run_case(impl, TINY, FAST)
     assert result.status == "unsupported"
     assert result.reason == "no_such_module_for_subquad_tests is not installed (pip install it)"
 
 
-@pytest.mark.parametrize("exc, expected", [
-    (Unsupported("head dim 300 > 256"), "head dim 300 > 256"),
-    (NotImplementedError("backend='fused' cannot run this call"), "NotImplementedError: backend="),
-], ids=["unsupported", "not-implemented"])
+@pytest.mark.parametrize(
+    "exc, expected",
+    [
+        (Unsupported("head dim 300 > 256"), "head dim 300 > 256"),
+        (NotImplementedError("backend='fused' cannot run this call"), "NotImplementedError: backend="),
+    ],
+    ids=["unsupported", "not-implemented"],
+)
 def test_runtime_refusals_are_unsupported(exc, expected):
     result = measure.run_case(fake("refuses", raising(exc)), TINY, FAST)
     assert result.status == "unsupported"
@@ -140,7 +149,7 @@ def test_sdpa_refusal_reason_comes_from_its_warnings():
     import warnings
 
     def body():
-        warnings.warn("Flash attention requires the head dim to be a multiple of 8")
+        warnings.warn("Flash attention requires the head dim to be a multiple of 8", stacklevel=1)
         raise RuntimeError("No available kernel. Aborting execution.")
 
     result = measure.run_case(fake("sdpa-like", body), TINY, FAST)
@@ -182,7 +191,9 @@ def test_flex_compiled_matches_the_sampled_reference():
     assert result.status == "ok", result.reason
     assert result.rel_err < 1e-5
     assert result.first_call_ms is not None
-    backward = measure.run_case(impls.IMPLS["flex-compiled"], Case(1, 2, 256, 384, 16, dtype="fp32", mask="alibi", backward=True), ONCE)
+    backward = measure.run_case(
+        impls.IMPLS["flex-compiled"], Case(1, 2, 256, 384, 16, dtype="fp32", mask="alibi", backward=True), ONCE
+    )
     assert backward.status == "unsupported" and "no backward on CPU" in backward.reason
 
 
@@ -213,8 +224,7 @@ def test_subquad_matches_the_sampled_reference_or_says_why_not(mask):
 
 def test_sampled_errors_measures_a_known_error():
     inputs = cases.make_inputs(Case(2, 2, 20, 30, 8, dtype="fp64", mask="key-padding"))
-    exact = F.scaled_dot_product_attention(inputs.query, inputs.key, inputs.value,
-                                           attn_mask=inputs.pad_mask)
+    exact = F.scaled_dot_product_attention(inputs.query, inputs.key, inputs.value, attn_mask=inputs.pad_mask)
     rel, rel_grad = measure.sampled_errors(inputs, exact)
     assert rel < 1e-12 and rel_grad is None
     rel, _ = measure.sampled_errors(inputs, exact * 1.1)
@@ -262,8 +272,7 @@ def test_worker_that_exits_is_an_error():
 def test_run_all_reports_progress_before_and_after_each_job():
     seen = []
     jobs = [(impls.IMPLS["naive"], TINY), (impls.IMPLS["flash-attn"], TINY)]
-    measure.run_all(jobs, ONCE, isolate=False,
-                    progress=lambda i, n, impl, case, r: seen.append((i, r is None)))
+    measure.run_all(jobs, ONCE, isolate=False, progress=lambda i, n, impl, case, r: seen.append((i, r is None)))
     assert seen == [(0, True), (0, False), (1, True), (1, False)]
 
 
@@ -307,8 +316,25 @@ def run_cli(args, capsys):
 def test_results_json_and_csv_schema(tmp_path, capsys):
     out = tmp_path / "run"
     code, captured = run_cli(
-        ["--shape", "1,2,64,80,16", "--mask", "none", "causal", "--impl", "naive", "sdpa-math",
-         "flash-attn", "--in-process", "--plain", "--seconds", "0.01", "--out", str(out)], capsys)
+        [
+            "--shape",
+            "1,2,64,80,16",
+            "--mask",
+            "none",
+            "causal",
+            "--impl",
+            "naive",
+            "sdpa-math",
+            "flash-attn",
+            "--in-process",
+            "--plain",
+            "--seconds",
+            "0.01",
+            "--out",
+            str(out),
+        ],
+        capsys,
+    )
     assert code == 0
     assert "naive" in captured.out and "not run: flash-attn" in captured.out
     records = json.loads((out / "results.json").read_text())
@@ -334,8 +360,18 @@ def test_results_json_and_csv_schema(tmp_path, capsys):
 
 def test_compare_flags_regressions(tmp_path, capsys):
     out = tmp_path / "new"
-    args = ["--shape", "1,4,1024,64", "--impl", "naive", "--in-process", "--plain", "--seconds",
-            "0.01", "--out", str(out)]
+    args = [
+        "--shape",
+        "1,4,1024,64",
+        "--impl",
+        "naive",
+        "--in-process",
+        "--plain",
+        "--seconds",
+        "0.01",
+        "--out",
+        str(out),
+    ]
     assert run_cli(args, capsys)[0] == 0
     records = json.loads((out / "results.json").read_text())
     old = tmp_path / "old.json"
@@ -368,12 +404,17 @@ def test_compare_rules():
 
 def test_plain_table_without_rich():
     results = [
-        Result(impl="a", case="1x1x8x8x8 fp32 none", mode="fwd", median_ms=1.5, tflops=0.1,
-               peak_bytes=3 << 20, rel_err=1e-7),
-        Result(impl="b", case="1x1x8x8x8 fp32 none", mode="fwd", status="oom",
-               reason="CUDA out of memory"),
-        Result(impl="c", case="1x1x8x8x8 fp32 none", mode="fwd", status="unsupported",
-               reason="c is not installed"),
+        Result(
+            impl="a",
+            case="1x1x8x8x8 fp32 none",
+            mode="fwd",
+            median_ms=1.5,
+            tflops=0.1,
+            peak_bytes=3 << 20,
+            rel_err=1e-7,
+        ),
+        Result(impl="b", case="1x1x8x8x8 fp32 none", mode="fwd", status="oom", reason="CUDA out of memory"),
+        Result(impl="c", case="1x1x8x8x8 fp32 none", mode="fwd", status="unsupported", reason="c is not installed"),
     ]
     text = report.render_plain(results)
     assert "== 1x1x8x8x8 fp32 none fwd" in text
@@ -392,15 +433,18 @@ def test_without_rich_table_and_progress_are_plain_text(monkeypatch):
     with report.Progress(1, file=log) as progress:
         progress.update(0, 1, impls.IMPLS["naive"], TINY, None)
         progress.update(0, 1, impls.IMPLS["naive"], TINY, result)
-    assert log.getvalue() == "[1/1] naive 1x2x33x47x16 fp32 none fwd: 2.00 ms, 0.00 TFLOP/s, " \
-                             "peak -, err -\n"
+    assert log.getvalue() == "[1/1] naive 1x2x33x47x16 fp32 none fwd: 2.00 ms, 0.00 TFLOP/s, peak -, err -\n"
 
 
 def test_bench_imports_rich_and_matplotlib_lazily():
-    code = ("import sys, subquad.bench.cli; "
-            "print(sorted(m for m in ('rich', 'matplotlib') if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)), check=True)
+    code = "import sys, subquad.bench.cli; print(sorted(m for m in ('rich', 'matplotlib') if m in sys.modules))"
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)),
+        check=True,
+    )
     assert out.stdout.strip() == "[]"
 
 
@@ -434,7 +478,10 @@ USAGE_ERRORS = [
     (["--max-memory", "4GiB"], "--max-memory needs --model"),
     (["--batch", "2"], "--batch needs --model"),
     (["--model", "nosuch"], "Unknown model 'nosuch'"),
-    (["--model", "sd-vae-decoder-small", "--resolution", "100"], "multiple of 8 (the latent is 1/8 of it), got 100; for example 96 or 104"),
+    (
+        ["--model", "sd-vae-decoder-small", "--resolution", "100"],
+        "multiple of 8 (the latent is 1/8 of it), got 100; for example 96 or 104",
+    ),
     (["--model", "sd-vae-decoder-small", "--resolution", "0"], "of it), got 0; for example 8"),
     (["--model", "sd-vae-decoder-small", "--max-memory", "lots"], "--max-memory 'lots': expected a size"),
     (["--model", "sd-vae-decoder-small", "--max-memory", "4 apples"], "--max-memory '4 apples'"),
@@ -459,8 +506,12 @@ def nothing_runs(monkeypatch):
     def measured(*args, **kwargs):
         raise AssertionError("a measurement started before the usage error")
 
-    for module, name in ((cli.measure, "run_all"), (cli.model_measure, "run_model_bench"),
-                         (cli.jax_bench, "main"), (cli, "_busy_warning")):
+    for module, name in (
+        (cli.measure, "run_all"),
+        (cli.model_measure, "run_model_bench"),
+        (cli.jax_bench, "main"),
+        (cli, "_busy_warning"),
+    ):
         monkeypatch.setattr(module, name, measured)
 
     def require(library):
@@ -484,33 +535,49 @@ def usage_error(args, capsys):
 
 
 @pytest.mark.parametrize("args, message", USAGE_ERRORS, ids=[" ".join(a) for a, _ in USAGE_ERRORS])
-def test_each_usage_error_is_one_line_before_anything_runs(args, message, nothing_runs, tmp_path,
-                                                           monkeypatch, capsys):
+def test_each_usage_error_is_one_line_before_anything_runs(args, message, nothing_runs, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "old.json").write_text("[]")
     assert message in usage_error(args, capsys)
 
 
-@pytest.mark.parametrize("args, library", [
-    (["--model", "sd-vae-decoder-small", "--resolution", "64"], "needs diffusers, which is not installed"),
-    (["--model", "llama-small"], "needs transformers, which is not installed"),
-    (["--framework", "jax"], "needs JAX, which is not installed: pip install 'subquad[jax]'"),
-])
+@pytest.mark.parametrize(
+    "args, library",
+    [
+        (["--model", "sd-vae-decoder-small", "--resolution", "64"], "needs diffusers, which is not installed"),
+        (["--model", "llama-small"], "needs transformers, which is not installed"),
+        (["--framework", "jax"], "needs JAX, which is not installed: pip install 'subquad[jax]'"),
+    ],
+)
 def test_a_missing_dependency_is_checked_after_the_arguments(args, library, nothing_runs, capsys):
     assert library in usage_error(args, capsys)
 
 
 def attention_record(impl="naive", status="ok", **fields):
-    fields = {"median_ms": 1.0, "q1_ms": 0.9, "q3_ms": 1.1, "reps": 5, "peak_bytes": 1 << 20,
-              **fields} if status == "ok" else fields
+    fields = (
+        {"median_ms": 1.0, "q1_ms": 0.9, "q3_ms": 1.1, "reps": 5, "peak_bytes": 1 << 20, **fields}
+        if status == "ok"
+        else fields
+    )
     return Result(impl=impl, case="1x1x8x8x8 fp32 none", mode="fwd", status=status, **fields)
 
 
 def model_record(impl="sdpa", status="ok"):
-    fields = {"median_ms": 10.0, "q1_ms": 9.0, "q3_ms": 11.0, "rounds": 3, "peak_bytes": 1 << 20,
-              "weights_bytes": 1 << 20} if status == "ok" else {"reason": "not installed"}
-    return ModelResult(model="sd-vae-decoder-small", impl=impl, task="infer", mode="infer", size=64,
-                       size_unit="px", status=status, **fields)
+    fields = (
+        {"median_ms": 10.0, "q1_ms": 9.0, "q3_ms": 11.0, "rounds": 3, "peak_bytes": 1 << 20, "weights_bytes": 1 << 20}
+        if status == "ok"
+        else {"reason": "not installed"}
+    )
+    return ModelResult(
+        model="sd-vae-decoder-small",
+        impl=impl,
+        task="infer",
+        mode="infer",
+        size=64,
+        size_unit="px",
+        status=status,
+        **fields,
+    )
 
 
 BAD_COMPARE_FILES = [
@@ -522,17 +589,21 @@ BAD_COMPARE_FILES = [
     ("partial.json", '[{"impl": "naive", "mode": "fwd"}]', [], "record 0 has no case"),
     ("types.json", json.dumps([attention_record(median_ms="fast").to_dict()]), [], "TypeError"),
     ("model.json", json.dumps([model_record().to_dict()]), [], "holds --model results"),
-    ("attention.json", json.dumps([attention_record().to_dict()]), ["--model", "sd-vae-decoder-small"],
-     "holds results of single attention calls"),
+    (
+        "attention.json",
+        json.dumps([attention_record().to_dict()]),
+        ["--model", "sd-vae-decoder-small"],
+        "holds results of single attention calls",
+    ),
     ("missing.json", None, [], "no such file"),
     ("folder", "dir", [], "is a folder"),
 ]
 
 
-@pytest.mark.parametrize("name, content, more, message", BAD_COMPARE_FILES,
-                         ids=[f[0] for f in BAD_COMPARE_FILES])
-def test_a_wrong_compare_file_is_a_usage_error_before_anything_runs(name, content, more, message, tmp_path,
-                                                                   nothing_runs, capsys):
+@pytest.mark.parametrize("name, content, more, message", BAD_COMPARE_FILES, ids=[f[0] for f in BAD_COMPARE_FILES])
+def test_a_wrong_compare_file_is_a_usage_error_before_anything_runs(
+    name, content, more, message, tmp_path, nothing_runs, capsys
+):
     path = tmp_path / name
     if content == "dir":
         path.mkdir()
@@ -558,19 +629,24 @@ def fake_run(monkeypatch):
     return records
 
 
-@pytest.mark.parametrize("old, flags, code, said", [
-    ([attention_record()], ["--fail-if-regression", "10"], 0, None),
-    ([attention_record(median_ms=0.1, q1_ms=0.09, q3_ms=0.11)], ["--fail-if-regression", "10"], 1, "regressions:"),
-    ([attention_record(impl="sdpa-math")], ["--fail-if-regression", "10"], 1, "nothing compared"),
-    ([attention_record(status="unsupported", reason="x")], ["--fail-if-regression", "10"], 1, "nothing compared"),
-    ([attention_record(impl="sdpa-math")], ["--fail-if-regression", "10", "--allow-empty-compare"], 0, None),
-    ([attention_record(impl="sdpa-math")], [], 0, None),
-], ids=["same", "slower", "nothing-in-common", "nothing-ok-before", "allowed-empty", "no-gate"])
+@pytest.mark.parametrize(
+    "old, flags, code, said",
+    [
+        ([attention_record()], ["--fail-if-regression", "10"], 0, None),
+        ([attention_record(median_ms=0.1, q1_ms=0.09, q3_ms=0.11)], ["--fail-if-regression", "10"], 1, "regressions:"),
+        ([attention_record(impl="sdpa-math")], ["--fail-if-regression", "10"], 1, "nothing compared"),
+        ([attention_record(status="unsupported", reason="x")], ["--fail-if-regression", "10"], 1, "nothing compared"),
+        ([attention_record(impl="sdpa-math")], ["--fail-if-regression", "10", "--allow-empty-compare"], 0, None),
+        ([attention_record(impl="sdpa-math")], [], 0, None),
+    ],
+    ids=["same", "slower", "nothing-in-common", "nothing-ok-before", "allowed-empty", "no-gate"],
+)
 def test_a_gate_that_compares_nothing_fails(old, flags, code, said, fake_run, tmp_path, capsys):
     path = tmp_path / "old.json"
     report.write_json(old, str(path))
-    got, captured = run_cli(["--shape", "1,1,8,8", "--impl", "naive", "--plain", "--compare", str(path), *flags],
-                            capsys)
+    got, captured = run_cli(
+        ["--shape", "1,1,8,8", "--impl", "naive", "--plain", "--compare", str(path), *flags], capsys
+    )
     assert got == code, captured.out
     assert said is None or said in captured.out
     assert "compared with" in captured.out
@@ -581,8 +657,18 @@ def test_a_model_gate_that_compares_nothing_fails(monkeypatch, tmp_path, capsys)
     monkeypatch.setattr(cli, "_busy_warning", lambda: None)
     monkeypatch.setattr(cli.model_measure, "run_model_bench", lambda *a, **k: [model_record()])
     path = tmp_path / "old.json"
-    args = ["--model", "sd-vae-decoder-small", "--resolution", "64", "--impl", "sdpa", "--compare", str(path),
-            "--fail-if-regression", "10"]
+    args = [
+        "--model",
+        "sd-vae-decoder-small",
+        "--resolution",
+        "64",
+        "--impl",
+        "sdpa",
+        "--compare",
+        str(path),
+        "--fail-if-regression",
+        "10",
+    ]
     report.write_json([model_record()], str(path))
     assert run_cli(args, capsys)[0] == 0
     report.write_json([model_record(impl="classic")], str(path))
@@ -594,7 +680,9 @@ def test_a_model_gate_that_compares_nothing_fails(monkeypatch, tmp_path, capsys)
 def test_list(monkeypatch, capsys):
     def require(library):  # as if transformers were not installed
         if library == "transformers":
-            raise models.MissingDependency(f"--model needs {library}, which is not installed: {models.INSTALL[library]}")
+            raise models.MissingDependency(
+                f"--model needs {library}, which is not installed: {models.INSTALL[library]}"
+            )
 
     monkeypatch.setattr(models, "require", require)
     code, captured = run_cli(["--list", "--device", "cpu"], capsys)
@@ -602,18 +690,24 @@ def test_list(monkeypatch, capsys):
     assert "sd15-1024" in captured.out and "subquad-matmul" in captured.out
     assert "jax-quick" in captured.out and "--framework jax" in captured.out
     lines = captured.out.splitlines()
-    after = {line.split()[0]: lines[i + 1].strip() for i, line in enumerate(lines[:-1]) if line.startswith("  ")
-             and line.split()[0] in models.MODELS}
+    after = {
+        line.split()[0]: lines[i + 1].strip()
+        for i, line in enumerate(lines[:-1])
+        if line.startswith("  ") and line.split()[0] in models.MODELS
+    }
     assert after["sd15-unet-small"] == "[available]"
     assert after["llama-small"] == "[needs transformers, which is not installed: pip install 'subquad[transformers]']"
 
 
-@pytest.mark.parametrize("spellings, name", [
-    (("fp16", "float16", "half", "torch.float16"), "fp16"),
-    (("bf16", "bfloat16"), "bf16"),
-    (("fp32", "float32", "float", "FLOAT32"), "fp32"),
-    (("fp64", "float64", "double"), "fp64"),
-])
+@pytest.mark.parametrize(
+    "spellings, name",
+    [
+        (("fp16", "float16", "half", "torch.float16"), "fp16"),
+        (("bf16", "bfloat16"), "bf16"),
+        (("fp32", "float32", "float", "FLOAT32"), "fp32"),
+        (("fp64", "float64", "double"), "fp64"),
+    ],
+)
 def test_every_dtype_spelling_works_in_bench_and_info(spellings, name, capsys):
     for spelling in spellings:
         assert cli.build_parser().parse(["--dtype", spelling]).dtype == name
@@ -641,9 +735,11 @@ def test_piped_tables_cut_reasons_at_words(monkeypatch):
     import io
 
     reason = ("refuses this input: " + "the keys are padded " * 3 + "incomprehensibilities " * 8).strip()
-    results = [attention_record(),
-               attention_record(impl="flex", status="error", reason=reason),
-               attention_record(impl="xformers", status="unsupported", reason=reason)]
+    results = [
+        attention_record(),
+        attention_record(impl="flex", status="error", reason=reason),
+        attention_record(impl="xformers", status="unsupported", reason=reason),
+    ]
     words = set(f"{reason} error: ok naive flex".split())
     for rich in (False, True):
         if rich and not report.have_rich():

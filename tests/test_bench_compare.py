@@ -10,7 +10,6 @@ all calls of a round together, and ``noise`` is each call's own (log-normal, 5% 
 import json
 import math
 import random
-import statistics
 
 import pytest
 
@@ -33,8 +32,20 @@ def simulated_run(seed, *, rounds=20, machine=1.0, noise=0.05, slower=None, peak
             times = [base * factor * d * rng.lognormvariate(0, noise) for d in drift]
             s = timing.spread(times)
             facts = {"device_name": "AMD EPYC, 2 CPUs", "torch_version": "2.13.0+cpu", "threads": 2, **(env or {})}
-            records.append(Result(impl=impl, case=case, mode="fwd", median_ms=s.median, q1_ms=s.q1,
-                                  q3_ms=s.q3, times_ms=times, reps=rounds, peak_bytes=peak, **facts))
+            records.append(
+                Result(
+                    impl=impl,
+                    case=case,
+                    mode="fwd",
+                    median_ms=s.median,
+                    q1_ms=s.q1,
+                    q3_ms=s.q3,
+                    times_ms=times,
+                    reps=rounds,
+                    peak_bytes=peak,
+                    **facts,
+                )
+            )
     return records
 
 
@@ -112,8 +123,20 @@ def test_a_gate_that_compares_nothing_fails_unless_told_otherwise():
 def test_the_cli_fails_a_gate_that_compares_nothing(tmp_path, capsys):
     old = tmp_path / "old.json"
     old.write_text(json.dumps([Result(impl="sdpa-flash", case="elsewhere", mode="fwd", median_ms=1.0).to_dict()]))
-    args = ["--shape", "1,2,32,16", "--impl", "sdpa-math", "--in-process", "--plain", "--seconds", "0.01",
-            "--compare", str(old), "--fail-if-regression", "10"]
+    args = [
+        "--shape",
+        "1,2,32,16",
+        "--impl",
+        "sdpa-math",
+        "--in-process",
+        "--plain",
+        "--seconds",
+        "0.01",
+        "--compare",
+        str(old),
+        "--fail-if-regression",
+        "10",
+    ]
     assert cli.main(args) == 1
     assert "nothing compared" in capsys.readouterr().out
 
@@ -135,8 +158,16 @@ def test_the_table_summarizes_and_leaves_out_rows_unsupported_in_both_runs():
     old = simulated_run(0, rounds=8)
     new = simulated_run(1, rounds=8)
     for run in (old, new):
-        run += [Result(impl=f"xformers-{i}", case=CASES[0], mode="fwd", status="unsupported",
-                       reason="xformers is not installed") for i in range(40)]
+        run += [
+            Result(
+                impl=f"xformers-{i}",
+                case=CASES[0],
+                mode="fwd",
+                status="unsupported",
+                reason="xformers is not installed",
+            )
+            for i in range(40)
+        ]
     new.append(Result(impl="flex", case=CASES[0], mode="fwd", median_ms=1.0))
     old.append(Result(impl="flex", case=CASES[1], mode="fwd", median_ms=1.0))
     new.append(Result(impl="naive", case="big", mode="fwd", status="oom", reason="out of memory"))
@@ -145,7 +176,10 @@ def test_the_table_summarizes_and_leaves_out_rows_unsupported_in_both_runs():
     assert "xformers-0" not in text and "(40 (impl, case, mode) unsupported in both runs: not listed)" in text
     assert problems == ["naive big fwd: was ok, now oom (out of memory)"]
     summary = next(line for line in text.splitlines() if " compared: " in line)
-    assert summary.startswith("10 compared: ") and "1 changed status; 1 only in the new run, 1 only in the old run" in summary
+    assert (
+        summary.startswith("10 compared: ")
+        and "1 changed status; 1 only in the new run, 1 only in the old run" in summary
+    )
     counts = [int(summary.split(f" {word}")[0].split()[-1]) for word in ("faster", "slower", "same;")]
     assert sum(counts) == 10
     assert "ok → oom" in text and "the two runs differ" not in text
@@ -173,7 +207,9 @@ def test_compare_runs_interval_and_reference():
     # The ratio and interval are the Hodges-Lehmann shift of the logs and its Mann-Whitney interval.
     c = timing.compare_runs("x", [t * 2 for t in old], old)
     shift, low, high, coverage = timing.shift_interval([math.log(2 * t) for t in old], [math.log(t) for t in old])
-    assert (c.ratio, c.low, c.high, c.coverage) == pytest.approx((math.exp(shift), math.exp(low), math.exp(high), coverage))
+    assert (c.ratio, c.low, c.high, c.coverage) == pytest.approx(
+        (math.exp(shift), math.exp(low), math.exp(high), coverage)
+    )
     assert c.ratio == pytest.approx(2.0) and c.low < 2.0 < c.high and c.verdict == "slower"
     # One cold round in the new run hardly moves the interval: no false regression at 10%.
     cold = [t * 1.02 for t in old]
@@ -192,21 +228,182 @@ def test_compare_runs_interval_and_reference():
 # docs/benchmarks/gate-cpu-old-rule.json): naive's raw median moved +12% (a slow phase in the second
 # run) while subquad-matmul, its reference, moved -17%: 1.39x per round, interval 1.10-1.65.
 REAL_OLD = {
-    "naive": [9.47, 10.97, 10.32, 9.43, 11.96, 12.2, 13.85, 12.56, 11.99, 14.25, 11.98, 13.59, 18.69, 11.84, 16.85,
-              13.06, 13.09, 12.71, 12.72, 13.2, 12.36, 14.38, 12.55, 13.83, 12.97, 16.23, 14.23, 12.73, 12.87, 14.43,
-              14.46, 16.22, 11.86, 10.54, 10.58, 12.77, 11.86, 15.18, 12.33, 12.05, 11.78, 10.42, 13.84, 13.6, 12.41,
-              13.98, 11.85, 10.51, 10.15, 12.21, 13.24, 12.66, 11.96, 13.37, 18.14, 17.74, 13.96, 13.79, 13.34, 9.31],
-    "subquad-matmul": [9.97, 9.77, 11.11, 10.45, 11.18, 12.11, 11.52, 13.26, 11.28, 12.17, 11.92, 11.61, 15.81, 11.02,
-                       12.0, 10.81, 12.05, 12.78, 11.63, 13.6, 11.68, 11.33, 12.39, 13.51, 14.6, 14.14, 14.23, 13.78,
-                       16.77, 15.55, 13.38, 15.13, 13.92, 12.97, 10.25, 13.74, 12.71, 12.74, 10.72, 10.43, 14.89,
-                       12.07, 11.32, 12.32, 11.99, 12.36, 12.08, 11.36, 11.78, 11.09, 11.5, 10.93, 10.75, 14.24,
-                       16.45, 13.7, 12.08, 12.66, 10.83, 11.28],
+    "naive": [
+        9.47,
+        10.97,
+        10.32,
+        9.43,
+        11.96,
+        12.2,
+        13.85,
+        12.56,
+        11.99,
+        14.25,
+        11.98,
+        13.59,
+        18.69,
+        11.84,
+        16.85,
+        13.06,
+        13.09,
+        12.71,
+        12.72,
+        13.2,
+        12.36,
+        14.38,
+        12.55,
+        13.83,
+        12.97,
+        16.23,
+        14.23,
+        12.73,
+        12.87,
+        14.43,
+        14.46,
+        16.22,
+        11.86,
+        10.54,
+        10.58,
+        12.77,
+        11.86,
+        15.18,
+        12.33,
+        12.05,
+        11.78,
+        10.42,
+        13.84,
+        13.6,
+        12.41,
+        13.98,
+        11.85,
+        10.51,
+        10.15,
+        12.21,
+        13.24,
+        12.66,
+        11.96,
+        13.37,
+        18.14,
+        17.74,
+        13.96,
+        13.79,
+        13.34,
+        9.31,
+    ],
+    "subquad-matmul": [
+        9.97,
+        9.77,
+        11.11,
+        10.45,
+        11.18,
+        12.11,
+        11.52,
+        13.26,
+        11.28,
+        12.17,
+        11.92,
+        11.61,
+        15.81,
+        11.02,
+        12.0,
+        10.81,
+        12.05,
+        12.78,
+        11.63,
+        13.6,
+        11.68,
+        11.33,
+        12.39,
+        13.51,
+        14.6,
+        14.14,
+        14.23,
+        13.78,
+        16.77,
+        15.55,
+        13.38,
+        15.13,
+        13.92,
+        12.97,
+        10.25,
+        13.74,
+        12.71,
+        12.74,
+        10.72,
+        10.43,
+        14.89,
+        12.07,
+        11.32,
+        12.32,
+        11.99,
+        12.36,
+        12.08,
+        11.36,
+        11.78,
+        11.09,
+        11.5,
+        10.93,
+        10.75,
+        14.24,
+        16.45,
+        13.7,
+        12.08,
+        12.66,
+        10.83,
+        11.28,
+    ],
 }
 REAL_NEW = {
-    "naive": [18.57, 20.21, 24.29, 17.6, 11.25, 10.78, 13.38, 10.13, 14.09, 15.65, 19.25, 13.7, 9.34, 10.4, 10.06,
-              10.23, 10.04, 9.98, 16.23, 16.97, 22.23, 22.14, 20.91],
-    "subquad-matmul": [10.3, 10.89, 11.63, 11.56, 9.54, 9.99, 9.37, 10.12, 10.82, 8.89, 10.81, 10.0, 9.39, 10.95, 9.72,
-                       10.2, 9.82, 9.98, 9.44, 9.0, 9.37, 12.45, 10.12],
+    "naive": [
+        18.57,
+        20.21,
+        24.29,
+        17.6,
+        11.25,
+        10.78,
+        13.38,
+        10.13,
+        14.09,
+        15.65,
+        19.25,
+        13.7,
+        9.34,
+        10.4,
+        10.06,
+        10.23,
+        10.04,
+        9.98,
+        16.23,
+        16.97,
+        22.23,
+        22.14,
+        20.91,
+    ],
+    "subquad-matmul": [
+        10.3,
+        10.89,
+        11.63,
+        11.56,
+        9.54,
+        9.99,
+        9.37,
+        10.12,
+        10.82,
+        8.89,
+        10.81,
+        10.0,
+        9.39,
+        10.95,
+        9.72,
+        10.2,
+        9.82,
+        9.98,
+        9.44,
+        9.0,
+        9.37,
+        12.45,
+        10.12,
+    ],
 }
 
 
@@ -215,16 +412,29 @@ def _real_run(times, factor=1.0):
     for impl, ts in times.items():
         ts = [t * (factor if impl == "naive" else 1.0) for t in ts]
         s = timing.spread(ts)
-        out.append(Result(impl=impl, case="1x4x1024x1024x64 fp32 none", mode="fwd", median_ms=s.median, q1_ms=s.q1,
-                          q3_ms=s.q3, times_ms=ts, reps=len(ts), peak_bytes=33 << 20, device_name="AMD EPYC, 2 CPUs",
-                          torch_version="2.13.0+cpu", threads=2))
+        out.append(
+            Result(
+                impl=impl,
+                case="1x4x1024x1024x64 fp32 none",
+                mode="fwd",
+                median_ms=s.median,
+                q1_ms=s.q1,
+                q3_ms=s.q3,
+                times_ms=ts,
+                reps=len(ts),
+                peak_bytes=33 << 20,
+                device_name="AMD EPYC, 2 CPUs",
+                torch_version="2.13.0+cpu",
+                threads=2,
+            )
+        )
     return out
 
 
 def test_a_reference_that_moved_the_other_way_is_not_a_regression():
     """The real case above passes the 10% gate (the raw times' own interval reaches below 1); the
     same runs with naive really 30% slower in the second are caught."""
-    text, problems = report.compare(_real_run(REAL_NEW), _real_run(REAL_OLD), 10)
+    _text, problems = report.compare(_real_run(REAL_NEW), _real_run(REAL_OLD), 10)
     assert problems == [], problems
     _, problems = report.compare(_real_run(REAL_NEW, 1.3), _real_run(REAL_OLD), 10)
     assert [p.split()[0] for p in problems] == ["naive"], problems

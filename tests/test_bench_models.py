@@ -66,11 +66,28 @@ def check_records(out, model, modes, impls, size, unit):
 @needs_diffusers
 def test_sd15_unet_small_infer(tmp_path, capsys):
     out = tmp_path / "unet"
-    code, captured = run(["--model", "sd15-unet-small", "--task", "infer", "--resolution", "32",
-                          "--rounds", "2", "--in-process", "--budget", "64MiB", "--out", str(out)], capsys)
+    code, captured = run(
+        [
+            "--model",
+            "sd15-unet-small",
+            "--task",
+            "infer",
+            "--resolution",
+            "32",
+            "--rounds",
+            "2",
+            "--in-process",
+            "--budget",
+            "64MiB",
+            "--out",
+            str(out),
+        ],
+        capsys,
+    )
     assert code == 0
-    by = check_records(out, "sd15-unet-small", ["infer"], ["classic", "sdpa", "sliced", "xformers", "subquad"],
-                       32, "px")
+    by = check_records(
+        out, "sd15-unet-small", ["infer"], ["classic", "sdpa", "sliced", "xformers", "subquad"], 32, "px"
+    )
     assert by[("infer", "subquad")]["status"] == "ok" and by[("infer", "subquad")]["budget"] == "64MiB"
     assert by[("infer", "classic")]["status"] == "ok"
     assert "== sd15-unet-small infer 32 px" in captured.out and "verdict:" in captured.out
@@ -79,11 +96,24 @@ def test_sd15_unet_small_infer(tmp_path, capsys):
 @needs_transformers
 def test_llama_small_train(tmp_path, capsys):
     out = tmp_path / "llama"
-    code, captured = run(["--model", "llama-small", "--task", "train", "--seq-len", "24",
-                          "--rounds", "2", "--in-process", "--out", str(out)], capsys)
+    code, _captured = run(
+        [
+            "--model",
+            "llama-small",
+            "--task",
+            "train",
+            "--seq-len",
+            "24",
+            "--rounds",
+            "2",
+            "--in-process",
+            "--out",
+            str(out),
+        ],
+        capsys,
+    )
     assert code == 0
-    by = check_records(out, "llama-small", ["train"], ["eager", "sdpa", "flex_attention", "subquad"],
-                       24, "tokens")
+    by = check_records(out, "llama-small", ["train"], ["eager", "sdpa", "flex_attention", "subquad"], 24, "tokens")
     assert by[("train", "flex_attention")]["status"] == "unsupported"
     assert "no backward on CPU" in by[("train", "flex_attention")]["reason"]
     for impl in ("eager", "sdpa", "subquad"):
@@ -94,8 +124,23 @@ def test_llama_small_train(tmp_path, capsys):
 def test_llama_small_prefill_and_decode(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(models, "DECODE_TOKENS", 3)  # the loop's length does not change the code path
     out = tmp_path / "decode"
-    code, _ = run(["--model", "llama-small", "--seq-len", "16", "--rounds", "2", "--in-process",
-                   "--impl", "sdpa", "subquad", "--out", str(out)], capsys)
+    code, _ = run(
+        [
+            "--model",
+            "llama-small",
+            "--seq-len",
+            "16",
+            "--rounds",
+            "2",
+            "--in-process",
+            "--impl",
+            "sdpa",
+            "subquad",
+            "--out",
+            str(out),
+        ],
+        capsys,
+    )
     assert code == 0
     by = check_records(out, "llama-small", ["prefill", "decode"], ["sdpa", "subquad"], 16, "tokens")
     assert all(r["status"] == "ok" for r in by.values())
@@ -118,8 +163,14 @@ class FakeWorker:
         kib = job["size"] ** 2 * (1 if job["impl"] == "classic" else 0.1)
         if job["impl"] == "classic" and job["size"] > 48:
             return {"status": "oom", "reason": "the worker was killed by SIGKILL"}
-        return {"status": "ok", "peak_bytes": int(kib * 1024), "weights_bytes": 1 << 20,
-                "memory_step_ms": 1.0, "memory_method": "fake", "output_abs_max": 1.0}
+        return {
+            "status": "ok",
+            "peak_bytes": int(kib * 1024),
+            "weights_bytes": 1 << 20,
+            "memory_step_ms": 1.0,
+            "memory_method": "fake",
+            "output_abs_max": 1.0,
+        }
 
     def close(self):
         pass
@@ -129,8 +180,14 @@ class FakeWorker:
 def test_max_memory_stops_each_implementation_at_the_cap():
     spec = models.spec("sd15-unet-small")
     results = model_measure.run_model_bench(
-        spec, [64, 16, 32, 48], "infer", impls_for(spec, ["classic", "sdpa"]), rounds=0,
-        cap_bytes=(1 << 20) + 800 * 1024, worker_cls=FakeWorker)
+        spec,
+        [64, 16, 32, 48],
+        "infer",
+        impls_for(spec, ["classic", "sdpa"]),
+        rounds=0,
+        cap_bytes=(1 << 20) + 800 * 1024,
+        worker_cls=FakeWorker,
+    )
     by = {(r.impl, r.size): r for r in results}
     assert [r.size for r in results if r.impl == "sdpa"] == [16, 32, 48, 64]  # smallest first
     assert by["classic", 32].status == "ok" and by["classic", 32].over_cap
@@ -140,18 +197,29 @@ def test_max_memory_stops_each_implementation_at_the_cap():
     assert "classic up to 16 px" in line and "sdpa up to 64 px (the largest tried)" in line
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--model", "nosuch"], "Unknown model 'nosuch'"),
-    (["--model", "sd15-unet-small", "--resolution", "100"], "multiple of 8"),
-    (["--model", "sd15-unet-small", "--seq-len", "128"], "--seq-len does not apply"),
-    (["--model", "llama-small", "--resolution", "256"], "--resolution does not apply"),
-    (["--model", "llama-small", "--impl", "classic"], "matches no implementation for llama-small"),
-    (["--model", "sd15-unet-small", "--max-memory", "lots"], "--max-memory 'lots'"),
-    (["--resolution", "512"], "--resolution needs --model"),
-], ids=["unknown-model", "resolution-not-multiple-of-8", "seq-len-for-unet", "resolution-for-llama",
-        "impl-of-the-other-library", "bad-cap", "resolution-without-model"])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--model", "nosuch"], "Unknown model 'nosuch'"),
+        (["--model", "sd15-unet-small", "--resolution", "100"], "multiple of 8"),
+        (["--model", "sd15-unet-small", "--seq-len", "128"], "--seq-len does not apply"),
+        (["--model", "llama-small", "--resolution", "256"], "--resolution does not apply"),
+        (["--model", "llama-small", "--impl", "classic"], "matches no implementation for llama-small"),
+        (["--model", "sd15-unet-small", "--max-memory", "lots"], "--max-memory 'lots'"),
+        (["--resolution", "512"], "--resolution needs --model"),
+    ],
+    ids=[
+        "unknown-model",
+        "resolution-not-multiple-of-8",
+        "seq-len-for-unet",
+        "resolution-for-llama",
+        "impl-of-the-other-library",
+        "bad-cap",
+        "resolution-without-model",
+    ],
+)
 def test_usage_errors(args, message, capsys):
-    if "llama" in " ".join(args) and not HAVE_TRANSFORMERS or "unet" in " ".join(args) and not HAVE_DIFFUSERS:
+    if ("llama" in " ".join(args) and not HAVE_TRANSFORMERS) or ("unet" in " ".join(args) and not HAVE_DIFFUSERS):
         pytest.skip("needs the model's library")
     with pytest.raises(SystemExit) as info:
         cli.main(args)
@@ -161,8 +229,7 @@ def test_usage_errors(args, message, capsys):
 
 def test_a_missing_library_names_the_extra(monkeypatch, capsys):
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name == "diffusers" else real(name, *a))
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "diffusers" else real(name, *a))
     with pytest.raises(SystemExit):
         cli.main(["--model", "sd-vae-decoder"])
     assert "pip install 'subquad[diffusers]'" in capsys.readouterr().err
@@ -193,10 +260,23 @@ def _model_rows(times: dict, machine: float = 1.0, seed: int = 0) -> list:
     for impl, ms in times.items():
         ts = [ms * machine * d * rng.uniform(0.95, 1.05) for d in drift]
         q1, _, q3 = statistics.quantiles(ts, n=4, method="inclusive")
-        rows.append(model_measure.ModelResult(
-            model="sd15-unet-small", impl=impl, task="infer", mode="infer", size=256, size_unit="px",
-            median_ms=statistics.median(ts), q1_ms=q1, q3_ms=q3, times_ms=ts, rounds=len(ts),
-            peak_bytes=10 << 20, weights_bytes=1 << 20))
+        rows.append(
+            model_measure.ModelResult(
+                model="sd15-unet-small",
+                impl=impl,
+                task="infer",
+                mode="infer",
+                size=256,
+                size_unit="px",
+                median_ms=statistics.median(ts),
+                q1_ms=q1,
+                q3_ms=q3,
+                times_ms=ts,
+                rounds=len(ts),
+                peak_bytes=10 << 20,
+                weights_bytes=1 << 20,
+            )
+        )
     return rows
 
 

@@ -15,12 +15,17 @@ import pytest
 
 pytest.importorskip("matplotlib")
 
-from subquad.bench import model_report, plots, report  # noqa: E402
-from subquad.bench.measure import Result  # noqa: E402
-from subquad.bench.model_measure import ModelResult  # noqa: E402
+from subquad.bench import model_report, plots, report
+from subquad.bench.measure import Result
+from subquad.bench.model_measure import ModelResult
 
 MiB = 2**20
-DEVICE = {"device": "cpu", "device_name": "Test CPU, 2 CPUs", "torch_version": "2.0", "memory_method": "cpu VmHWM - VmRSS"}
+DEVICE = {
+    "device": "cpu",
+    "device_name": "Test CPU, 2 CPUs",
+    "torch_version": "2.0",
+    "memory_method": "cpu VmHWM - VmRSS",
+}
 IMPLS = ("sdpa-flash", "sdpa-math", "naive", "subquad", "subquad-fused", "subquad-matmul", "xformers")
 
 
@@ -29,8 +34,19 @@ def record(impl, length, mask="none", *, budget=None, status="ok", reason=None, 
     for the implementations that materialize the scores and ∝ L for the others."""
     shape = [1, 4, length, length, 64]
     name = f"{'x'.join(map(str, shape))} fp32 {mask}" + (f" budget={budget}" if budget else "")
-    r = Result(impl, name, "fwd", status=status, reason=reason, shape=shape, dtype="fp32", mask=mask,
-               budget=budget, output_bytes=length * 4 * 64 * 4, **DEVICE)
+    r = Result(
+        impl,
+        name,
+        "fwd",
+        status=status,
+        reason=reason,
+        shape=shape,
+        dtype="fp32",
+        mask=mask,
+        budget=budget,
+        output_bytes=length * 4 * 64 * 4,
+        **DEVICE,
+    )
     if status != "ok":
         return r
     base = factor * (length / 1024) ** 2 * 5.0
@@ -42,38 +58,75 @@ def record(impl, length, mask="none", *, budget=None, status="ok", reason=None, 
     r.peak_bytes = int((length / 1024) ** 2 * 40 * MiB if materializes else length / 1024 * 1.5 * MiB)
     if impl.startswith("subquad"):
         backend = "matmul" if impl == "subquad-matmul" or (impl == "subquad" and length >= 16384) else "fused"
-        r.plan = {"backend": backend, "chunk_size": [1024, 1024], "predicted_peak_bytes": MiB,
-                  "budget_bytes": 11 << 30}
+        r.plan = {"backend": backend, "chunk_size": [1024, 1024], "predicted_peak_bytes": MiB, "budget_bytes": 11 << 30}
     return r
 
 
 def synthetic() -> list[Result]:
     """A sweep of 1024…16384 (naive out of memory at 16384, sdpa-math skipped from 8192), and
     an ALiBi case under a 64MiB budget that subquad-fused wins, subquad the same within noise."""
-    factors = {"sdpa-flash": 1.0, "sdpa-math": 3.0, "naive": 3.5, "subquad": 1.02, "subquad-fused": 1.02,
-               "subquad-matmul": 1.6}
+    factors = {
+        "sdpa-flash": 1.0,
+        "sdpa-math": 3.0,
+        "naive": 3.5,
+        "subquad": 1.02,
+        "subquad-fused": 1.02,
+        "subquad-matmul": 1.6,
+    }
     out = []
     for length in (1024, 2048, 4096, 8192, 16384):
         for impl in IMPLS:
             if impl == "xformers":
-                out.append(record(impl, length, status="unsupported",
-                                  reason="xformers is not installed (pip install xformers)"))
+                out.append(
+                    record(
+                        impl, length, status="unsupported", reason="xformers is not installed (pip install xformers)"
+                    )
+                )
             elif impl == "naive" and length == 16384:
                 out.append(record(impl, length, status="oom", reason="[enforce fail] can't allocate 4 GiB"))
             elif impl == "sdpa-math" and length >= 8192:
-                out.append(record(impl, length, status="unsupported", reason="skipped: would materialize "
-                                  "≈3.0 GiB of scores, 2.0 GiB of RAM available (--no-skip runs it)"))
+                out.append(
+                    record(
+                        impl,
+                        length,
+                        status="unsupported",
+                        reason="skipped: would materialize "
+                        "≈3.0 GiB of scores, 2.0 GiB of RAM available (--no-skip runs it)",
+                    )
+                )
             else:
                 out.append(record(impl, length, factor=factors[impl]))
-    alibi = {"sdpa-flash": 3.0, "sdpa-math": 5.0, "naive": 6.0, "subquad": 1.0, "subquad-fused": 1.0,
-             "subquad-matmul": 2.5}
+    alibi = {
+        "sdpa-flash": 3.0,
+        "sdpa-math": 5.0,
+        "naive": 6.0,
+        "subquad": 1.0,
+        "subquad-fused": 1.0,
+        "subquad-matmul": 2.5,
+    }
     for impl in IMPLS:
         if impl == "xformers":
-            out.append(record(impl, 2048, "alibi", budget="64MiB", status="unsupported",
-                              reason="xformers is not installed (pip install xformers)"))
+            out.append(
+                record(
+                    impl,
+                    2048,
+                    "alibi",
+                    budget="64MiB",
+                    status="unsupported",
+                    reason="xformers is not installed (pip install xformers)",
+                )
+            )
         elif impl == "subquad-matmul":
-            out.append(record(impl, 2048, "alibi", budget="64MiB", status="unsupported",
-                              reason="NotImplementedError: matmul: needs 96 MiB of scores, budget is 64 MiB"))
+            out.append(
+                record(
+                    impl,
+                    2048,
+                    "alibi",
+                    budget="64MiB",
+                    status="unsupported",
+                    reason="NotImplementedError: matmul: needs 96 MiB of scores, budget is 64 MiB",
+                )
+            )
         else:
             out.append(record(impl, 2048, "alibi", budget="64MiB", factor=alibi[impl]))
     return out
@@ -112,8 +165,13 @@ def test_plot_writes_time_memory_and_sweep(tmp_path):
 
 def test_save_draws_through_plots(tmp_path):
     paths = report.save(synthetic(), str(tmp_path / "run"))
-    assert {os.path.basename(p) for p in paths} == {"results.json", "results.csv", "time.png", "memory.png",
-                                                     "sweep.png"}
+    assert {os.path.basename(p) for p in paths} == {
+        "results.json",
+        "results.csv",
+        "time.png",
+        "memory.png",
+        "sweep.png",
+    }
 
 
 def test_no_sweep_figure_without_three_lengths_and_none_without_results():
@@ -138,8 +196,13 @@ def test_time_bars_are_linear_from_zero_with_iqr_whiskers(figs):
 
     bars = next(c for c in ax.containers if isinstance(c, BarContainer))
     assert bars.errorbar is not None and bars.errorbar.has_xerr  # the IQR whiskers
-    assert [t.get_text() for t in ax.get_yticklabels()] == ["sdpa-flash", "sdpa-math", "naive", "subquad",
-                                                            "subquad-fused"]
+    assert [t.get_text() for t in ax.get_yticklabels()] == [
+        "sdpa-flash",
+        "sdpa-math",
+        "naive",
+        "subquad",
+        "subquad-fused",
+    ]
     assert "IQR whiskers" in flat(ax.get_xlabel())
 
 
@@ -183,8 +246,10 @@ def test_absent_implementations_are_listed_with_why(figs):
 def test_a_case_where_nothing_ran_keeps_its_panel_and_says_why():
     import matplotlib.pyplot as plt
 
-    rows = [record("naive", 1024), record("naive", 65536, status="unsupported",
-                                          reason="skipped: too slow on CPU (--no-skip runs it)")]
+    rows = [
+        record("naive", 1024),
+        record("naive", 65536, status="unsupported", reason="skipped: too slow on CPU (--no-skip runs it)"),
+    ]
     drawn = plots.figures(rows)
     try:
         ax = panel(drawn["time.png"], "1×4×65536×64")
@@ -235,8 +300,13 @@ def test_sweep_is_log_log_with_plain_ticks_slopes_and_out_of_memory_marks(figs):
 
 def test_importing_report_and_plots_does_not_import_matplotlib():
     code = "import sys, subquad, subquad.bench.report, subquad.bench.plots; print('matplotlib' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)),
+    )
     assert out.stdout.strip() == "False"
 
 
@@ -249,9 +319,19 @@ def model_records():
     out = []
     for size in (256, 512, 1024):
         for impl in ("classic", "sdpa", "subquad", "xformers"):
-            r = ModelResult("sd-vae-decoder", impl, "infer", "infer", size, "px", cap_bytes=4 << 30,
-                            weights_bytes=190 * MiB, device_name="Test CPU", torch_version="2.0",
-                            memory_method="cpu VmHWM - VmRSS")
+            r = ModelResult(
+                "sd-vae-decoder",
+                impl,
+                "infer",
+                "infer",
+                size,
+                "px",
+                cap_bytes=4 << 30,
+                weights_bytes=190 * MiB,
+                device_name="Test CPU",
+                torch_version="2.0",
+                memory_method="cpu VmHWM - VmRSS",
+            )
             if impl == "xformers":
                 r.status, r.reason = "unsupported", "xformers has no operator on cpu"
             elif impl == "classic" and size == 1024:

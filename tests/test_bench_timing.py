@@ -17,7 +17,6 @@ from subquad.bench import measure, report, timing
 from subquad.bench.cases import Case, Timing
 from subquad.bench.impls import Impl
 from subquad.bench.measure import Result
-
 from test_bench import fake
 
 
@@ -61,8 +60,9 @@ def test_drift_fools_sequential_timing_but_not_interleaved():
     # (the fastest median) names a.
     spreads = {k: timing.spread(v) for k, v in seq.items()}
     assert timing.compare_unpaired("b", spreads["b"], "a", spreads["a"]).verdict == "slower"
-    old_style = report.verdicts([Result(impl=k, case="c", mode="fwd", median_ms=1e3 * s.median)
-                                 for k, s in spreads.items()])
+    old_style = report.verdicts(
+        [Result(impl=k, case="c", mode="fwd", median_ms=1e3 * s.median) for k, s in spreads.items()]
+    )
     assert old_style[0].startswith("c fwd: fastest a")
 
     vm = VirtualMachine(phase=-math.pi / 2, period=0.4)
@@ -75,8 +75,9 @@ def test_drift_fools_sequential_timing_but_not_interleaved():
 @pytest.mark.parametrize("phase", [0.0, 1.0, 2.0, 3.0, 4.0, 5.0])
 def test_interleaved_drift_verdict_at_every_phase(phase):
     vm = VirtualMachine(phase=phase, noise=0.02, seed=int(phase))
-    times = timing.interleaved({"a": vm.impl(0.01), "b": vm.impl(0.01)}, min_rounds=7,
-                               max_rounds=7, target_s=0, clock=vm.clock)
+    times = timing.interleaved(
+        {"a": vm.impl(0.01), "b": vm.impl(0.01)}, min_rounds=7, max_rounds=7, target_s=0, clock=vm.clock
+    )
     assert verdict(times) == timing.SAME
 
 
@@ -85,10 +86,16 @@ def test_interleaved_drift_verdict_at_every_phase(phase):
 
 def _simulate(seed, rounds, effect, noise=0.05):
     rng = random.Random(seed)
-    vm = VirtualMachine(drift=0.3, period=rng.uniform(0.1, 2.0), noise=noise, seed=seed,
-                        phase=rng.uniform(0, 2 * math.pi))
-    times = timing.interleaved({"a": vm.impl(0.01), "b": vm.impl(0.01 * effect)},
-                               min_rounds=rounds, max_rounds=rounds, target_s=0, clock=vm.clock)
+    vm = VirtualMachine(
+        drift=0.3, period=rng.uniform(0.1, 2.0), noise=noise, seed=seed, phase=rng.uniform(0, 2 * math.pi)
+    )
+    times = timing.interleaved(
+        {"a": vm.impl(0.01), "b": vm.impl(0.01 * effect)},
+        min_rounds=rounds,
+        max_rounds=rounds,
+        target_s=0,
+        clock=vm.clock,
+    )
     return verdict(times)
 
 
@@ -116,8 +123,9 @@ def test_three_rounds_are_too_few_to_name_a_winner_so_rounds_are_added():
     assert timing.unsettled({"a": [1.0, 1.0, 1.0], "b": [2.0, 2.1, 1.9]}) == ["b"]
 
     vm = VirtualMachine(drift=0.0, noise=0.02, seed=1)
-    rounds = timing.run_rounds({"a": vm.impl(0.01), "b": vm.impl(0.02)}, min_rounds=3, max_rounds=3,
-                               target_s=0, cap_s=1.0, clock=vm.clock)
+    rounds = timing.run_rounds(
+        {"a": vm.impl(0.01), "b": vm.impl(0.02)}, min_rounds=3, max_rounds=3, target_s=0, cap_s=1.0, clock=vm.clock
+    )
     assert rounds.stopped == "decided" and len(rounds.times["a"]) >= 6
     assert verdict(rounds.times) == "slower"
     assert "rounds were added until every verdict was decided" in timing.stop_note(rounds.stopped, 6)
@@ -137,14 +145,14 @@ def test_rounds_stop_at_the_time_cap_or_the_round_cap_and_say_so():
         return vm, {"a": vm.impl(0.01), "b": flaky}
 
     vm, calls = machine()
-    rounds = timing.run_rounds(calls, min_rounds=3, max_rounds=3, target_s=0, cap_s=0.2, cap_rounds=1000,
-                               clock=vm.clock)
+    rounds = timing.run_rounds(
+        calls, min_rounds=3, max_rounds=3, target_s=0, cap_s=0.2, cap_rounds=1000, clock=vm.clock
+    )
     assert rounds.stopped == "time cap"
     assert 0.4 <= sum(rounds.times["a"]) + sum(rounds.times["b"]) < 0.45
     assert "still undecided" in timing.stop_note(rounds.stopped, len(rounds.times["a"]))
     vm, calls = machine()
-    rounds = timing.run_rounds(calls, min_rounds=3, max_rounds=3, target_s=0, cap_s=10, cap_rounds=8,
-                               clock=vm.clock)
+    rounds = timing.run_rounds(calls, min_rounds=3, max_rounds=3, target_s=0, cap_s=10, cap_rounds=8, clock=vm.clock)
     assert rounds.stopped == "round cap" and len(rounds.times["b"]) == 8
     lines = timing.verdict_lines(rounds.times)
     assert any("undecided, more rounds needed" in line for line in lines), lines
@@ -154,8 +162,9 @@ def test_rounds_stop_at_the_time_cap_or_the_round_cap_and_say_so():
 def test_small_differences_stay_unnamed_below_the_threshold():
     # 2% slower, measured exactly: real, but under the 3% worth naming.
     vm = VirtualMachine(drift=0.0)
-    times = timing.interleaved({"a": vm.impl(0.01), "b": vm.impl(0.0102)}, min_rounds=20,
-                               max_rounds=20, target_s=0, clock=vm.clock)
+    times = timing.interleaved(
+        {"a": vm.impl(0.01), "b": vm.impl(0.0102)}, min_rounds=20, max_rounds=20, target_s=0, clock=vm.clock
+    )
     c = timing.compare_paired("b", times["b"], "a", times["a"])
     assert c.ratio == pytest.approx(1.02) and c.verdict == timing.SAME
 
@@ -242,8 +251,7 @@ def test_time_interleaved_warms_up_every_implementation_even_after_a_slow_memory
         result = Result.for_case(name, case)
         result.memory_call_ms = 1e6
         rows.append((impl(name, base), result))
-    measure.time_interleaved(rows, case, Timing(warmup_s=0.0, target_s=0.05, min_reps=5, max_reps=5),
-                             clock=vm.clock)
+    measure.time_interleaved(rows, case, Timing(warmup_s=0.0, target_s=0.05, min_reps=5, max_reps=5), clock=vm.clock)
     a, b = (r for _, r in rows)
     assert a.status == b.status == "ok" and a.reps == b.reps == 6
     assert a.times_ms == pytest.approx([10.0] * 6) and b.times_ms == pytest.approx([20.0] * 6)
@@ -264,7 +272,7 @@ def test_round_orders_are_balanced_and_deterministic(n):
     orders = timing.round_orders(names, 3 * cycle, seed=7)
     assert orders == timing.round_orders(names, 3 * cycle, seed=7)
     for c in range(3):
-        block = orders[c * cycle:(c + 1) * cycle]
+        block = orders[c * cycle : (c + 1) * cycle]
         assert all(sorted(order) == names for order in block)
         for position in range(n):
             counts = collections.Counter(order[position] for order in block)
@@ -295,7 +303,7 @@ def test_rotation_bias_is_gone_twins_stay_the_same_beside_a_cache_trasher():
     times = timing.run_rounds(calls, min_rounds=120, max_rounds=120, target_s=0, clock=vm.clock).times
     assert verdict(times, "subquad", "subquad-fused") == timing.SAME
     rotated = {name: [] for name in calls}  # what the old rotation did: a fixed predecessor
-    for order in [list(calls)[r % 6:] + list(calls)[:r % 6] for r in range(120)]:
+    for order in [list(calls)[r % 6 :] + list(calls)[: r % 6] for r in range(120)]:
         for name in order:
             start = vm.now
             calls[name]()
@@ -311,8 +319,13 @@ def test_interleaved_runs_setup_untimed_and_stops_at_the_target():
         setups.append(1)
         vm.now += 1.0  # a slow prefill: must not count
 
-    times = timing.interleaved({"a": timing.Timed(vm.impl(0.01), setup), "b": vm.impl(0.01)},
-                               min_rounds=3, max_rounds=100, target_s=0.045, clock=vm.clock)
+    times = timing.interleaved(
+        {"a": timing.Timed(vm.impl(0.01), setup), "b": vm.impl(0.01)},
+        min_rounds=3,
+        max_rounds=100,
+        target_s=0.045,
+        clock=vm.clock,
+    )
     assert len(times["a"]) == len(times["b"]) == len(setups) == 5  # 0.045 s each, 0.01 a call
     assert all(t == pytest.approx(0.01) for t in times["a"])
 
@@ -340,8 +353,13 @@ def test_one_round_names_no_winner():
 
 def test_verdict_lines_name_the_slower_with_their_interval():
     vm = VirtualMachine(drift=0.0, noise=0.01, seed=3)
-    times = timing.interleaved({"fast": vm.impl(0.01), "slow": vm.impl(0.02), "twin": vm.impl(0.01)},
-                               min_rounds=9, max_rounds=9, target_s=0, clock=vm.clock)
+    times = timing.interleaved(
+        {"fast": vm.impl(0.01), "slow": vm.impl(0.02), "twin": vm.impl(0.01)},
+        min_rounds=9,
+        max_rounds=9,
+        target_s=0,
+        clock=vm.clock,
+    )
     lines = timing.verdict_lines(times)
     assert lines[0].startswith("no single fastest")
     slow = next(line for line in lines if line.strip().startswith("slow /"))
@@ -361,8 +379,7 @@ def test_unpaired_comparison_for_compare():
 def test_run_all_times_a_case_interleaved_and_the_verdict_reads_the_rounds():
     case = Case(1, 2, 64, 64, 16, dtype="fp32")
     jobs = [(fake("twin-a", lambda: None), case), (fake("twin-b", lambda: None), case)]
-    results = measure.run_all(jobs, Timing(warmup_s=0.0, target_s=0.01, min_reps=4, max_reps=6),
-                              isolate=False)
+    results = measure.run_all(jobs, Timing(warmup_s=0.0, target_s=0.01, min_reps=4, max_reps=6), isolate=False)
     assert [r.status for r in results] == ["ok", "ok"]
     assert len(results[0].times_ms) == len(results[1].times_ms) == results[0].reps >= 4
     for r in results:
@@ -382,8 +399,7 @@ def test_run_all_times_the_others_when_one_fails_while_timed():
             raise ValueError("went wrong later")
 
     jobs = [(fake("steady", lambda: None), case), (fake("flaky", flaky), case)]
-    results = measure.run_all(jobs, Timing(warmup_s=0.0, target_s=0.0, min_reps=3, max_reps=3),
-                              isolate=False)
+    results = measure.run_all(jobs, Timing(warmup_s=0.0, target_s=0.0, min_reps=3, max_reps=3), isolate=False)
     by = {r.impl: r for r in results}
     assert by["flaky"].status == "error" and "went wrong later" in by["flaky"].reason
     assert by["steady"].status == "ok" and by["steady"].reps == 3
@@ -391,8 +407,7 @@ def test_run_all_times_the_others_when_one_fails_while_timed():
 
 def test_compare_counts_a_regression_only_beyond_the_spread():
     def r(ms, q1, q3):
-        return Result(impl="x", case="c", mode="fwd", median_ms=ms, q1_ms=q1, q3_ms=q3, reps=5,
-                      peak_bytes=1 << 20)
+        return Result(impl="x", case="c", mode="fwd", median_ms=ms, q1_ms=q1, q3_ms=q3, reps=5, peak_bytes=1 << 20)
 
     text, regs = report.compare([r(11.0, 9.0, 13.0)], [r(10.0, 9.5, 10.5)], 5)
     assert regs == [] and "same" in text  # 10% slower by median, but inside the spreads
@@ -408,8 +423,16 @@ def test_the_planner_line_reads_the_paired_verdict_not_a_ratio_of_medians():
     machine = [rng.choice([1.0, 1.25]) for _ in range(12)]  # rounds at two speeds
     for impl in ("subquad-fused", "subquad"):
         times = [10.0 * m * rng.uniform(0.99, 1.01) for m in machine]
-        rows.append(Result(impl=impl, case="c", mode="fwd", times_ms=times, median_ms=statistics.median(times),
-                           plan={"backend": "fused"} if impl == "subquad" else {}))
+        rows.append(
+            Result(
+                impl=impl,
+                case="c",
+                mode="fwd",
+                times_ms=times,
+                median_ms=statistics.median(times),
+                plan={"backend": "fused"} if impl == "subquad" else {},
+            )
+        )
     rows[0].median_ms, rows[1].median_ms = 10.0, 11.2  # what a ratio of medians would have blamed
     line = report.verdicts(rows)[0]
     assert "subquad's planner picked fused: 11.20 ms (1.00x, same within noise)" in line, line

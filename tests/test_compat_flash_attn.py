@@ -54,9 +54,22 @@ def padding_mask(max_seqlen: int, batch: int, mode: str, gen: torch.Generator, e
     return torch.arange(max_seqlen).expand(batch, max_seqlen) < lengths
 
 
-def attention_ref(q, k, v, query_padding_mask=None, key_padding_mask=None, alibi_slopes=None, dropout_mask=None,
-                  dropout_p=0.0, causal=False, window_size=(-1, -1), softcap=0.0, upcast=True, reorder_ops=False,
-                  key_leftpad=None):
+def attention_ref(
+    q,
+    k,
+    v,
+    query_padding_mask=None,
+    key_padding_mask=None,
+    alibi_slopes=None,
+    dropout_mask=None,
+    dropout_p=0.0,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    upcast=True,
+    reorder_ops=False,
+    key_leftpad=None,
+):
     """flash-attn's test reference, materialized: ``out (B, Sq, H, Dv)`` and ``lse (B, H, Sq)``.
 
     ``upcast``: compute in float64 (the golden; flash-attn's tests use float32), else in the
@@ -72,11 +85,8 @@ def attention_ref(q, k, v, query_padding_mask=None, key_padding_mask=None, alibi
     Sk = k.shape[1]
     k = k.repeat_interleave(H // k.shape[2], dim=2)
     v = v.repeat_interleave(H // v.shape[2], dim=2)
-    scale = D ** -0.5
-    if reorder_ops:
-        s = torch.einsum("bqhd,bkhd->bhqk", q, k * scale)
-    else:
-        s = torch.einsum("bqhd,bkhd->bhqk", q * scale, k)
+    scale = D**-0.5
+    s = torch.einsum("bqhd,bkhd->bhqk", q, k * scale) if reorder_ops else torch.einsum("bqhd,bkhd->bhqk", q * scale, k)
     if softcap > 0:
         s = torch.tanh(s / softcap) * softcap
     i = torch.arange(Sq).view(1, 1, Sq, 1)
@@ -147,7 +157,8 @@ def check_like_flash(out, out_ref, out_pt, name="output", fudge=2.0, floor=None)
 
 
 # ----------------------------------------------------------------------------- batches
-_AXES = list(itertools.product([False, True], [False, True], [False, True], [0.0, 50.0]))  # causal, local, alibi, softcap
+# causal, local, alibi, softcap
+_AXES = list(itertools.product([False, True], [False, True], [False, True], [0.0, 50.0]))
 _MHA = ["mha", "mqa", "gqa"]
 _SIZES = [(113, 203), (108, 256), (203, 113), (1, 147), (128, 217)]
 _DIMS = [59, 111, 256, 64]
@@ -161,13 +172,54 @@ def _dense_cases():
         dtype = [torch.float32, torch.float32, torch.bfloat16, f64][n % 4]
         d = _DIMS[n % len(_DIMS)]
         sq, sk = _SIZES[n % len(_SIZES)]
-        cases.append(pytest.param(mha, causal, local, alibi, softcap, d, sq, sk, dtype, n % 3 == 0,
-                                  id=f"{mha}-{'causal' if causal else 'full'}{'-local' if local else ''}"
-                                     f"{'-alibi' if alibi else ''}{'-softcap' if softcap else ''}-d{d}-{sq}x{sk}-"
-                                     f"{str(dtype)[6:]}{'-kvpacked' if n % 3 == 0 else ''}"))
+        cases.append(
+            pytest.param(
+                mha,
+                causal,
+                local,
+                alibi,
+                softcap,
+                d,
+                sq,
+                sk,
+                dtype,
+                n % 3 == 0,
+                id=f"{mha}-{'causal' if causal else 'full'}{'-local' if local else ''}"
+                f"{'-alibi' if alibi else ''}{'-softcap' if softcap else ''}-d{d}-{sq}x{sk}-"
+                f"{str(dtype)[6:]}{'-kvpacked' if n % 3 == 0 else ''}",
+            )
+        )
     # flash-attn's long odd sizes, few heads: one each way.
-    cases.append(pytest.param("gqa", True, False, True, 0.0, 59, 1023, 1024, torch.float32, False, id="gqa-causal-alibi-d59-1023x1024-float32"))
-    cases.append(pytest.param("mqa", False, True, False, 50.0, 111, 1024, 1023, torch.float32, True, id="mqa-local-softcap-d111-1024x1023-float32-kvpacked"))
+    cases.append(
+        pytest.param(
+            "gqa",
+            True,
+            False,
+            True,
+            0.0,
+            59,
+            1023,
+            1024,
+            torch.float32,
+            False,
+            id="gqa-causal-alibi-d59-1023x1024-float32",
+        )
+    )
+    cases.append(
+        pytest.param(
+            "mqa",
+            False,
+            True,
+            False,
+            50.0,
+            111,
+            1024,
+            1023,
+            torch.float32,
+            True,
+            id="mqa-local-softcap-d111-1024x1023-float32-kvpacked",
+        )
+    )
     return cases
 
 
@@ -203,7 +255,9 @@ def test_flash_attn_output(mha, causal, local, alibi, softcap, d, seqlen_q, seql
     assert probs.shape == (0,) and probs.dtype == dtype
     floor = 1e-10 if dtype == f64 else None
     check_like_flash(out, out_ref, None if dtype == f64 else out_pt, floor=floor)
-    check_like_flash(lse, lse_ref, None if dtype == f64 else lse_pt.float(), name="lse", floor=floor if dtype == f64 else 1e-5)
+    check_like_flash(
+        lse, lse_ref, None if dtype == f64 else lse_pt.float(), name="lse", floor=floor if dtype == f64 else 1e-5
+    )
 
     g = torch.randn(out.shape, generator=gen, dtype=f64)
     leaves = (q, kv) if kvpacked else (q, k, v)
@@ -227,15 +281,18 @@ def test_causal_is_bottom_right_and_empty_rows_give_zero_and_lse_inf():
     assert_close_to_golden(lse, lse_ref, floor=1e-12, name="lse")
 
 
-@pytest.mark.parametrize("window,causal,seqlen_q,seqlen_k,visible", [
-    # A side >= seqlen_k is unbounded (flash-attn's clamp); causal sets right = 0.
-    pytest.param((9, 0), False, 3, 4, [[1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 1, 1]], id="left>=Sk-is-causal"),
-    pytest.param((-1, 4), False, 3, 4, [[1] * 4] * 3, id="right>=Sk-is-full"),
-    pytest.param((1, 7), True, 3, 4, [[1, 1, 0, 0], [0, 1, 1, 0], [0, 0, 1, 1]], id="causal-overrides-right"),
-    # (left, -1): right becomes seqlen_k, which bites rows more than seqlen_k above the diagonal.
-    pytest.param((0, -1), False, 5, 2, [[0, 0], [1, 0], [1, 1], [1, 1], [0, 1]], id="right=-1-is-seqlen_k"),
-    pytest.param((-1, 0), False, 2, 3, [[1, 1, 0], [1, 1, 1]], id="(-1,0)-is-causal"),
-])
+@pytest.mark.parametrize(
+    "window,causal,seqlen_q,seqlen_k,visible",
+    [
+        # A side >= seqlen_k is unbounded (flash-attn's clamp); causal sets right = 0.
+        pytest.param((9, 0), False, 3, 4, [[1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 1, 1]], id="left>=Sk-is-causal"),
+        pytest.param((-1, 4), False, 3, 4, [[1] * 4] * 3, id="right>=Sk-is-full"),
+        pytest.param((1, 7), True, 3, 4, [[1, 1, 0, 0], [0, 1, 1, 0], [0, 0, 1, 1]], id="causal-overrides-right"),
+        # (left, -1): right becomes seqlen_k, which bites rows more than seqlen_k above the diagonal.
+        pytest.param((0, -1), False, 5, 2, [[0, 0], [1, 0], [1, 1], [1, 1], [0, 1]], id="right=-1-is-seqlen_k"),
+        pytest.param((-1, 0), False, 2, 3, [[1, 1, 0], [1, 1, 1]], id="(-1,0)-is-causal"),
+    ],
+)
 def test_window_rules(window, causal, seqlen_q, seqlen_k, visible):
     q = torch.randn(1, seqlen_q, 1, 8, dtype=f64)
     k, v = torch.randn(1, seqlen_k, 1, 8, dtype=f64), torch.randn(1, seqlen_k, 1, 8, dtype=f64)
@@ -252,7 +309,9 @@ def test_alibi_causal_lse_is_flash_attns():
     q, k, v = torch.randn(2, 6, 3, 8, dtype=f64), torch.randn(2, 9, 3, 8, dtype=f64), torch.randn(2, 9, 3, 8, dtype=f64)
     slopes = torch.rand(3, dtype=f64)
     out, lse, _ = fa.flash_attn_func(q, k, v, causal=True, alibi_slopes=slopes, return_attn_probs=True)
-    out_local, lse_local, _ = fa.flash_attn_func(q, k, v, window_size=(8, 0), alibi_slopes=slopes, return_attn_probs=True)
+    out_local, lse_local, _ = fa.flash_attn_func(
+        q, k, v, window_size=(8, 0), alibi_slopes=slopes, return_attn_probs=True
+    )
     diag = torch.arange(6, dtype=f64) + 3
     torch.testing.assert_close(out, out_local, rtol=0, atol=1e-12)
     torch.testing.assert_close(lse, lse_local + slopes.view(1, 3, 1) * diag, rtol=0, atol=1e-12)
@@ -274,7 +333,7 @@ def test_lse_is_differentiable():
 
 def test_qkvpacked_equals_unpacked_with_its_gradient():
     qkv = torch.randn(2, 37, 3, 4, 24, dtype=f64, requires_grad=True)
-    out, lse, probs = fa.flash_attn_qkvpacked_func(qkv, causal=True, window_size=(5, 3), return_attn_probs=True)
+    out, lse, _probs = fa.flash_attn_qkvpacked_func(qkv, causal=True, window_size=(5, 3), return_attn_probs=True)
     q, k, v = (t.detach().requires_grad_() for t in qkv.unbind(2))
     out_ref, lse_ref = attention_ref(q, k, v, causal=True, window_size=(5, 3))
     assert_close_to_golden(out, out_ref, floor=1e-12)
@@ -304,16 +363,27 @@ def test_dropout_is_unbiased():
 
 def test_accepts_what_flash_attn_refuses():
     """fp32/fp64, head dims over 256 and not multiples of 8, value dims of their own, empty batches."""
-    q, k, v = torch.randn(1, 5, 2, 300, dtype=f64), torch.randn(1, 7, 1, 300, dtype=f64), torch.randn(1, 7, 1, 13, dtype=f64)
+    q, k, v = (
+        torch.randn(1, 5, 2, 300, dtype=f64),
+        torch.randn(1, 7, 1, 300, dtype=f64),
+        torch.randn(1, 7, 1, 13, dtype=f64),
+    )
     out = fa.flash_attn_func(q, k, v, causal=True)
     assert out.shape == (1, 5, 2, 13)
     assert_close_to_golden(out, attention_ref(q, k, v, causal=True)[0], floor=1e-12)
     empty = fa.flash_attn_func(torch.randn(0, 4, 2, 8), torch.randn(0, 4, 2, 8), torch.randn(0, 4, 2, 8))
     assert empty.shape == (0, 4, 2, 8)
     none = torch.zeros(1, dtype=torch.int32)
-    assert fa.flash_attn_varlen_func(torch.randn(0, 2, 8), torch.randn(0, 2, 8), torch.randn(0, 2, 8), none, none, 0, 0).shape == (0, 2, 8)
-    paged = fa.flash_attn_with_kvcache(torch.randn(2, 1, 2, 8), torch.randn(4, 5, 2, 8), torch.randn(4, 5, 2, 8), cache_seqlens=7,
-                                       block_table=torch.tensor([[3, 0], [1, 2]], dtype=torch.int32))  # pages of 5 keys
+    assert fa.flash_attn_varlen_func(
+        torch.randn(0, 2, 8), torch.randn(0, 2, 8), torch.randn(0, 2, 8), none, none, 0, 0
+    ).shape == (0, 2, 8)
+    paged = fa.flash_attn_with_kvcache(
+        torch.randn(2, 1, 2, 8),
+        torch.randn(4, 5, 2, 8),
+        torch.randn(4, 5, 2, 8),
+        cache_seqlens=7,
+        block_table=torch.tensor([[3, 0], [1, 2]], dtype=torch.int32),  # pages of 5 keys
+    )
     assert paged.shape == (2, 1, 2, 8)
 
 
@@ -337,10 +407,24 @@ def _varlen_cases():
         dtype = [torch.float32, torch.float32, torch.bfloat16, f64][(n // 2) % 4]
         d = _DIMS[(n + 1) % len(_DIMS)]
         sq, sk = [(113, 203), (108, 256), (1, 147), (203, 113)][(n + 1) % 4]
-        cases.append(pytest.param(mha, causal, local, alibi, softcap, mode, d, sq, sk, dtype, n % 3 == 1,
-                                  id=f"{mha}-{'causal' if causal else 'full'}{'-local' if local else ''}"
-                                     f"{'-alibi' if alibi else ''}{'-softcap' if softcap else ''}-{mode}-d{d}-{sq}x{sk}-"
-                                     f"{str(dtype)[6:]}{'-kvpacked' if n % 3 == 1 else ''}"))
+        cases.append(
+            pytest.param(
+                mha,
+                causal,
+                local,
+                alibi,
+                softcap,
+                mode,
+                d,
+                sq,
+                sk,
+                dtype,
+                n % 3 == 1,
+                id=f"{mha}-{'causal' if causal else 'full'}{'-local' if local else ''}"
+                f"{'-alibi' if alibi else ''}{'-softcap' if softcap else ''}-{mode}-d{d}-{sq}x{sk}-"
+                f"{str(dtype)[6:]}{'-kvpacked' if n % 3 == 1 else ''}",
+            )
+        )
     return cases
 
 
@@ -362,9 +446,13 @@ def test_flash_attn_varlen_output(mha, causal, local, alibi, softcap, mode, d, s
     opts = dict(causal=causal, window_size=window, softcap=softcap, alibi_slopes=slopes)
     if kvpacked:
         kv_u = torch.stack([k_u, v_u], dim=1).detach().requires_grad_()
-        out_u, lse, probs = fa.flash_attn_varlen_kvpacked_func(q_u, kv_u, cu_q, cu_k, max_q, max_k, return_attn_probs=True, **opts)
+        out_u, lse, probs = fa.flash_attn_varlen_kvpacked_func(
+            q_u, kv_u, cu_q, cu_k, max_q, max_k, return_attn_probs=True, **opts
+        )
     else:
-        out_u, lse, probs = fa.flash_attn_varlen_func(q_u, k_u, v_u, cu_q, cu_k, max_q, max_k, return_attn_probs=True, **opts)
+        out_u, lse, probs = fa.flash_attn_varlen_func(
+            q_u, k_u, v_u, cu_q, cu_k, max_q, max_k, return_attn_probs=True, **opts
+        )
     out_ref, lse_ref = attention_ref(q_ref, k_ref, v_ref, qpm, kpm, **opts)
     out_pt, lse_pt = attention_ref(q, k, v, qpm, kpm, upcast=False, reorder_ops=True, **opts)
 
@@ -376,7 +464,9 @@ def test_flash_attn_varlen_output(mha, causal, local, alibi, softcap, mode, d, s
     # lse (H, total_q) against the golden's rows of valid queries.
     golden_lse = lse_ref.permute(0, 2, 1)[qpm].t()
     naive_lse = lse_pt.permute(0, 2, 1)[qpm].t().float()
-    check_like_flash(lse, golden_lse, None if dtype == f64 else naive_lse, name="lse", floor=floor if dtype == f64 else 1e-5)
+    check_like_flash(
+        lse, golden_lse, None if dtype == f64 else naive_lse, name="lse", floor=floor if dtype == f64 else 1e-5
+    )
 
     g = torch.randn(out.shape, generator=gen, dtype=f64).masked_fill(~qpm.view(batch, seqlen_q, 1, 1), 0)
     g_u = g[qpm].to(dtype)
@@ -386,8 +476,9 @@ def test_flash_attn_varlen_output(mha, causal, local, alibi, softcap, mode, d, s
         got = (got[0], *got[1].unbind(1))
     want = grads(out_ref, (q_ref, k_ref, v_ref), g)
     naive = grads(out_pt, (q, k, v), g.to(dtype))
-    for name, a, b, c, idx, seqlen in zip(("dq", "dk", "dv"), got, want, naive, (idx_q, idx_k, idx_k),
-                                          (seqlen_q, seqlen_k, seqlen_k)):
+    for name, a, b, c, idx, seqlen in zip(
+        ("dq", "dk", "dv"), got, want, naive, (idx_q, idx_k, idx_k), (seqlen_q, seqlen_k, seqlen_k)
+    ):
         a = pad_input(a, idx, batch, seqlen)
         assert_close_to_golden(a, b, None if dtype == f64 else c, fudge=3.0, floor=floor, name=name)
 
@@ -396,11 +487,11 @@ def test_varlen_qkvpacked_equals_the_padded_batch():
     gen = torch.Generator().manual_seed(3)
     mask = padding_mask(41, 3, "third", gen)
     qkv = torch.randn(3, 41, 3, 2, 16, generator=gen, dtype=f64)
-    qkv_u, indices, cu, max_s, used = unpad_input(qkv, mask)
+    qkv_u, indices, cu, max_s, _used = unpad_input(qkv, mask)
     qkv_u.requires_grad_()
-    out_u, lse, _ = fa.flash_attn_varlen_qkvpacked_func(qkv_u, cu, max_s, causal=True, return_attn_probs=True)
+    out_u, _lse, _ = fa.flash_attn_varlen_qkvpacked_func(qkv_u, cu, max_s, causal=True, return_attn_probs=True)
     q, k, v = (t.requires_grad_() for t in qkv.clone().unbind(2))
-    out_ref, lse_ref = attention_ref(q, k, v, mask, mask, causal=True)
+    out_ref, _lse_ref = attention_ref(q, k, v, mask, mask, causal=True)
     assert_close_to_golden(pad_input(out_u, indices, 3, 41), out_ref, floor=1e-12)
     g = torch.randn(out_ref.shape, dtype=f64).masked_fill(~mask.view(3, 41, 1, 1), 0)
     (dqkv_u,) = grads(out_u, (qkv_u,), g[mask])
@@ -433,8 +524,9 @@ def test_varlen_paged_keys():
     v_pool, _ = _paged(v, page, torch.Generator().manual_seed(4))
     v_pool[table.long().flatten()] = torch.nn.functional.pad(v, (0, 0, 0, 0, 0, 10)).reshape(-1, page, 2, 32)
     k_pool.requires_grad_()
-    out_u = fa.flash_attn_varlen_func(q_u, k_pool, v_pool, cu_q, cu_k, max_q, max_k, causal=True, window_size=(20, 5),
-                                      block_table=table)
+    out_u = fa.flash_attn_varlen_func(
+        q_u, k_pool, v_pool, cu_q, cu_k, max_q, max_k, causal=True, window_size=(20, 5), block_table=table
+    )
     out_ref, _ = attention_ref(q, k, v, qpm, kpm, causal=True, window_size=(20, 5))
     assert_close_to_golden(pad_input(out_u, indices_q, batch, seqlen_q), out_ref, floor=1e-12)
     (dk_pool,) = grads(out_u.sum(), (k_pool,), None)
@@ -456,19 +548,148 @@ def test_varlen_rows_past_the_offsets_give_zero():
 # ----------------------------------------------------------------------------- kvcache
 _KV_CASES = [
     # (seqlen_q, seqlen_k, d, mha, causal, local, alibi, new_kv, rotary_fraction, interleaved, page, leftpad, batch_idx, dtype)
-    pytest.param(1, 128, 64, "gqa", True, False, False, True, 0.5, False, None, False, None, torch.float32, id="decode-gqa-causal-rotary-neox"),
-    pytest.param(3, 339, 59, "mha", True, True, True, True, 1.0, True, None, True, None, torch.float32, id="causal-local-alibi-rotary-gptj-leftpad"),
-    pytest.param(16, 200, 64, "mqa", False, False, True, True, 0.5, True, 48, False, None, torch.float32, id="paged48-alibi-rotary-noncausal"),
-    pytest.param(5, 256, 32, "gqa", True, False, False, False, 0.0, False, 64, True, None, f64, id="paged64-leftpad-no-new-kv-float64"),
-    pytest.param(4, 100, 40, "mha", True, False, True, True, 0.0, False, None, True, "perm", torch.float32, id="batch-idx-permuted-leftpad"),
-    pytest.param(2, 90, 16, "gqa", False, True, False, True, 1.0, True, None, False, "dup", f64, id="batch-idx-duplicates-local-rotary"),
-    pytest.param(8, 160, 64, "mha", True, False, False, True, 0.5, False, None, False, None, torch.bfloat16, id="bfloat16-causal-rotary"),
+    pytest.param(
+        1,
+        128,
+        64,
+        "gqa",
+        True,
+        False,
+        False,
+        True,
+        0.5,
+        False,
+        None,
+        False,
+        None,
+        torch.float32,
+        id="decode-gqa-causal-rotary-neox",
+    ),
+    pytest.param(
+        3,
+        339,
+        59,
+        "mha",
+        True,
+        True,
+        True,
+        True,
+        1.0,
+        True,
+        None,
+        True,
+        None,
+        torch.float32,
+        id="causal-local-alibi-rotary-gptj-leftpad",
+    ),
+    pytest.param(
+        16,
+        200,
+        64,
+        "mqa",
+        False,
+        False,
+        True,
+        True,
+        0.5,
+        True,
+        48,
+        False,
+        None,
+        torch.float32,
+        id="paged48-alibi-rotary-noncausal",
+    ),
+    pytest.param(
+        5,
+        256,
+        32,
+        "gqa",
+        True,
+        False,
+        False,
+        False,
+        0.0,
+        False,
+        64,
+        True,
+        None,
+        f64,
+        id="paged64-leftpad-no-new-kv-float64",
+    ),
+    pytest.param(
+        4,
+        100,
+        40,
+        "mha",
+        True,
+        False,
+        True,
+        True,
+        0.0,
+        False,
+        None,
+        True,
+        "perm",
+        torch.float32,
+        id="batch-idx-permuted-leftpad",
+    ),
+    pytest.param(
+        2,
+        90,
+        16,
+        "gqa",
+        False,
+        True,
+        False,
+        True,
+        1.0,
+        True,
+        None,
+        False,
+        "dup",
+        f64,
+        id="batch-idx-duplicates-local-rotary",
+    ),
+    pytest.param(
+        8,
+        160,
+        64,
+        "mha",
+        True,
+        False,
+        False,
+        True,
+        0.5,
+        False,
+        None,
+        False,
+        None,
+        torch.bfloat16,
+        id="bfloat16-causal-rotary",
+    ),
 ]
 
 
-@pytest.mark.parametrize("seqlen_q,seqlen_k,d,mha,causal,local,alibi,new_kv,rotary_fraction,interleaved,page,leftpad,batch_idx,dtype", _KV_CASES)
-def test_flash_attn_kvcache(seqlen_q, seqlen_k, d, mha, causal, local, alibi, new_kv, rotary_fraction, interleaved, page,
-                            leftpad, batch_idx, dtype):
+@pytest.mark.parametrize(
+    "seqlen_q,seqlen_k,d,mha,causal,local,alibi,new_kv,rotary_fraction,interleaved,page,leftpad,batch_idx,dtype",
+    _KV_CASES,
+)
+def test_flash_attn_kvcache(
+    seqlen_q,
+    seqlen_k,
+    d,
+    mha,
+    causal,
+    local,
+    alibi,
+    new_kv,
+    rotary_fraction,
+    interleaved,
+    page,
+    leftpad,
+    batch_idx,
+    dtype,
+):
     gen = torch.Generator().manual_seed(seqlen_k + d)
     batch, nheads = 3, 6
     nheads_k = {"mha": 6, "mqa": 1, "gqa": 3}[mha]
@@ -481,11 +702,18 @@ def test_flash_attn_kvcache(seqlen_q, seqlen_k, d, mha, causal, local, alibi, ne
     v = torch.randn(batch, seqlen_new, nheads_k, d, generator=gen, dtype=f64).to(dtype) if new_kv else None
     k_cache = torch.randn(batch_cache, seqlen_k, nheads_k, d, generator=gen, dtype=f64).to(dtype)
     v_cache = torch.randn(batch_cache, seqlen_k, nheads_k, d, generator=gen, dtype=f64).to(dtype)
-    cache_seqlens = torch.randint(0 if new_kv else 1, seqlen_k - seqlen_new + 1 if new_kv else seqlen_k + 1, (batch,),
-                                  generator=gen, dtype=torch.int32)
+    cache_seqlens = torch.randint(
+        0 if new_kv else 1,
+        seqlen_k - seqlen_new + 1 if new_kv else seqlen_k + 1,
+        (batch,),
+        generator=gen,
+        dtype=torch.int32,
+    )
     cache_leftpad = None
     if leftpad:
-        cache_leftpad = torch.stack([torch.randint(0, max(int(n), 1), (1,), generator=gen)[0] for n in cache_seqlens]).int()
+        cache_leftpad = torch.stack(
+            [torch.randint(0, max(int(n), 1), (1,), generator=gen)[0] for n in cache_seqlens]
+        ).int()
     cache_batch_idx = None
     if batch_idx == "perm":
         cache_batch_idx = torch.randperm(batch_cache, generator=gen)[:batch].int()
@@ -501,7 +729,9 @@ def test_flash_attn_kvcache(seqlen_q, seqlen_k, d, mha, causal, local, alibi, ne
         angle = torch.rand(seqlen_k + seqlen_q + (page or 0), rotary_dim // 2, generator=gen, dtype=f64) * 2 * math.pi
         cos, sin = angle.cos().to(dtype), angle.sin().to(dtype)
         pos = cache_seqlens.long()[:, None] + torch.arange(seqlen_q)
-        q_ro = rotary_ref(q, cos, sin, pos if (causal or local) else cache_seqlens.long()[:, None].expand(-1, seqlen_q), interleaved)
+        q_ro = rotary_ref(
+            q, cos, sin, pos if (causal or local) else cache_seqlens.long()[:, None].expand(-1, seqlen_q), interleaved
+        )
         k_ro = rotary_ref(k, cos, sin, cache_seqlens.long()[:, None] + torch.arange(seqlen_new), interleaved)
     # The cache as the reference sees it: the selected rows with the (rotated) new keys written in.
     k_cache_ref, v_cache_ref = k_cache[rows].clone(), v_cache[rows].clone()
@@ -520,15 +750,34 @@ def test_flash_attn_kvcache(seqlen_q, seqlen_k, d, mha, causal, local, alibi, ne
         k_arg, table = _paged(k_cache, page, gen)
         v_arg, _ = _paged(v_cache, page, gen)
         v_arg[table.long().flatten()] = torch.nn.functional.pad(
-            v_cache, (0, 0, 0, 0, 0, table.shape[1] * page - seqlen_k)).reshape(-1, page, nheads_k, d)
+            v_cache, (0, 0, 0, 0, 0, table.shape[1] * page - seqlen_k)
+        ).reshape(-1, page, nheads_k, d)
     out, lse = fa.flash_attn_with_kvcache(
-        q, k_arg, v_arg, k, v, rotary_cos=cos, rotary_sin=sin, cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx,
-        cache_leftpad=cache_leftpad, block_table=table, causal=causal, window_size=window, rotary_interleaved=interleaved,
-        alibi_slopes=slopes, num_splits=3, return_softmax_lse=True,
+        q,
+        k_arg,
+        v_arg,
+        k,
+        v,
+        rotary_cos=cos,
+        rotary_sin=sin,
+        cache_seqlens=cache_seqlens,
+        cache_batch_idx=cache_batch_idx,
+        cache_leftpad=cache_leftpad,
+        block_table=table,
+        causal=causal,
+        window_size=window,
+        rotary_interleaved=interleaved,
+        alibi_slopes=slopes,
+        num_splits=3,
+        return_softmax_lse=True,
     )
     opts = dict(causal=causal, window_size=window, alibi_slopes=slopes, key_leftpad=cache_leftpad)
-    out_ref, lse_ref = attention_ref(q_ro.double(), k_cache_ref.double(), v_cache_ref.double(), None, key_padding_mask, **opts)
-    out_pt, _ = attention_ref(q_ro, k_cache_ref, v_cache_ref, None, key_padding_mask, upcast=False, reorder_ops=True, **opts)
+    out_ref, lse_ref = attention_ref(
+        q_ro.double(), k_cache_ref.double(), v_cache_ref.double(), None, key_padding_mask, **opts
+    )
+    out_pt, _ = attention_ref(
+        q_ro, k_cache_ref, v_cache_ref, None, key_padding_mask, upcast=False, reorder_ops=True, **opts
+    )
     assert out.shape == (batch, seqlen_q, nheads, d) and lse.shape == (batch, nheads, seqlen_q)
     floor = 1e-10 if dtype == f64 else None
     # flash-attn's kvcache test allows 3x (5x with ALiBi) the plain-PyTorch error.
@@ -550,8 +799,12 @@ def test_kvcache_decode_steps_match_one_prefill():
     q, k, v = (torch.randn(2, 9, n, 16, generator=gen, dtype=f64) for n in (4, 2, 2))
     k_cache = torch.zeros(2, 2, 12, 16, dtype=f64).transpose(1, 2)  # (B, S, Hk, D) view of (B, Hk, S, D)
     v_cache = torch.zeros(2, 12, 2, 16, dtype=f64)
-    steps = [fa.flash_attn_with_kvcache(q[:, t : t + 1], k_cache, v_cache, k[:, t : t + 1], v[:, t : t + 1], cache_seqlens=t,
-                                        causal=True) for t in range(9)]
+    steps = [
+        fa.flash_attn_with_kvcache(
+            q[:, t : t + 1], k_cache, v_cache, k[:, t : t + 1], v[:, t : t + 1], cache_seqlens=t, causal=True
+        )
+        for t in range(9)
+    ]
     want, _ = attention_ref(q, k, v, causal=True)
     assert_close_to_golden(torch.cat(steps, dim=1), want, floor=1e-12)
     assert torch.equal(k_cache[:, :9], k) and k_cache[:, 9:].abs().max() == 0
@@ -564,18 +817,32 @@ def test_kvcache_runs_one_varlen_call_over_the_flattened_cache(monkeypatch):
 
     calls = []
     real = subquad.varlen_attention
-    monkeypatch.setattr(subquad, "varlen_attention", lambda *a, **kw: calls.append(kw["seqused_k"].tolist()) or real(*a, **kw))
+    monkeypatch.setattr(
+        subquad, "varlen_attention", lambda *a, **kw: calls.append(kw["seqused_k"].tolist()) or real(*a, **kw)
+    )
     monkeypatch.setattr(_run, "per_sequence", lambda *a, **kw: pytest.fail("per-sequence loop"))
-    q, k_cache, v_cache = torch.randn(3, 2, 2, 8, dtype=f64), torch.randn(5, 20, 1, 8, dtype=f64), torch.randn(5, 20, 1, 8, dtype=f64)
-    seqlens, leftpad, rows = torch.tensor([9, 4, 12], dtype=torch.int32), torch.tensor([2, 0, 5], dtype=torch.int32), torch.tensor([3, 1, 4], dtype=torch.int32)
-    out = fa.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, cache_batch_idx=rows, cache_leftpad=leftpad, causal=True)
+    q, k_cache, v_cache = (
+        torch.randn(3, 2, 2, 8, dtype=f64),
+        torch.randn(5, 20, 1, 8, dtype=f64),
+        torch.randn(5, 20, 1, 8, dtype=f64),
+    )
+    seqlens, leftpad, rows = (
+        torch.tensor([9, 4, 12], dtype=torch.int32),
+        torch.tensor([2, 0, 5], dtype=torch.int32),
+        torch.tensor([3, 1, 4], dtype=torch.int32),
+    )
+    out = fa.flash_attn_with_kvcache(
+        q, k_cache, v_cache, cache_seqlens=seqlens, cache_batch_idx=rows, cache_leftpad=leftpad, causal=True
+    )
     assert calls == [[0, 4, 7, 7]]  # a leading sequence of no keys and no queries, then rows 1, 3, 4 in order
     for b in range(3):
         r, lp, n = int(rows[b]), int(leftpad[b]), int(seqlens[b])
         want, _ = attention_ref(q[b : b + 1], k_cache[r : r + 1, lp:n], v_cache[r : r + 1, lp:n], causal=True)
         assert_close_to_golden(out[b : b + 1], want, floor=1e-12, name=f"sequence {b}")
     monkeypatch.undo()
-    dup = fa.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, cache_batch_idx=torch.tensor([1, 1, 4], dtype=torch.int32))
+    dup = fa.flash_attn_with_kvcache(
+        q, k_cache, v_cache, cache_seqlens=seqlens, cache_batch_idx=torch.tensor([1, 1, 4], dtype=torch.int32)
+    )
     want, _ = attention_ref(q[:2], k_cache[1:2, :9].expand(2, -1, -1, -1), v_cache[1:2, :9].expand(2, -1, -1, -1))
     assert_close_to_golden(dup[:1], want[:1], floor=1e-12)
 
@@ -617,8 +884,15 @@ def test_apply_rotary_emb(interleaved):
     assert torch.equal(out[..., 12:], x[..., 12:])
     (dx,) = grads(out, (x,), torch.ones_like(out))
     assert dx.isfinite().all()
-    packed = apply_rotary_emb(x.detach()[0], cos, sin, interleaved=interleaved, seqlen_offsets=3,
-                              cu_seqlens=torch.tensor([0, 2, 7], dtype=torch.int32), max_seqlen=5)
+    packed = apply_rotary_emb(
+        x.detach()[0],
+        cos,
+        sin,
+        interleaved=interleaved,
+        seqlen_offsets=3,
+        cu_seqlens=torch.tensor([0, 2, 7], dtype=torch.int32),
+        max_seqlen=5,
+    )
     pos = torch.tensor([0, 1, 0, 1, 2, 3, 4]) + 3
     torch.testing.assert_close(packed, rotary_ref(x.detach()[0], cos, sin, pos, interleaved), rtol=0, atol=1e-12)
     y = x.detach().clone()
@@ -654,51 +928,295 @@ def _t(*shape, dtype=torch.float32):
 
 
 _REFUSALS = [
-    ("q-not-4d", lambda: fa.flash_attn_func(_t(2, 4, 8), _t(2, 4, 2, 8), _t(2, 4, 2, 8)), r"q must have 4 dims \(batch_size, seqlen_q"),
-    ("k-head-dim", lambda: fa.flash_attn_func(_t(2, 4, 2, 8), _t(2, 4, 2, 16), _t(2, 4, 2, 8)), r"k must have shape \(batch_size, seqlen_k, nheads_k, headdim\) = \(2, 4, 2, 8\), got \(2, 4, 2, 16\)"),
-    ("k-batch", lambda: fa.flash_attn_func(_t(2, 4, 2, 8), _t(3, 4, 2, 8), _t(3, 4, 2, 8)), r"k must have shape .* = \(2, \*, \*, \*\), got \(3, 4, 2, 8\)"),
-    ("v-seqlen", lambda: fa.flash_attn_func(_t(2, 4, 2, 8), _t(2, 5, 2, 8), _t(2, 4, 2, 8)), r"v must have shape .* = \(2, 5, 2, \*\), got \(2, 4, 2, 8\)"),
-    ("int-dtype", lambda: fa.flash_attn_func(torch.ones(1, 2, 1, 8, dtype=torch.long), torch.ones(1, 2, 1, 8, dtype=torch.long), torch.ones(1, 2, 1, 8, dtype=torch.long)), r"FlashAttention only support fp16 and bf16 data type .* got q torch.int64"),
-    ("dtype-mismatch", lambda: fa.flash_attn_func(_t(1, 2, 1, 8), _t(1, 2, 1, 8, dtype=torch.float16), _t(1, 2, 1, 8)), r"query and key must have the same dtype, got torch.float32 and torch.float16"),
-    ("heads", lambda: fa.flash_attn_func(_t(1, 2, 4, 8), _t(1, 2, 3, 8), _t(1, 2, 3, 8)), r"Number of heads in key/value must divide number of heads in query, got 4 query heads and 3"),
-    ("alibi-shape", lambda: fa.flash_attn_func(_t(2, 3, 4, 8), _t(2, 3, 4, 8), _t(2, 3, 4, 8), alibi_slopes=torch.rand(3)), r"alibi_slopes must have shape \(nheads,\) or \(batch_size, nheads\) = \(4,\) or \(2, 4\), got \(3,\)"),
-    ("alibi-dtype", lambda: fa.flash_attn_func(_t(2, 3, 4, 8), _t(2, 3, 4, 8), _t(2, 3, 4, 8), alibi_slopes=torch.ones(4, dtype=torch.long)), r"ALiBi slopes must have dtype fp32"),
-    ("window", lambda: fa.flash_attn_func(_t(1, 3, 1, 8), _t(1, 3, 1, 8), _t(1, 3, 1, 8), window_size=5), r"window_size must be \(left, right\)"),
-    ("qkv-packed", lambda: fa.flash_attn_qkvpacked_func(_t(1, 3, 2, 1, 8)), r"qkv must have shape \(batch_size, seqlen, 3, nheads, headdim\) = \(\*, \*, 3, \*, \*\), got \(1, 3, 2, 1, 8\)"),
-    ("kv-packed", lambda: fa.flash_attn_kvpacked_func(_t(1, 3, 1, 8), _t(1, 3, 3, 1, 8)), r"kv must have shape .* = \(\*, \*, 2, \*, \*\)"),
-    ("varlen-qkv-packed", lambda: fa.flash_attn_varlen_qkvpacked_func(_t(4, 2, 1, 8), torch.tensor([0, 4], dtype=torch.int32), 4), r"qkv must have shape \(total, 3, nheads, headdim\)"),
-    ("varlen-kv-packed", lambda: fa.flash_attn_varlen_kvpacked_func(_t(4, 1, 8), _t(4, 2, 8), torch.tensor([0, 4], dtype=torch.int32), torch.tensor([0, 4], dtype=torch.int32), 4, 4), r"kv must have 4 dims \(total_k, 2, nheads_k, headdim\)"),
-    ("cu-dtype", lambda: fa.flash_attn_varlen_func(_t(4, 1, 8), _t(4, 1, 8), _t(4, 1, 8), torch.tensor([0.0, 4.0]), torch.tensor([0, 4], dtype=torch.int32), 4, 4), r"cu_seqlens_q must have dtype int32 \(or int64\), got torch.float32"),
-    ("cu-k-size", lambda: fa.flash_attn_varlen_func(_t(4, 1, 8), _t(4, 1, 8), _t(4, 1, 8), torch.tensor([0, 4], dtype=torch.int32), torch.tensor([0, 2, 4], dtype=torch.int32), 4, 4), r"cu_seqlens_k must have shape \(batch_size \+ 1,\) = \(2\), got \(3,\)"),
-    ("max-seqlen-type", lambda: fa.flash_attn_varlen_func(_t(4, 1, 8), _t(4, 1, 8), _t(4, 1, 8), torch.tensor([0, 4], dtype=torch.int32), torch.tensor([0, 4], dtype=torch.int32), 4, 4.0), r"max_seqlen_k must be an int, got 4.0"),
-    ("max-seqlen-short", lambda: fa.flash_attn_varlen_func(_t(4, 1, 8), _t(4, 1, 8), _t(4, 1, 8), torch.tensor([0, 4], dtype=torch.int32), torch.tensor([0, 4], dtype=torch.int32), 3, 4), r"max_seqlen_q=3 is smaller than the longest sequence \(4 tokens\)"),
-    ("cu-past-total", lambda: fa.flash_attn_varlen_func(_t(4, 1, 8), _t(4, 1, 8), _t(4, 1, 8), torch.tensor([0, 5], dtype=torch.int32), torch.tensor([0, 4], dtype=torch.int32), 5, 4), r"cu_seqlens_q\[-1\] == 4"),
-    ("paged-offsets", lambda: fa.flash_attn_varlen_func(_t(4, 1, 8), _t(6, 4, 1, 8), _t(6, 4, 1, 8), torch.tensor([0, 4, 2], dtype=torch.int32), torch.tensor([0, 2, 4], dtype=torch.int32), 4, 2, block_table=torch.zeros(2, 1, dtype=torch.int32)), r"Expected cu_seqlens_q to start at 0 and never decrease, got \[0, 4, 2\]"),
-    ("paged-max-seqlen", lambda: fa.flash_attn_varlen_func(_t(4, 1, 8), _t(6, 4, 1, 8), _t(6, 4, 1, 8), torch.tensor([0, 4], dtype=torch.int32), torch.tensor([0, 5], dtype=torch.int32), 4, 3, block_table=torch.zeros(1, 2, dtype=torch.int32)), r"max_seqlen_k=3 is smaller than the longest sequence \(5 tokens\)"),
-    ("block-table-short", lambda: fa.flash_attn_varlen_func(_t(4, 1, 8), _t(6, 4, 1, 8), _t(6, 4, 1, 8), torch.tensor([0, 4], dtype=torch.int32), torch.tensor([0, 9], dtype=torch.int32), 4, 9, block_table=torch.tensor([[0, 1]], dtype=torch.int32)), r"block_table has 2 pages per sequence \(8 keys\), sequence 0 needs 9 keys"),
-    ("block-table-page", lambda: fa.flash_attn_varlen_func(_t(4, 1, 8), _t(6, 4, 1, 8), _t(6, 4, 1, 8), torch.tensor([0, 4], dtype=torch.int32), torch.tensor([0, 5], dtype=torch.int32), 4, 5, block_table=torch.tensor([[0, 6]], dtype=torch.int32)), r"block_table\[0\] names pages \[6\] outside \[0, 6\)"),
+    (
+        "q-not-4d",
+        lambda: fa.flash_attn_func(_t(2, 4, 8), _t(2, 4, 2, 8), _t(2, 4, 2, 8)),
+        r"q must have 4 dims \(batch_size, seqlen_q",
+    ),
+    (
+        "k-head-dim",
+        lambda: fa.flash_attn_func(_t(2, 4, 2, 8), _t(2, 4, 2, 16), _t(2, 4, 2, 8)),
+        r"k must have shape \(batch_size, seqlen_k, nheads_k, headdim\) = \(2, 4, 2, 8\), got \(2, 4, 2, 16\)",
+    ),
+    (
+        "k-batch",
+        lambda: fa.flash_attn_func(_t(2, 4, 2, 8), _t(3, 4, 2, 8), _t(3, 4, 2, 8)),
+        r"k must have shape .* = \(2, \*, \*, \*\), got \(3, 4, 2, 8\)",
+    ),
+    (
+        "v-seqlen",
+        lambda: fa.flash_attn_func(_t(2, 4, 2, 8), _t(2, 5, 2, 8), _t(2, 4, 2, 8)),
+        r"v must have shape .* = \(2, 5, 2, \*\), got \(2, 4, 2, 8\)",
+    ),
+    (
+        "int-dtype",
+        lambda: fa.flash_attn_func(
+            torch.ones(1, 2, 1, 8, dtype=torch.long),
+            torch.ones(1, 2, 1, 8, dtype=torch.long),
+            torch.ones(1, 2, 1, 8, dtype=torch.long),
+        ),
+        r"FlashAttention only support fp16 and bf16 data type .* got q torch.int64",
+    ),
+    (
+        "dtype-mismatch",
+        lambda: fa.flash_attn_func(_t(1, 2, 1, 8), _t(1, 2, 1, 8, dtype=torch.float16), _t(1, 2, 1, 8)),
+        r"query and key must have the same dtype, got torch.float32 and torch.float16",
+    ),
+    (
+        "heads",
+        lambda: fa.flash_attn_func(_t(1, 2, 4, 8), _t(1, 2, 3, 8), _t(1, 2, 3, 8)),
+        r"Number of heads in key/value must divide number of heads in query, got 4 query heads and 3",
+    ),
+    (
+        "alibi-shape",
+        lambda: fa.flash_attn_func(_t(2, 3, 4, 8), _t(2, 3, 4, 8), _t(2, 3, 4, 8), alibi_slopes=torch.rand(3)),
+        r"alibi_slopes must have shape \(nheads,\) or \(batch_size, nheads\) = \(4,\) or \(2, 4\), got \(3,\)",
+    ),
+    (
+        "alibi-dtype",
+        lambda: fa.flash_attn_func(
+            _t(2, 3, 4, 8), _t(2, 3, 4, 8), _t(2, 3, 4, 8), alibi_slopes=torch.ones(4, dtype=torch.long)
+        ),
+        r"ALiBi slopes must have dtype fp32",
+    ),
+    (
+        "window",
+        lambda: fa.flash_attn_func(_t(1, 3, 1, 8), _t(1, 3, 1, 8), _t(1, 3, 1, 8), window_size=5),
+        r"window_size must be \(left, right\)",
+    ),
+    (
+        "qkv-packed",
+        lambda: fa.flash_attn_qkvpacked_func(_t(1, 3, 2, 1, 8)),
+        r"qkv must have shape \(batch_size, seqlen, 3, nheads, headdim\) = \(\*, \*, 3, \*, \*\), got \(1, 3, 2, 1, 8\)",
+    ),
+    (
+        "kv-packed",
+        lambda: fa.flash_attn_kvpacked_func(_t(1, 3, 1, 8), _t(1, 3, 3, 1, 8)),
+        r"kv must have shape .* = \(\*, \*, 2, \*, \*\)",
+    ),
+    (
+        "varlen-qkv-packed",
+        lambda: fa.flash_attn_varlen_qkvpacked_func(_t(4, 2, 1, 8), torch.tensor([0, 4], dtype=torch.int32), 4),
+        r"qkv must have shape \(total, 3, nheads, headdim\)",
+    ),
+    (
+        "varlen-kv-packed",
+        lambda: fa.flash_attn_varlen_kvpacked_func(
+            _t(4, 1, 8),
+            _t(4, 2, 8),
+            torch.tensor([0, 4], dtype=torch.int32),
+            torch.tensor([0, 4], dtype=torch.int32),
+            4,
+            4,
+        ),
+        r"kv must have 4 dims \(total_k, 2, nheads_k, headdim\)",
+    ),
+    (
+        "cu-dtype",
+        lambda: fa.flash_attn_varlen_func(
+            _t(4, 1, 8),
+            _t(4, 1, 8),
+            _t(4, 1, 8),
+            torch.tensor([0.0, 4.0]),
+            torch.tensor([0, 4], dtype=torch.int32),
+            4,
+            4,
+        ),
+        r"cu_seqlens_q must have dtype int32 \(or int64\), got torch.float32",
+    ),
+    (
+        "cu-k-size",
+        lambda: fa.flash_attn_varlen_func(
+            _t(4, 1, 8),
+            _t(4, 1, 8),
+            _t(4, 1, 8),
+            torch.tensor([0, 4], dtype=torch.int32),
+            torch.tensor([0, 2, 4], dtype=torch.int32),
+            4,
+            4,
+        ),
+        r"cu_seqlens_k must have shape \(batch_size \+ 1,\) = \(2\), got \(3,\)",
+    ),
+    (
+        "max-seqlen-type",
+        lambda: fa.flash_attn_varlen_func(
+            _t(4, 1, 8),
+            _t(4, 1, 8),
+            _t(4, 1, 8),
+            torch.tensor([0, 4], dtype=torch.int32),
+            torch.tensor([0, 4], dtype=torch.int32),
+            4,
+            4.0,
+        ),
+        r"max_seqlen_k must be an int, got 4.0",
+    ),
+    (
+        "max-seqlen-short",
+        lambda: fa.flash_attn_varlen_func(
+            _t(4, 1, 8),
+            _t(4, 1, 8),
+            _t(4, 1, 8),
+            torch.tensor([0, 4], dtype=torch.int32),
+            torch.tensor([0, 4], dtype=torch.int32),
+            3,
+            4,
+        ),
+        r"max_seqlen_q=3 is smaller than the longest sequence \(4 tokens\)",
+    ),
+    (
+        "cu-past-total",
+        lambda: fa.flash_attn_varlen_func(
+            _t(4, 1, 8),
+            _t(4, 1, 8),
+            _t(4, 1, 8),
+            torch.tensor([0, 5], dtype=torch.int32),
+            torch.tensor([0, 4], dtype=torch.int32),
+            5,
+            4,
+        ),
+        r"cu_seqlens_q\[-1\] == 4",
+    ),
+    (
+        "paged-offsets",
+        lambda: fa.flash_attn_varlen_func(
+            _t(4, 1, 8),
+            _t(6, 4, 1, 8),
+            _t(6, 4, 1, 8),
+            torch.tensor([0, 4, 2], dtype=torch.int32),
+            torch.tensor([0, 2, 4], dtype=torch.int32),
+            4,
+            2,
+            block_table=torch.zeros(2, 1, dtype=torch.int32),
+        ),
+        r"Expected cu_seqlens_q to start at 0 and never decrease, got \[0, 4, 2\]",
+    ),
+    (
+        "paged-max-seqlen",
+        lambda: fa.flash_attn_varlen_func(
+            _t(4, 1, 8),
+            _t(6, 4, 1, 8),
+            _t(6, 4, 1, 8),
+            torch.tensor([0, 4], dtype=torch.int32),
+            torch.tensor([0, 5], dtype=torch.int32),
+            4,
+            3,
+            block_table=torch.zeros(1, 2, dtype=torch.int32),
+        ),
+        r"max_seqlen_k=3 is smaller than the longest sequence \(5 tokens\)",
+    ),
+    (
+        "block-table-short",
+        lambda: fa.flash_attn_varlen_func(
+            _t(4, 1, 8),
+            _t(6, 4, 1, 8),
+            _t(6, 4, 1, 8),
+            torch.tensor([0, 4], dtype=torch.int32),
+            torch.tensor([0, 9], dtype=torch.int32),
+            4,
+            9,
+            block_table=torch.tensor([[0, 1]], dtype=torch.int32),
+        ),
+        r"block_table has 2 pages per sequence \(8 keys\), sequence 0 needs 9 keys",
+    ),
+    (
+        "block-table-page",
+        lambda: fa.flash_attn_varlen_func(
+            _t(4, 1, 8),
+            _t(6, 4, 1, 8),
+            _t(6, 4, 1, 8),
+            torch.tensor([0, 4], dtype=torch.int32),
+            torch.tensor([0, 5], dtype=torch.int32),
+            4,
+            5,
+            block_table=torch.tensor([[0, 6]], dtype=torch.int32),
+        ),
+        r"block_table\[0\] names pages \[6\] outside \[0, 6\)",
+    ),
 ]
 
 _Q, _KC = (1, 2, 2, 8), (1, 16, 2, 8)
 _KV_REFUSALS = [
     ("k-without-v", dict(k=_t(1, 1, 2, 8), cache_seqlens=3), r"If key is supplied, value must also be passed in"),
     ("v-without-k", dict(v=_t(1, 1, 2, 8)), r"v is given without k"),
-    ("k-without-seqlens", dict(k=_t(1, 1, 2, 8), v=_t(1, 1, 2, 8)), r"If key is supplied, cache_seqlens must also be passed in"),
-    ("k-shape", dict(k=_t(1, 1, 1, 8), v=_t(1, 1, 2, 8), cache_seqlens=3), r"k must have shape \(batch_size, seqlen_new, nheads_k, headdim\) = \(1, \*, 2, 8\)"),
-    ("k-dtype", dict(k=_t(1, 1, 2, 8, dtype=f64), v=_t(1, 1, 2, 8), cache_seqlens=3), r"Key and query must have the same dtype"),
-    ("overflow", dict(k=_t(1, 2, 2, 8), v=_t(1, 2, 2, 8), cache_seqlens=15), r"cache_seqlens\[0\] \+ seqlen_new = 17 keys do not fit the KV cache's seqlen 16"),
+    (
+        "k-without-seqlens",
+        dict(k=_t(1, 1, 2, 8), v=_t(1, 1, 2, 8)),
+        r"If key is supplied, cache_seqlens must also be passed in",
+    ),
+    (
+        "k-shape",
+        dict(k=_t(1, 1, 1, 8), v=_t(1, 1, 2, 8), cache_seqlens=3),
+        r"k must have shape \(batch_size, seqlen_new, nheads_k, headdim\) = \(1, \*, 2, 8\)",
+    ),
+    (
+        "k-dtype",
+        dict(k=_t(1, 1, 2, 8, dtype=f64), v=_t(1, 1, 2, 8), cache_seqlens=3),
+        r"Key and query must have the same dtype",
+    ),
+    (
+        "overflow",
+        dict(k=_t(1, 2, 2, 8), v=_t(1, 2, 2, 8), cache_seqlens=15),
+        r"cache_seqlens\[0\] \+ seqlen_new = 17 keys do not fit the KV cache's seqlen 16",
+    ),
     ("seqlens-range", dict(cache_seqlens=torch.tensor([17], dtype=torch.int32)), r"cache_seqlens must be in \[0, 16\]"),
     ("seqlens-dtype", dict(cache_seqlens=torch.tensor([3.0])), r"cache_seqlens must have dtype int32"),
-    ("leftpad", dict(cache_seqlens=torch.tensor([3], dtype=torch.int32), cache_leftpad=torch.tensor([4], dtype=torch.int32)), r"cache_leftpad must be in \[0, cache_seqlens\], got cache_leftpad\[0\] = 4"),
-    ("batch-idx-range", dict(cache_batch_idx=torch.tensor([1], dtype=torch.int32)), r"cache_batch_idx must be in \[0, 1\)"),
-    ("rotary-without-k", dict(rotary_cos=_t(16, 4), rotary_sin=_t(16, 4)), r"If rotary cos/sin are provided, new key / value to be appended to KV cache must also be provided"),
-    ("cos-without-sin", dict(k=_t(1, 1, 2, 8), v=_t(1, 1, 2, 8), cache_seqlens=3, rotary_cos=_t(16, 4)), r"If rotary cos is provided, rotary sin must also be provided"),
-    ("sin-without-cos", dict(k=_t(1, 1, 2, 8), v=_t(1, 1, 2, 8), cache_seqlens=3, rotary_sin=_t(16, 4)), r"rotary_sin is given without rotary_cos"),
-    ("rotary-dim", dict(k=_t(1, 1, 2, 8), v=_t(1, 1, 2, 8), cache_seqlens=3, rotary_cos=_t(16, 5), rotary_sin=_t(16, 5)), r"rotary_dim must be <= headdim, got rotary_dim 10 and headdim 8"),
-    ("rotary-short", dict(k=_t(1, 1, 2, 8), v=_t(1, 1, 2, 8), cache_seqlens=3, rotary_cos=_t(15, 4), rotary_sin=_t(15, 4)), r"cos/sin seqlen must be at least the seqlen of KV cache, got 15 < 16"),
-    ("rotary-sin-shape", dict(k=_t(1, 1, 2, 8), v=_t(1, 1, 2, 8), cache_seqlens=3, rotary_cos=_t(16, 4), rotary_sin=_t(16, 2)), r"rotary_sin must have shape \(seqlen_ro, rotary_dim / 2\) = \(16, 4\)"),
-    ("rotary-positions", dict(k=_t(1, 1, 2, 8), v=_t(1, 1, 2, 8), cache_seqlens=15, causal=True, rotary_cos=_t(16, 4), rotary_sin=_t(16, 4)), r"rotary positions reach 16 .* past rotary_cos's 16 rows"),
-    ("paged-batch-idx", dict(block_table=torch.zeros(1, 2, dtype=torch.int32), cache_batch_idx=torch.zeros(1, dtype=torch.int32)), r"Paged KVcache does not support cache_batch_idx"),
+    (
+        "leftpad",
+        dict(cache_seqlens=torch.tensor([3], dtype=torch.int32), cache_leftpad=torch.tensor([4], dtype=torch.int32)),
+        r"cache_leftpad must be in \[0, cache_seqlens\], got cache_leftpad\[0\] = 4",
+    ),
+    (
+        "batch-idx-range",
+        dict(cache_batch_idx=torch.tensor([1], dtype=torch.int32)),
+        r"cache_batch_idx must be in \[0, 1\)",
+    ),
+    (
+        "rotary-without-k",
+        dict(rotary_cos=_t(16, 4), rotary_sin=_t(16, 4)),
+        r"If rotary cos/sin are provided, new key / value to be appended to KV cache must also be provided",
+    ),
+    (
+        "cos-without-sin",
+        dict(k=_t(1, 1, 2, 8), v=_t(1, 1, 2, 8), cache_seqlens=3, rotary_cos=_t(16, 4)),
+        r"If rotary cos is provided, rotary sin must also be provided",
+    ),
+    (
+        "sin-without-cos",
+        dict(k=_t(1, 1, 2, 8), v=_t(1, 1, 2, 8), cache_seqlens=3, rotary_sin=_t(16, 4)),
+        r"rotary_sin is given without rotary_cos",
+    ),
+    (
+        "rotary-dim",
+        dict(k=_t(1, 1, 2, 8), v=_t(1, 1, 2, 8), cache_seqlens=3, rotary_cos=_t(16, 5), rotary_sin=_t(16, 5)),
+        r"rotary_dim must be <= headdim, got rotary_dim 10 and headdim 8",
+    ),
+    (
+        "rotary-short",
+        dict(k=_t(1, 1, 2, 8), v=_t(1, 1, 2, 8), cache_seqlens=3, rotary_cos=_t(15, 4), rotary_sin=_t(15, 4)),
+        r"cos/sin seqlen must be at least the seqlen of KV cache, got 15 < 16",
+    ),
+    (
+        "rotary-sin-shape",
+        dict(k=_t(1, 1, 2, 8), v=_t(1, 1, 2, 8), cache_seqlens=3, rotary_cos=_t(16, 4), rotary_sin=_t(16, 2)),
+        r"rotary_sin must have shape \(seqlen_ro, rotary_dim / 2\) = \(16, 4\)",
+    ),
+    (
+        "rotary-positions",
+        dict(
+            k=_t(1, 1, 2, 8),
+            v=_t(1, 1, 2, 8),
+            cache_seqlens=15,
+            causal=True,
+            rotary_cos=_t(16, 4),
+            rotary_sin=_t(16, 4),
+        ),
+        r"rotary positions reach 16 .* past rotary_cos's 16 rows",
+    ),
+    (
+        "paged-batch-idx",
+        dict(block_table=torch.zeros(1, 2, dtype=torch.int32), cache_batch_idx=torch.zeros(1, dtype=torch.int32)),
+        r"Paged KVcache does not support cache_batch_idx",
+    ),
     ("block-table-dtype", dict(block_table=torch.zeros(1, 2)), r"block_table must have dtype int32"),
 ]
 
@@ -719,19 +1237,50 @@ def test_kvcache_refusals(name, kwargs, match):
 def test_kvcache_refuses_a_batch_larger_than_the_cache_and_long_queries():
     with pytest.raises(RuntimeError, match=r"k_cache holds 1 sequences for a batch of 2; pass cache_batch_idx"):
         fa.flash_attn_with_kvcache(_t(2, 1, 2, 8), _t(*_KC), _t(*_KC))
-    with pytest.raises(RuntimeError, match=r"If key is supplied, it must have seqlen <= the seqlen of the KV cache, got seqlen_q 17"):
+    with pytest.raises(
+        RuntimeError, match=r"If key is supplied, it must have seqlen <= the seqlen of the KV cache, got seqlen_q 17"
+    ):
         fa.flash_attn_with_kvcache(_t(1, 17, 2, 8), _t(*_KC), _t(*_KC), _t(1, 1, 2, 8), _t(1, 1, 2, 8), cache_seqlens=0)
 
 
-@pytest.mark.parametrize("call,match", [
-    (lambda: apply_rotary_emb(_t(1, 4, 1, 8), _t(4, 5), _t(4, 5)), r"rotary_dim must be <= headdim"),
-    (lambda: apply_rotary_emb(_t(1, 4, 1, 8), _t(4, 2), _t(4, 3)), r"cos and sin must both be \(seqlen_ro, rotary_dim / 2\)"),
-    (lambda: apply_rotary_emb(_t(1, 4, 1, 8), _t(3, 2), _t(3, 2)), r"seqlen_ro must be >= seqlen"),
-    (lambda: apply_rotary_emb(_t(1, 4, 1, 8), _t(5, 2), _t(5, 2), seqlen_offsets=2), r"seqlen_offsets \+ seqlen must be <= seqlen_ro, got 2 \+ 4 > 5"),
-    (lambda: apply_rotary_emb(_t(4, 1, 8), _t(5, 2), _t(5, 2), cu_seqlens=torch.tensor([0, 4], dtype=torch.int32)), r"If cu_seqlens is passed in, then max_seqlen must be passed"),
-    (lambda: apply_rotary_emb(_t(2, 4, 1, 8), _t(5, 2), _t(5, 2), seqlen_offsets=torch.tensor([1, 2, 3])), r"seqlen_offsets must have shape \(batch_size,\) = \(2\)"),
-    (lambda: index_first_axis(torch.arange(4.0), torch.tensor([0])), r"index_first_axis: input must have at least 2 dims"),
-], ids=["rotary-dim", "cos-sin-shapes", "seqlen-ro", "int-offset", "cu-without-max", "offsets-shape", "index-first-axis"])
+@pytest.mark.parametrize(
+    "call,match",
+    [
+        (lambda: apply_rotary_emb(_t(1, 4, 1, 8), _t(4, 5), _t(4, 5)), r"rotary_dim must be <= headdim"),
+        (
+            lambda: apply_rotary_emb(_t(1, 4, 1, 8), _t(4, 2), _t(4, 3)),
+            r"cos and sin must both be \(seqlen_ro, rotary_dim / 2\)",
+        ),
+        (lambda: apply_rotary_emb(_t(1, 4, 1, 8), _t(3, 2), _t(3, 2)), r"seqlen_ro must be >= seqlen"),
+        (
+            lambda: apply_rotary_emb(_t(1, 4, 1, 8), _t(5, 2), _t(5, 2), seqlen_offsets=2),
+            r"seqlen_offsets \+ seqlen must be <= seqlen_ro, got 2 \+ 4 > 5",
+        ),
+        (
+            lambda: apply_rotary_emb(
+                _t(4, 1, 8), _t(5, 2), _t(5, 2), cu_seqlens=torch.tensor([0, 4], dtype=torch.int32)
+            ),
+            r"If cu_seqlens is passed in, then max_seqlen must be passed",
+        ),
+        (
+            lambda: apply_rotary_emb(_t(2, 4, 1, 8), _t(5, 2), _t(5, 2), seqlen_offsets=torch.tensor([1, 2, 3])),
+            r"seqlen_offsets must have shape \(batch_size,\) = \(2\)",
+        ),
+        (
+            lambda: index_first_axis(torch.arange(4.0), torch.tensor([0])),
+            r"index_first_axis: input must have at least 2 dims",
+        ),
+    ],
+    ids=[
+        "rotary-dim",
+        "cos-sin-shapes",
+        "seqlen-ro",
+        "int-offset",
+        "cu-without-max",
+        "offsets-shape",
+        "index-first-axis",
+    ],
+)
 def test_helper_refusals(call, match):
     with pytest.raises(RuntimeError, match=match):
         call()
@@ -796,11 +1345,19 @@ def test_install(tmp_path):
             (pkg / "__init__.py").write_text("REAL = True\ndef flash_attn_func(*args, **kwargs): return 'real'\n")
         else:
             # A submodule that imports before the failure: the failed attempt must not leave it behind.
-            (pkg / "__init__.py").write_text("from . import helpers\nfrom flash_attn.flash_attn_interface import flash_attn_func\n")
+            (pkg / "__init__.py").write_text(
+                "from . import helpers\nfrom flash_attn.flash_attn_interface import flash_attn_func\n"
+            )
             (pkg / "helpers.py").write_text("HELPER = 1\n")
             (pkg / "flash_attn_interface.py").write_text(f"import torch\n{failure}\n")
-    done = subprocess.run([sys.executable, "-c", _INSTALL_SCENARIOS], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=120, env={**os.environ, "PYTHONPATH": os.environ.get("PYTHONPATH", "")})
+    done = subprocess.run(
+        [sys.executable, "-c", _INSTALL_SCENARIOS],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": os.environ.get("PYTHONPATH", "")},
+    )
     assert done.returncode == 0, done.stderr
     results = json.loads(done.stdout.strip().splitlines()[-1])
     assert results["optional imported"] == []

@@ -16,11 +16,10 @@ import pytest
 import torch
 
 import subquad
+from conftest import assert_close_to_golden
 from subquad._errors import ArgumentError, ArgumentTypeError
 from subquad.compat import memory_efficient_attention as mea
 from subquad.compat import sub_quadratic as sq
-
-from conftest import assert_close_to_golden
 
 F64 = torch.float64
 
@@ -95,7 +94,9 @@ def test_sub_quadratic_chunk_sizes_are_the_originals(
 
     monkeypatch.setattr(subquad, "attention", spy)
     q, k, v = randn(2, Lq, 4), randn(2, Lk, 4), randn(2, Lk, 4)
-    out = sq.efficient_dot_product_attention(q, k.transpose(1, 2), v, query_chunk_size, kv_chunk_size, kv_chunk_size_min)
+    out = sq.efficient_dot_product_attention(
+        q, k.transpose(1, 2), v, query_chunk_size, kv_chunk_size, kv_chunk_size_min
+    )
     assert seen == [tiles]
     assert_close_to_golden(out, softmax_golden(q, k, v))
 
@@ -106,7 +107,7 @@ def test_sub_quadratic_half_precision(dtype, upcast):
     q, k, v = randn(4, 37, 40, dtype=dtype), randn(4, 45, 40, dtype=dtype), randn(4, 45, 40, dtype=dtype)
     out = sq.efficient_dot_product_attention(q, k.transpose(1, 2), v, 16, 9, upcast_attention=upcast)
     assert out.dtype == dtype
-    s = (q @ k.transpose(1, 2)) * 40 ** -0.5  # the same-dtype naive reference, float32 softmax
+    s = (q @ k.transpose(1, 2)) * 40**-0.5  # the same-dtype naive reference, float32 softmax
     naive = torch.softmax(s.float(), -1).to(dtype) @ v
     assert_close_to_golden(out, softmax_golden(q, k, v), naive)
 
@@ -156,15 +157,15 @@ def test_comfyui_mask_is_added(shape):
 def test_sub_quadratic_refusals():
     q, k, v = randn(2, 10, 8), randn(2, 6, 8), randn(2, 6, 8)
     f, a1111 = sq.efficient_dot_product_attention, sq.efficient_dot_product_attention_a1111
-    with pytest.raises(ArgumentError, match="AUTOMATIC1111's layout.*efficient_dot_product_attention_a1111"):
+    with pytest.raises(ArgumentError, match=r"AUTOMATIC1111's layout.*efficient_dot_product_attention_a1111"):
         f(q, k, v)
-    with pytest.raises(ArgumentError, match="ComfyUI's layout.*call efficient_dot_product_attention"):
+    with pytest.raises(ArgumentError, match=r"ComfyUI's layout.*call efficient_dot_product_attention"):
         a1111(q, k.transpose(1, 2), v)
     with pytest.raises(ArgumentError, match=r"B\*H = 2"):
         f(q, randn(3, 8, 6), randn(3, 6, 8))
     with pytest.raises(ArgumentError, match=r"query to be 3-D \(B\*H, Lq, E\)"):
         f(q[None], k.transpose(1, 2), v)
-    with pytest.raises(ArgumentTypeError, match="key_t to be a torch.Tensor"):
+    with pytest.raises(ArgumentTypeError, match=r"key_t to be a torch\.Tensor"):
         f(q, k.transpose(1, 2).numpy(), v)
     with pytest.raises(ArgumentError, match="query_chunk_size >= 1, got 0"):
         f(q, k.transpose(1, 2), v, 0)
@@ -172,7 +173,7 @@ def test_sub_quadratic_refusals():
         f(q, k.transpose(1, 2), v, True)
     with pytest.raises(ArgumentError, match="kv_chunk_size >= 0, got -1"):
         f(q, k.transpose(1, 2), v, 4, -1)
-    with pytest.raises(ArgumentTypeError, match="kv_chunk_size_min to be an int, got 2.5"):
+    with pytest.raises(ArgumentTypeError, match=r"kv_chunk_size_min to be an int, got 2\.5"):
         f(q, k.transpose(1, 2), v, 4, None, 2.5)
     with pytest.raises(ArgumentTypeError, match="upcast_attention to be a bool"):
         f(q, k.transpose(1, 2), v, upcast_attention="yes")
@@ -186,9 +187,13 @@ def test_budget_error_names_the_chunk_sizes(monkeypatch):
 
     monkeypatch.setattr(subquad, "attention", too_big)
     q, k, v = randn(2, 10, 8), randn(2, 6, 8), randn(2, 6, 8)
-    with pytest.raises(subquad.MemoryBudgetError, match="query_chunk_size=8 and kv_chunk_size=None.*smaller chunk sizes"):
+    with pytest.raises(
+        subquad.MemoryBudgetError, match=r"query_chunk_size=8 and kv_chunk_size=None.*smaller chunk sizes"
+    ):
         sq.efficient_dot_product_attention(q, k.transpose(1, 2), v, 8)
-    with pytest.raises(subquad.MemoryBudgetError, match="query_chunk_size=8 and key_chunk_size=4096.*smaller chunk sizes"):
+    with pytest.raises(
+        subquad.MemoryBudgetError, match=r"query_chunk_size=8 and key_chunk_size=4096.*smaller chunk sizes"
+    ):
         mea.efficient_dot_product_attention_pt(randn(10, 2, 8), randn(6, 2, 8), randn(6, 2, 8), query_chunk_size=8)
 
 
@@ -219,7 +224,11 @@ PT_CASES = {
 
 
 def pt_inputs(batch, Lq, Lk, H, E, Ev, dead_row=True):
-    q, k, v = randn(*batch, Lq, H, E, grad=True), randn(*batch, Lk, H, E, grad=True), randn(*batch, Lk, H, Ev, grad=True)
+    q, k, v = (
+        randn(*batch, Lq, H, E, grad=True),
+        randn(*batch, Lk, H, E, grad=True),
+        randn(*batch, Lk, H, Ev, grad=True),
+    )
     mask = torch.rand(*batch, H, Lq, Lk) < 0.6
     if dead_row:
         mask[(0,) * len(batch) + (0, Lq // 2)] = False  # one row sees no key: the seed averages the values
@@ -268,6 +277,7 @@ def test_fully_masked_row_averages_the_values(dtype):
     dq, dk, dv = torch.autograd.grad(out, (q, k, v), g_out)
     torch.testing.assert_close(dv[0, :, 1], torch.full((12, 8), 1 / 12, dtype=dtype))
     assert dq.abs().max() == 0 and dk.abs().max() == 0
+
     # The seed's own test builds its masks by hand in weights_calc_fn with finfo.min: the same row.
     def weights_calc_fn(q_offset, k_offset, w, data):
         qn, kn = w.shape[-3], w.shape[-1]
@@ -278,8 +288,12 @@ def test_fully_masked_row_averages_the_values(dtype):
         q, k, v, None, None, 4, 5, weights_calc_fn=weights_calc_fn, calc_fn_data=mask
     )
     torch.testing.assert_close(by_hand, out)
-    assert_close_to_golden(grads(by_hand, (q, v))[1], grads(seed_golden(q, k, v, mask), (q, v))[1].to(dtype),
-                           floor=1e-6 if dtype == torch.float32 else None, name="dv")
+    assert_close_to_golden(
+        grads(by_hand, (q, v))[1],
+        grads(seed_golden(q, k, v, mask), (q, v))[1].to(dtype),
+        floor=1e-6 if dtype == torch.float32 else None,
+        name="dv",
+    )
 
 
 def test_callbacks_calling_convention():
@@ -324,8 +338,17 @@ def test_callbacks_calling_convention():
 
     with torch.no_grad():
         out = mea.efficient_dot_product_attention_pt(
-            q, k, v, mask, bias, 4, 3, bias_calc_fn=bias_calc_fn, mask_calc_fn=mask_calc_fn,
-            weights_calc_fn=weights_calc_fn, calc_fn_data=data,
+            q,
+            k,
+            v,
+            mask,
+            bias,
+            4,
+            3,
+            bias_calc_fn=bias_calc_fn,
+            mask_calc_fn=mask_calc_fn,
+            weights_calc_fn=weights_calc_fn,
+            calc_fn_data=data,
         )
     grid = sorted((q0, k0, min(4, Lq - q0), min(3, Lk - k0)) for q0 in range(0, Lq, 4) for k0 in range(0, Lk, 3))
     for name, calls in seen.items():
@@ -372,7 +395,7 @@ def test_each_callback_kind_with_calc_fn_data_and_gradients():
 def test_pt_refusals():
     q, k, v = randn(2, 10, 3, 8), randn(2, 7, 3, 8), randn(2, 7, 3, 5)
     f = mea.efficient_dot_product_attention_pt
-    with pytest.raises(ArgumentTypeError, match="query to be a torch.Tensor"):
+    with pytest.raises(ArgumentTypeError, match=r"query to be a torch\.Tensor"):
         f(q.numpy(), k, v)
     with pytest.raises(ArgumentError, match=r"key to be \[batch..., L, H, E\] \(at least 3 dims\)"):
         f(q, k[0, 0], v)
@@ -388,7 +411,7 @@ def test_pt_refusals():
         f(q, k, v, None, torch.ones(3, 10, 7, dtype=torch.int64))
     with pytest.raises(ArgumentError, match=r"mask \[batch..., H, Lq, Lk\].*got shape \(3, 10, 6\)"):
         f(q, k, v, torch.ones(3, 10, 6, dtype=torch.bool))
-    with pytest.raises(ArgumentError, match="batch dims .* bias .* do not broadcast"):
+    with pytest.raises(ArgumentError, match=r"batch dims .* bias .* do not broadcast"):
         f(q, k, v, None, randn(4, 3, 10, 7))
     with pytest.raises(ArgumentError, match="key_chunk_size >= 1, got 0"):
         f(q, k, v, key_chunk_size=0)
@@ -483,7 +506,7 @@ def test_jax_callbacks_offsets_jit_and_gradients(jax64):
     jit with the callbacks static, and calc_fn_data gets its gradient."""
     from jax import lax
 
-    q, k, v, mask, bias = jax_inputs((2,), 10, 7, 3, 8, 5)
+    q, k, v, mask, _bias = jax_inputs((2,), 10, 7, 3, 8, 5)
     table = jax64.numpy.asarray(randn(2, 3, 10, 7).numpy())
     seen = set()
 
@@ -533,7 +556,7 @@ def test_jax_refusals(jax64):
         f(q, k, v, precision=(jax64.lax.Precision.HIGH, jax64.lax.Precision.HIGHEST))
     with pytest.raises(ArgumentError, match="precision='fastest' is not a matmul precision"):
         f(q, k, v, precision="fastest")
-    with pytest.raises(ArgumentTypeError, match="precision to be None, a jax.lax.Precision"):
+    with pytest.raises(ArgumentTypeError, match=r"precision to be None, a jax\.lax\.Precision"):
         f(q, k, v, precision=3)
     with pytest.raises(ArgumentError, match="query_chunk_size >= 1"):
         f(q, k, v, query_chunk_size=-2)

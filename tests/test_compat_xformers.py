@@ -15,7 +15,7 @@ import random
 import subprocess
 import sys
 import textwrap
-from typing import Any, List, Optional, Tuple
+from typing import Any, ClassVar, List, Optional, Tuple
 
 import pytest
 import torch
@@ -30,8 +30,15 @@ INF = math.inf
 
 
 # ----------------------------------------------------------------------------- references
-def reference(query: Tensor, key: Tensor, value: Tensor, keep: Optional[Tensor] = None, tensor: Optional[Tensor] = None,
-              scale: Optional[float] = None, dtype: torch.dtype = torch.float64) -> Tuple[Tensor, Tensor]:
+def reference(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    keep: Optional[Tensor] = None,
+    tensor: Optional[Tensor] = None,
+    scale: Optional[float] = None,
+    dtype: torch.dtype = torch.float64,
+) -> Tuple[Tensor, Tensor]:
     """Naive attention in xformers' layout: ``out``, ``lse`` (rows that see nothing: 0, -inf)."""
     heads = query.dim() > 3
     q, k, v = (x.to(dtype).movedim(1, -2) if heads else x.to(dtype) for x in (query, key, value))
@@ -46,7 +53,9 @@ def reference(query: Tensor, key: Tensor, value: Tensor, keep: Optional[Tensor] 
     return (out.movedim(-2, 1) if heads else out), (lse if heads else lse.unsqueeze(1))
 
 
-def assert_close(test: Tensor, golden: Tensor, naive: Tensor, what: str, fudge: float = 4.0, floor: float = 1e-12) -> None:
+def assert_close(
+    test: Tensor, golden: Tensor, naive: Tensor, what: str, fudge: float = 4.0, floor: float = 1e-12
+) -> None:
     """``err(test) <= fudge * err(naive) + floor`` against the float64 golden; ``-inf`` where the golden has it."""
     assert test.shape == golden.shape, f"{what}: shape {tuple(test.shape)}, expected {tuple(golden.shape)}"
     inf = torch.isinf(golden)
@@ -91,19 +100,23 @@ class Case:
     bias: Any
     B: int
     Mq: int
-    Mk: int                              # key tensor length (physical, for paged)
-    keep: Tensor                         # (Mq, Mk) bool
-    tensor: Optional[Tensor] = None      # (B, H, Mq, Mk) additive
-    logical_Mk: Optional[int] = None     # what materialize takes for paged biases
+    Mk: int  # key tensor length (physical, for paged)
+    keep: Tensor  # (Mq, Mk) bool
+    tensor: Optional[Tensor] = None  # (B, H, Mq, Mk) additive
+    logical_Mk: Optional[int] = None  # what materialize takes for paged biases
 
     def inputs(self, dtype: torch.dtype, seed: int = 0, requires_grad: bool = False) -> Tuple[Tensor, Tensor, Tensor]:
         g = torch.Generator().manual_seed(seed)
         shapes = ((self.B, self.Mq, H, K), (self.B, self.Mk, H, K), (self.B, self.Mk, H, KV))
-        return tuple(torch.randn(s, generator=g, dtype=torch.float64).to(dtype).requires_grad_(requires_grad) for s in shapes)
+        return tuple(
+            torch.randn(s, generator=g, dtype=torch.float64).to(dtype).requires_grad_(requires_grad) for s in shapes
+        )
 
 
 def _keep_dense(rule: str, lq: int, lk: int, w: Any) -> Tensor:
-    return torch.tensor([[sees(rule, i, j, lq, lk, w) for j in range(lk)] for i in range(lq)], dtype=torch.bool).reshape(lq, lk)
+    return torch.tensor(
+        [[sees(rule, i, j, lq, lk, w) for j in range(lk)] for i in range(lq)], dtype=torch.bool
+    ).reshape(lq, lk)
 
 
 def _dense_case(ab: Any, family: str, r: random.Random, dtype: torch.dtype) -> Case:
@@ -124,13 +137,21 @@ def _dense_case(ab: Any, family: str, r: random.Random, dtype: torch.dtype) -> C
         return Case(ab.LowerTriangularFromBottomRightMask(), B, Mq, Mk, _keep_dense("causal_br", Mq, Mk, None))
     if family == "LowerTriangularFromBottomRightLocalAttentionMask":
         w = r.randint(1, 4)
-        bias = (ab.LowerTriangularFromBottomRightMask().make_local_attention(w) if r.random() < 0.5
-                else ab.LowerTriangularFromBottomRightLocalAttentionMask(w))
+        bias = (
+            ab.LowerTriangularFromBottomRightMask().make_local_attention(w)
+            if r.random() < 0.5
+            else ab.LowerTriangularFromBottomRightLocalAttentionMask(w)
+        )
         return Case(bias, B, Mq, Mk, _keep_dense("local_br", Mq, Mk, w))
     if family == "LocalAttentionFromBottomRightMask":
         w = (r.randint(0, 3), r.randint(0, 3))
-        return Case(ab.LocalAttentionFromBottomRightMask(window_left=w[0], window_right=w[1]), B, Mq, Mk,
-                    _keep_dense("band_br", Mq, Mk, w))
+        return Case(
+            ab.LocalAttentionFromBottomRightMask(window_left=w[0], window_right=w[1]),
+            B,
+            Mq,
+            Mk,
+            _keep_dense("band_br", Mq, Mk, w),
+        )
     raise AssertionError(family)
 
 
@@ -147,13 +168,21 @@ def _blocks_keep(q_lens: List[int], cols: List[List[int]], rule: str, w: Any, Mk
 
 
 BLOCK_RULES = {
-    "BlockDiagonalMask": "full", "BlockDiagonalCausalMask": "causal", "BlockDiagonalCausalFromBottomRightMask": "causal_br",
-    "BlockDiagonalCausalLocalAttentionMask": "local", "BlockDiagonalCausalLocalAttentionFromBottomRightMask": "local_br",
-    "BlockDiagonalPaddedKeysMask": "full", "BlockDiagonalCausalWithOffsetPaddedKeysMask": "causal_br",
-    "BlockDiagonalLocalAttentionPaddedKeysMask": "band_br", "BlockDiagonalCausalLocalAttentionPaddedKeysMask": "local_br",
-    "PagedBlockDiagonalPaddedKeysMask": "full", "PagedBlockDiagonalCausalWithOffsetPaddedKeysMask": "causal_br",
-    "BlockDiagonalGappyKeysMask": "full", "BlockDiagonalCausalWithOffsetGappyKeysMask": "causal_br",
-    "PagedBlockDiagonalGappyKeysMask": "full", "PagedBlockDiagonalCausalWithOffsetGappyKeysMask": "causal_br",
+    "BlockDiagonalMask": "full",
+    "BlockDiagonalCausalMask": "causal",
+    "BlockDiagonalCausalFromBottomRightMask": "causal_br",
+    "BlockDiagonalCausalLocalAttentionMask": "local",
+    "BlockDiagonalCausalLocalAttentionFromBottomRightMask": "local_br",
+    "BlockDiagonalPaddedKeysMask": "full",
+    "BlockDiagonalCausalWithOffsetPaddedKeysMask": "causal_br",
+    "BlockDiagonalLocalAttentionPaddedKeysMask": "band_br",
+    "BlockDiagonalCausalLocalAttentionPaddedKeysMask": "local_br",
+    "PagedBlockDiagonalPaddedKeysMask": "full",
+    "PagedBlockDiagonalCausalWithOffsetPaddedKeysMask": "causal_br",
+    "BlockDiagonalGappyKeysMask": "full",
+    "BlockDiagonalCausalWithOffsetGappyKeysMask": "causal_br",
+    "PagedBlockDiagonalGappyKeysMask": "full",
+    "PagedBlockDiagonalCausalWithOffsetGappyKeysMask": "causal_br",
 }
 
 
@@ -231,8 +260,11 @@ def _paged_case(ab: Any, family: str, r: random.Random, n: int, q: List[int]) ->
         offsets = [r.randint(0, row - (lq if rule != "full" else 1)) for lq in q]
         k = [r.randint(lq if rule != "full" else 0, row - off) for lq, off in zip(q, offsets)]
         unpaged = getattr(ab, family.replace("Paged", "")).from_seqlens(
-            q_seqlen=q, kv_seqstarts=[s * row + off for s, off in enumerate(offsets)] + [n * row], kv_seqlen=k)
-        bias = unpaged.make_paged(block_tables=tables, page_size=ps, notional_padding=row, paged_type=getattr(ab, family))
+            q_seqlen=q, kv_seqstarts=[s * row + off for s, off in enumerate(offsets)] + [n * row], kv_seqlen=k
+        )
+        bias = unpaged.make_paged(
+            block_tables=tables, page_size=ps, notional_padding=row, paged_type=getattr(ab, family)
+        )
     else:
         k = [r.randint(lq if rule != "full" else 0, row) for lq in q]
         if r.random() < 0.5:
@@ -240,13 +272,23 @@ def _paged_case(ab: Any, family: str, r: random.Random, n: int, q: List[int]) ->
         else:
             unpaged = getattr(ab, family.replace("Paged", "")).from_seqlens(q, row, k)
             bias = unpaged.make_paged(tables, ps, getattr(ab, family))
-    cols = [[int(tables[s, (off + t) // ps]) * ps + (off + t) % ps for t in range(lk)] for s, (off, lk) in enumerate(zip(offsets, k))]
+    cols = [
+        [int(tables[s, (off + t) // ps]) * ps + (off + t) % ps for t in range(lk)]
+        for s, (off, lk) in enumerate(zip(offsets, k))
+    ]
     Mk = n * per_row * ps
     return Case(bias, 1, sum(q), Mk, _blocks_keep(q, cols, rule, None, Mk), logical_Mk=n * row)
 
 
-DENSE = ["none", "tensor", "LowerTriangularMask", "LowerTriangularMaskWithTensorBias", "LowerTriangularFromBottomRightMask",
-         "LowerTriangularFromBottomRightLocalAttentionMask", "LocalAttentionFromBottomRightMask"]
+DENSE = [
+    "none",
+    "tensor",
+    "LowerTriangularMask",
+    "LowerTriangularMaskWithTensorBias",
+    "LowerTriangularFromBottomRightMask",
+    "LowerTriangularFromBottomRightLocalAttentionMask",
+    "LocalAttentionFromBottomRightMask",
+]
 FAMILIES = DENSE + list(BLOCK_RULES) + ["BlockDiagonalGappyKeysMask-tidy"]
 
 
@@ -298,9 +340,18 @@ def test_forward_and_lse_match_the_golden(family, seed):
             assert torch.allclose(fmha.memory_efficient_attention(q, k, v, case.bias), out, rtol=0, atol=1e-13)
 
 
-@pytest.mark.parametrize("family", ["tensor", "LowerTriangularMaskWithTensorBias", "LocalAttentionFromBottomRightMask",
-                                    "BlockDiagonalCausalFromBottomRightMask", "BlockDiagonalGappyKeysMask",
-                                    "PagedBlockDiagonalCausalWithOffsetPaddedKeysMask", "BlockDiagonalCausalLocalAttentionPaddedKeysMask"])
+@pytest.mark.parametrize(
+    "family",
+    [
+        "tensor",
+        "LowerTriangularMaskWithTensorBias",
+        "LocalAttentionFromBottomRightMask",
+        "BlockDiagonalCausalFromBottomRightMask",
+        "BlockDiagonalGappyKeysMask",
+        "PagedBlockDiagonalCausalWithOffsetPaddedKeysMask",
+        "BlockDiagonalCausalLocalAttentionPaddedKeysMask",
+    ],
+)
 def test_gradients_match_the_golden(family):
     case = make_case(ab, family, 1)
     q, k, v = case.inputs(torch.float64, 1, requires_grad=True)
@@ -343,8 +394,11 @@ def test_bmk_layout_and_its_lse():
     g = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(s, generator=g, dtype=torch.float64) for s in ((3, 7, 8), (3, 9, 8), (3, 9, 4)))
     t = torch.randn(3, 7, 9, generator=g, dtype=torch.float64)
-    for bias, keep, tensor in ((None, None, None), (ab.LowerTriangularMask(), _keep_dense("causal", 7, 9, None), None),
-                               (t, None, t)):
+    for bias, keep, tensor in (
+        (None, None, None),
+        (ab.LowerTriangularMask(), _keep_dense("causal", 7, 9, None), None),
+        (t, None, t),
+    ):
         out, lse = fmha.memory_efficient_attention_forward_requires_grad(q, k, v, bias)
         golden = reference(q, k, v, keep, tensor)
         assert out.shape == (3, 7, 4) and lse.shape == (3, 1, 7)
@@ -380,8 +434,15 @@ def test_bmghk_with_expanded_heads_is_gqa(requires_grad):
     assert torch.allclose(out, golden[0], atol=1e-12) and torch.allclose(lse, golden[1], atol=1e-12)
 
 
-@pytest.mark.parametrize("family", ["LowerTriangularFromBottomRightMask", "BlockDiagonalCausalWithOffsetPaddedKeysMask",
-                                    "BlockDiagonalGappyKeysMask", "PagedBlockDiagonalPaddedKeysMask"])
+@pytest.mark.parametrize(
+    "family",
+    [
+        "LowerTriangularFromBottomRightMask",
+        "BlockDiagonalCausalWithOffsetPaddedKeysMask",
+        "BlockDiagonalGappyKeysMask",
+        "PagedBlockDiagonalPaddedKeysMask",
+    ],
+)
 def test_bmhk_with_one_expanded_kv_head_is_mqa(family):
     case = make_case(ab, family, 2)
     q, k, v = case.inputs(torch.float64, 2)
@@ -394,8 +455,9 @@ def test_bmhk_with_one_expanded_kv_head_is_mqa(family):
 def test_scale_output_dtype_and_op_are_honoured():
     case = make_case(ab, "BlockDiagonalCausalMask", 0)
     q, k, v = case.inputs(torch.float64)
-    out = fmha.memory_efficient_attention(q, k, v, case.bias, scale=0.3, output_dtype=torch.float32,
-                                          op=fmha.MemoryEfficientAttentionFlashAttentionOp)
+    out = fmha.memory_efficient_attention(
+        q, k, v, case.bias, scale=0.3, output_dtype=torch.float32, op=fmha.MemoryEfficientAttentionFlashAttentionOp
+    )
     assert out.dtype == torch.float32 and out.is_contiguous()
     assert torch.allclose(out.double(), reference(q, k, v, case.keep, scale=0.3)[0], atol=1e-6)
     same = fmha.memory_efficient_attention(q, k, v, case.bias, scale=0.3, op=(object, None))
@@ -421,7 +483,9 @@ def test_dropout():
         fmha.memory_efficient_attention_backward(q, q, torch.zeros(case.B, H, case.Mq), q, k, v, p=0.1)
 
 
-@pytest.mark.parametrize("family", ["tensor", "BlockDiagonalCausalWithOffsetPaddedKeysMask", "LocalAttentionFromBottomRightMask"])
+@pytest.mark.parametrize(
+    "family", ["tensor", "BlockDiagonalCausalWithOffsetPaddedKeysMask", "LocalAttentionFromBottomRightMask"]
+)
 def test_backward_api_equals_autograd(family):
     case = make_case(ab, family, 2)
     q, k, v = case.inputs(torch.float64, 2, requires_grad=True)
@@ -442,12 +506,19 @@ def test_partial_chunks_merge_into_full_attention(groups):
     k = torch.randn(2, 11, *shape[2:], K, generator=g, dtype=torch.float64)
     v = torch.randn(2, 11, *shape[2:], KV, generator=g, dtype=torch.float64)
     bias = ab.LowerTriangularMask()  # the second chunk is invisible to the first rows: lse -inf there
-    outs, lses = zip(*(fmha.memory_efficient_attention_partial(q, k[:, a:b], v[:, a:b], bias if a == 0 else None)
-                       for a, b in ((0, 4), (4, 11))))
+    outs, lses = zip(
+        *(
+            fmha.memory_efficient_attention_partial(q, k[:, a:b], v[:, a:b], bias if a == 0 else None)
+            for a, b in ((0, 4), (4, 11))
+        )
+    )
     full_keep = torch.ones(7, 11, dtype=torch.bool)
     full_keep[:, :4] = _keep_dense("causal", 7, 4, None)
     golden = reference(q, k, v, full_keep)
-    for out, lse in (fmha.merge_attentions(list(outs), list(lses)), fmha.merge_attentions(torch.stack(outs), torch.stack(lses))):
+    for out, lse in (
+        fmha.merge_attentions(list(outs), list(lses)),
+        fmha.merge_attentions(torch.stack(outs), torch.stack(lses)),
+    ):
         assert torch.allclose(out, golden[0], atol=1e-12) and torch.allclose(lse, golden[1], atol=1e-12)
     out, lse = fmha.merge_attentions(list(outs), list(lses), write_lse=False, output_dtype=torch.float32)
     assert lse is None and out.dtype == torch.float32
@@ -484,9 +555,13 @@ def test_causal_and_tensor_bias_materialize():
     m = -INF
     assert torch.equal(ab.LowerTriangularMask().materialize((3, 2)), torch.tensor([[0, m], [0, 0], [0, 0]]))
     t = torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]])
-    assert torch.equal(ab.LowerTriangularMask().add_bias(t).materialize((3, 2)), t + torch.tensor([[0, m], [0, 0], [0, 0]]))
+    assert torch.equal(
+        ab.LowerTriangularMask().add_bias(t).materialize((3, 2)), t + torch.tensor([[0, m], [0, 0], [0, 0]])
+    )
     t = torch.tensor([[1.0, 2.0, 3.0], [3.0, 4.0, 5.0]])
-    assert torch.equal(ab.LowerTriangularMaskWithTensorBias(t).materialize((2, 3)), t + torch.tensor([[0, m, m], [0, 0, m]]))
+    assert torch.equal(
+        ab.LowerTriangularMaskWithTensorBias(t).materialize((2, 3)), t + torch.tensor([[0, m, m], [0, 0, m]])
+    )
 
 
 @pytest.mark.parametrize("batches", [[1, 1, 1], [1, 3, 1]])
@@ -523,7 +598,8 @@ def test_cross_attention_causal_with_a_prefix():
     with pytest.raises(ValueError, match=r"Block #0 has num_keys=2 and num_queries=3"):
         bias.make_causal_from_bottomright()
     bias, q, k, _ = ab.BlockDiagonalMask.from_tensor_lists_qkv(
-        [torch.randn(1, 2, 1, 8), torch.randn(2, 2, 1, 8)], [torch.randn(1, 2, 1, 8), torch.randn(2, 5, 1, 8)])
+        [torch.randn(1, 2, 1, 8), torch.randn(2, 2, 1, 8)], [torch.randn(1, 2, 1, 8), torch.randn(2, 5, 1, 8)]
+    )
     mask = bias.make_causal_from_bottomright().materialize((q.shape[1], k.shape[1]))
     m = -INF
     assert torch.equal(mask[0:2, 0:2], torch.tensor([[0, m], [0, 0]]))
@@ -534,14 +610,19 @@ def test_cross_attention_causal_with_a_prefix():
 def test_from_seqlens_split_and_window_materialize():
     out = ab.BlockDiagonalMask.from_seqlens([3, 5, 1]).split(torch.randn(1, 9, 16))
     assert [tuple(o.shape) for o in out] == [(1, 3, 16), (1, 5, 16), (1, 1, 16)]
-    assert ab.BlockDiagonalMask.from_seqlens(list(torch.tensor([3, 5, 1]).numpy())).q_seqinfo.seqstart_py == [0, 3, 8, 9]
+    assert ab.BlockDiagonalMask.from_seqlens(list(torch.tensor([3, 5, 1]).numpy())).q_seqinfo.seqstart_py == [
+        0,
+        3,
+        8,
+        9,
+    ]
     with pytest.raises(ValueError, match="a Python list, not a tensor"):
         ab.BlockDiagonalMask.from_seqlens(torch.tensor([3, 5]))
     mask = ab.BlockDiagonalMask.from_seqlens([4, 6], [4, 6]).make_local_attention(2).materialize((1, 1, 10, 10))
     keep = torch.zeros(10, 10, dtype=torch.bool)
     for i in range(10):
         first = 0 if i < 4 else 4
-        keep[i, max(first, i - 1): i + 1] = True
+        keep[i, max(first, i - 1) : i + 1] = True
     assert torch.equal(mask, additive(keep).view(1, 1, 10, 10))
 
 
@@ -565,14 +646,24 @@ def test_refusals_of_the_call():
         mha(q, q.double(), q)
     with pytest.raises(NotImplementedError, match="Quantized"):
         mha(q, q.int(), q.int())
-    with pytest.raises(ValueError, match="Please provide inputs in BMHK format rather than BMK when using bias type `BlockDiagonalMask`"):
+    with pytest.raises(
+        ValueError,
+        match="Please provide inputs in BMHK format rather than BMK when using bias type `BlockDiagonalMask`",
+    ):
         mha(q[:, :, 0], q[:, :, 0], q[:, :, 0], ab.BlockDiagonalMask.from_seqlens([4]))
-    with pytest.raises(ValueError, match=r"Invalid shape for attention bias: torch.Size\(\[1, 4, 4\]\) \(expected \(1, 2, 4, 4\)\)"):
+    with pytest.raises(
+        ValueError, match=r"Invalid shape for attention bias: torch.Size\(\[1, 4, 4\]\) \(expected \(1, 2, 4, 4\)\)"
+    ):
         mha(q, q, q, torch.zeros(1, 4, 4))
     with pytest.raises(ValueError, match=r"Expected attn_bias.dtype == query.dtype"):
         mha(q, q, q, torch.zeros(1, 2, 4, 4, dtype=torch.float64))
     with pytest.raises(ValueError, match="Expected batch_size=1 when using block-diagonal bias"):
-        mha(q.expand(2, -1, -1, -1), q.expand(2, -1, -1, -1), q.expand(2, -1, -1, -1), ab.BlockDiagonalMask.from_seqlens([4]))
+        mha(
+            q.expand(2, -1, -1, -1),
+            q.expand(2, -1, -1, -1),
+            q.expand(2, -1, -1, -1),
+            ab.BlockDiagonalMask.from_seqlens([4]),
+        )
     with pytest.raises(ValueError, match=r"Invalid dropout probability: p=1.5"):
         mha(q, q, q, p=1.5)
     with pytest.raises(ValueError, match="HINT: We don't support broadcasting"):
@@ -581,14 +672,18 @@ def test_refusals_of_the_call():
         mha(q, q, q, ab.BlockDiagonalMask.from_seqlens([2, 3], [2, 2]))
     with pytest.raises(ValueError, match=r"was built for 5 keys, but key.shape\[1\] = 4"):
         mha(q, q, q, ab.BlockDiagonalMask.from_seqlens([2, 2], [2, 3]))
-    with pytest.raises(NotImplementedError, match="attn_bias of type .*Mystery is not one subquad knows"):
+    with pytest.raises(NotImplementedError, match=r"attn_bias of type .*Mystery is not one subquad knows"):
         mha(q, q, q, type("Mystery", (), {})())
     with pytest.raises(TypeError, match="Expected scale to be None or a float"):
         mha(q, q, q, scale="0.1")
-    paged = ab.PagedBlockDiagonalPaddedKeysMask.from_seqlens([2, 2], [1, 2], torch.tensor([[0], [5]], dtype=torch.int32), 2)
+    paged = ab.PagedBlockDiagonalPaddedKeysMask.from_seqlens(
+        [2, 2], [1, 2], torch.tensor([[0], [5]], dtype=torch.int32), 2
+    )
     with pytest.raises(ValueError, match=r"names pages 0..5, but key holds 2 pages of 2"):
         mha(q, q, q, paged)
-    paged = ab.PagedBlockDiagonalPaddedKeysMask.from_seqlens([2, 2], [1, 2], torch.tensor([[0], [1]], dtype=torch.int32), 3)
+    paged = ab.PagedBlockDiagonalPaddedKeysMask.from_seqlens(
+        [2, 2], [1, 2], torch.tensor([[0], [1]], dtype=torch.int32), 3
+    )
     with pytest.raises(ValueError, match=r"to be whole pages of page_size=3"):
         mha(q, q, q, paged)
 
@@ -608,7 +703,7 @@ def test_refusals_of_the_backward_and_merge():
         fmha.merge_attentions([o, o], [lse, lse[:, :, :3]])
     with pytest.raises(ValueError, match="Incompatible input shapes for attention chunk 1"):
         fmha.merge_attentions([o, o[:, :3]], [lse, lse])
-    with pytest.raises(ValueError, match="Incompatible input shapes: attn_split.shape"):
+    with pytest.raises(ValueError, match=r"Incompatible input shapes: attn_split\.shape"):
         fmha.merge_attentions(torch.stack([o]), torch.stack([o]))
 
 
@@ -646,7 +741,9 @@ def test_paged_gappy_from_seqlens_takes_one_start_per_block():
     # xformers 0.0.35's own from_seqlens refuses these arguments (its length check is for the unpaged case).
     tables = torch.tensor([[1, 0], [3, 2]], dtype=torch.int32)
     direct = ab.PagedBlockDiagonalGappyKeysMask.from_seqlens([2, 3], [1, 1], [3, 4], tables, 4)
-    via = ab.BlockDiagonalGappyKeysMask.from_seqlens([2, 3], [1, 9, 16], [3, 4]).make_paged(tables, 4, 8, ab.PagedBlockDiagonalGappyKeysMask)
+    via = ab.BlockDiagonalGappyKeysMask.from_seqlens([2, 3], [1, 9, 16], [3, 4]).make_paged(
+        tables, 4, 8, ab.PagedBlockDiagonalGappyKeysMask
+    )
     assert direct.k_seqinfo.seqstart_py == via.k_seqinfo.seqstart_py == [1, 1, -1]
     assert torch.equal(direct.materialize((5, 16)), via.materialize((5, 16)))
 
@@ -654,14 +751,18 @@ def test_paged_gappy_from_seqlens_takes_one_start_per_block():
 # ----------------------------------------------------------------------------- real xformers objects
 @pytest.fixture(scope="module")
 def real_ab():
-    real = pytest.importorskip("xformers.ops.fmha", reason="xformers is not installed (pip install --no-deps xformers==0.0.35)")
+    real = pytest.importorskip(
+        "xformers.ops.fmha", reason="xformers is not installed (pip install --no-deps xformers==0.0.35)"
+    )
     return real.attn_bias
 
 
 @pytest.mark.parametrize("family", [f for f in FAMILIES if f not in ("none", "tensor")])
 def test_real_xformers_objects_run_as_the_look_alikes(real_ab, family):
     ours, theirs = make_case(ab, family, 1), make_case(real_ab, family, 1)
-    assert type(theirs.bias).__module__.startswith("xformers") and type(theirs.bias).__name__ == type(ours.bias).__name__
+    assert (
+        type(theirs.bias).__module__.startswith("xformers") and type(theirs.bias).__name__ == type(ours.bias).__name__
+    )
     shape = (ours.B, H, ours.Mq, ours.logical_Mk or ours.Mk)
     assert torch.equal(theirs.bias.materialize(shape), ours.bias.materialize(shape))
     q, k, v = ours.inputs(torch.float64, 1)
@@ -683,7 +784,9 @@ def test_real_xformers_tensor_bias_shapes_agree(real_ab):
 # ----------------------------------------------------------------------------- install()
 def _run(code: str) -> str:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=env, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=env, timeout=120
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     return done.stdout
 
@@ -769,7 +872,7 @@ def test_fallback_asks_xformers_first():
     assert _install._wrap(other_refusal, ours, merge=True)(q) == "from subquad"
 
     class CudaOnly:
-        SUPPORTED_DEVICES = {"cuda"}
+        SUPPORTED_DEVICES: ClassVar[set[str]] = {"cuda"}
 
     assert _install._wrap(has_operator, ours, merge=False)(q, op=(CudaOnly, None)) == "from subquad"
     assert calls == ["xformers"]

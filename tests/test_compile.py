@@ -53,8 +53,23 @@ def test_opcheck_backward_operator():
     q, k, v = _t(2, 4, 13, 16, seed=0), _t(2, 4, 11, 16, seed=1), _t(2, 4, 11, 8, seed=2)
     out, lse = attention_op(q, k, v, None, False, None, False, None, list(MANY_TILES), "auto")
     grad = _t(*out.shape, seed=3, grad=False)
-    args = (grad, q.detach(), k.detach(), v.detach(), None, out.detach(), lse.detach(), False, None, False, None,
-            list(MANY_TILES), "auto", False, False)
+    args = (
+        grad,
+        q.detach(),
+        k.detach(),
+        v.detach(),
+        None,
+        out.detach(),
+        lse.detach(),
+        False,
+        None,
+        False,
+        None,
+        list(MANY_TILES),
+        "auto",
+        False,
+        False,
+    )
     torch.library.opcheck(attention_backward_op, args)
 
 
@@ -65,8 +80,16 @@ def test_compiled_forward_and_backward_match_sdpa(case):
 
     def fn(q, k, v, mask):
         return compiled_attention(
-            q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=gqa,
-            memory_budget=budget, chunk_size=chunk, backend=backend,
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            is_causal=causal,
+            scale=scale,
+            enable_gqa=gqa,
+            memory_budget=budget,
+            chunk_size=chunk,
+            backend=backend,
         )
 
     torch._dynamo.reset()
@@ -84,7 +107,9 @@ def test_dynamic_shapes_do_not_recompile_per_length():
 
     counter = CompileCounterWithBackend("aot_eager")
     torch._dynamo.reset()
-    fn = torch.compile(lambda q: compiled_attention(q, q, q, is_causal=True), backend=counter, fullgraph=True, dynamic=True)
+    fn = torch.compile(
+        lambda q: compiled_attention(q, q, q, is_causal=True), backend=counter, fullgraph=True, dynamic=True
+    )
     for n in (13, 17, 29):
         q = _t(1, 2, n, 8, seed=n, grad=False)
         _close(fn(q), F.scaled_dot_product_attention(q, q, q, is_causal=True), what=f"length {n}")
@@ -95,7 +120,9 @@ def test_inductor_forward_and_backward():
     # The operator alone: inductor lowers it to a call of the eager engine, no C++ to build.
     q, k, v = (_t(2, 4, 19, 16, seed=s) for s in range(3))
     torch._dynamo.reset()
-    fn = torch.compile(lambda q, k, v: compiled_attention(q, k, v, is_causal=True, chunk_size=MANY_TILES), fullgraph=True)
+    fn = torch.compile(
+        lambda q, k, v: compiled_attention(q, k, v, is_causal=True, chunk_size=MANY_TILES), fullgraph=True
+    )
     out = fn(q, k, v)
     grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
     golden = F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -138,7 +165,10 @@ def test_callbacks_under_compile_run_eagerly():
     # score_mod/mask_mod are Python callables: they cannot cross the operator boundary, so the
     # call runs subquad's eager engine (with graph breaks) and stays exact.
     q, k, v = (_t(1, 2, 13, 8, seed=s, grad=False) for s in range(3))
-    fn = torch.compile(lambda q, k, v: subquad.attention(q, k, v, mask_mod=subquad.mods.causal(), chunk_size=MANY_TILES), backend="aot_eager")
+    fn = torch.compile(
+        lambda q, k, v: subquad.attention(q, k, v, mask_mod=subquad.mods.causal(), chunk_size=MANY_TILES),
+        backend="aot_eager",
+    )
     torch._dynamo.reset()
     _close(fn(q, k, v), F.scaled_dot_product_attention(q, k, v, is_causal=True), what="mask_mod under compile")
 

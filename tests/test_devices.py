@@ -223,7 +223,9 @@ def test_sdpa_is_not_planned_for_masks_where_torch_returns_nan_rows(monkeypatch,
     assert plan.backend != "sdpa" and any("NaN" in r for r in plan.rejected["sdpa"]), str(plan)
     out = subquad.attention(q, k, v, attn_mask=mask)
     assert torch.equal(out[:, :, 3], torch.zeros_like(out[:, :, 3]))
-    assert_close_to_golden(out, naive_attention(*to64(q, k, v), attn_mask=mask), naive_attention(q, k, v, attn_mask=mask))
+    assert_close_to_golden(
+        out, naive_attention(*to64(q, k, v), attn_mask=mask), naive_attention(q, k, v, attn_mask=mask)
+    )
     monkeypatch.setattr(torch, "__version__", TorchVersion(fixed))
     assert subquad.explain(q, k, v, attn_mask=mask).backend == "sdpa"
     monkeypatch.setattr(torch, "__version__", TorchVersion(broken))
@@ -235,7 +237,11 @@ def test_cuda_budget_stays_within_the_per_process_memory_fraction(monkeypatch):
     # Before: the budget read the card's free memory and ignored set_per_process_memory_fraction,
     # which ``subquad bench --model --max-memory`` uses, so every capped row ran out of memory.
     device_memory(
-        monkeypatch, cuda_free=70 * GiB, cuda_total=80 * GiB, cuda_fraction=0.25, cuda_allocated=5 * GiB,
+        monkeypatch,
+        cuda_free=70 * GiB,
+        cuda_total=80 * GiB,
+        cuda_fraction=0.25,
+        cuda_allocated=5 * GiB,
         cuda_reserved=6 * GiB,
     )
     cuda = torch.device("cuda")
@@ -414,7 +420,9 @@ def test_cuda_matmul_tiles_are_large_and_cpu_tiles_stay_in_cache(monkeypatch):
     assert small.chunk_size[0] * small.chunk_size[1] < cuda[0] * cuda[1] and small.predicted_peak_bytes <= 64 << 20
 
 
-@pytest.mark.parametrize("choice,contexts", [(1, 0), (3, 0), (0, 1), (None, 1)], ids=["flash", "cudnn", "math", "unknown"])
+@pytest.mark.parametrize(
+    "choice,contexts", [(1, 0), (3, 0), (0, 1), (None, 1)], ids=["flash", "cudnn", "math", "unknown"]
+)
 def test_cuda_sdpa_restricts_the_kernels_only_where_torch_would_not_take_a_fused_one(monkeypatch, choice, contexts):
     # sdpa_kernel and a warnings filter cost 60-100 us a call on an H200 host; they are needed only
     # where torch's own choice (torch._fused_sdp_choice) is its math fallback or cannot be asked.

@@ -15,10 +15,9 @@ from typing import Any, Dict, List
 import pytest
 import torch
 
+import _distributed_cases as cases
 import subquad
 from subquad import distributed as sd
-
-import _distributed_cases as cases
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
 
@@ -112,7 +111,7 @@ def test_auto_strategy(two_ranks: List[Dict[str, Any]], four_ranks: List[Dict[st
     # P = 2 with equal heads: both send as much, the ring wins the tie; P = 4: the all-to-all sends less.
     assert two_ranks[0]["singletons"]["plan-strategy"] == "ring"
     assert "ulysses" in two_ranks[0]["singletons"]["plan-text"]
-    for rank, res in enumerate(four_ranks):
+    for res in four_ranks:
         assert res["auto-causal"]["blocks"] == 0  # the all-to-all runs no ring block
 
 

@@ -47,8 +47,13 @@ def _bad_calls():
     return [
         pytest.param((q, k.float(), k), {}, TypeError, "same dtype", id="dtype"),
         pytest.param((_t(16), _t(16), _t(16)), {}, ValueError, "at least 2 dims", id="1-D"),
-        pytest.param((q, k, k), dict(attn_mask=torch.ones(8, 8, dtype=torch.bool), is_causal=True), ValueError,
-                     "Explicit attn_mask should not be set when is_causal=True", id="mask-and-causal"),
+        pytest.param(
+            (q, k, k),
+            dict(attn_mask=torch.ones(8, 8, dtype=torch.bool), is_causal=True),
+            ValueError,
+            "Explicit attn_mask should not be set when is_causal=True",
+            id="mask-and-causal",
+        ),
         pytest.param((q, _t(2, 4, 8, 8), k), {}, ValueError, r"key.shape\[-1\]", id="head-dim"),
         pytest.param((q, _t(2, 3, 8, 16), _t(2, 3, 8, 16)), dict(enable_gqa=True), ValueError, "multiple", id="gqa"),
         pytest.param((q, k, k), dict(attn_mask=torch.ones(7, 8)), ValueError, "does not broadcast", id="mask-shape"),
@@ -57,9 +62,11 @@ def _bad_calls():
 
 @pytest.mark.parametrize("args,kwargs,cls,message", _bad_calls())
 def test_errors_are_runtime_errors_like_sdpa_and_keep_their_messages(args, kwargs, cls, message):
-    with pytest.raises(RuntimeError):  # what torch's SDPA raises for the same call
-        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
-            ORIGINAL_SDPA(*args, **kwargs)
+    with (
+        pytest.raises(RuntimeError),  # what torch's SDPA raises for the same call
+        torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH),
+    ):
+        ORIGINAL_SDPA(*args, **kwargs)
     for caught in (RuntimeError, cls):  # code written for SDPA catches RuntimeError
         with pytest.raises(caught, match=message):
             subquad.sdpa(*args, **kwargs)
@@ -71,20 +78,28 @@ def _torch_test_masks():
         for mask_dim in (2, 3, 4)[: input_dim - 1]:
             for dropout_p in (0.0, 0.2, 0.5):
                 for tiled in (False, True):
-                    yield pytest.param(input_dim, mask_dim, dropout_p, tiled, id=f"{input_dim}d-mask{mask_dim}d-p{dropout_p}-{'tiled' if tiled else 'default'}")
+                    yield pytest.param(
+                        input_dim,
+                        mask_dim,
+                        dropout_p,
+                        tiled,
+                        id=f"{input_dim}d-mask{mask_dim}d-p{dropout_p}-{'tiled' if tiled else 'default'}",
+                    )
 
 
 @pytest.mark.parametrize("input_dim,mask_dim,dropout_p,tiled", list(_torch_test_masks()))
 def test_mask_with_is_causal_raises_torchs_text(input_dim, mask_dim, dropout_p, tiled):
-    shape = (2, 3, 5, 8)[4 - input_dim:]
+    shape = (2, 3, 5, 8)[4 - input_dim :]
     q = _t(*shape)
     batch = shape[:-2]
-    mask = torch.ones(batch[len(batch) - (mask_dim - 2):] + (5, 5), dtype=torch.bool)
+    mask = torch.ones(batch[len(batch) - (mask_dim - 2) :] + (5, 5), dtype=torch.bool)
     assert mask.dim() == mask_dim
     text = "Explicit attn_mask should not be set when is_causal=True"
-    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
-        with pytest.raises(RuntimeError, match=text):  # torch's documented behaviour (its math path)
-            ORIGINAL_SDPA(q, q, q, attn_mask=mask, dropout_p=dropout_p, is_causal=True)
+    with (
+        torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH),
+        pytest.raises(RuntimeError, match=text),  # torch's documented behaviour (its math path)
+    ):
+        ORIGINAL_SDPA(q, q, q, attn_mask=mask, dropout_p=dropout_p, is_causal=True)
     kw = dict(chunk_size=(2, 3)) if tiled else {}
     with pytest.raises(RuntimeError, match=text):
         subquad.sdpa(q, q, q, attn_mask=mask, dropout_p=dropout_p, is_causal=True, **kw)
@@ -96,13 +111,19 @@ def test_unsupported_tensor_kinds_name_the_argument():
     # (Nested tensors are taken as SDPA takes them, (B, H, j, E): tests/test_nested.py.)
     with pytest.raises(ValueError, match=r"Expected query to be a jagged nested tensor \(B, H, j, E\)"):
         subquad.sdpa(jagged, jagged, jagged)
-    with pytest.raises(TypeError, match="Expected query, key and value to be all nested tensors or none, got key Tensor"):
+    with pytest.raises(
+        TypeError, match="Expected query, key and value to be all nested tensors or none, got key Tensor"
+    ):
         subquad.sdpa(jagged.transpose(1, 2), q, q)
     with pytest.raises(NotImplementedError, match="query is a nested tensor, which this call does not take"):
-        subquad.varlen_attention(jagged, jagged, jagged, torch.tensor([0, 8], dtype=torch.int32), torch.tensor([0, 8], dtype=torch.int32))
-    with pytest.raises(TypeError, match="Expected key to be a dense \\(strided\\) tensor, got layout torch.sparse_coo"):
+        subquad.varlen_attention(
+            jagged, jagged, jagged, torch.tensor([0, 8], dtype=torch.int32), torch.tensor([0, 8], dtype=torch.int32)
+        )
+    with pytest.raises(TypeError, match=r"Expected key to be a dense \(strided\) tensor, got layout torch\.sparse_coo"):
         subquad.sdpa(q, q.to_sparse(), q)
-    with pytest.raises(TypeError, match="Expected attn_mask to be a dense \\(strided\\) tensor, got a torch.sparse_coo one"):
+    with pytest.raises(
+        TypeError, match=r"Expected attn_mask to be a dense \(strided\) tensor, got a torch\.sparse_coo one"
+    ):
         subquad.sdpa(q, q, q, attn_mask=(torch.rand(5, 5) > 0.5).to_sparse())
 
 
@@ -252,7 +273,7 @@ def test_causal_bias_masks_as_in_sdpa(make, Lq, Lk, backend, chunk):
     golden, golden_lse = naive_attention(q.detach(), k.detach(), v.detach(), attn_mask=dense, return_lse=True)
     assert_close_to_golden(out, golden)
     assert_close_to_golden(lse, golden_lse, name="lse")
-    ref, grads = _torch_sdpa_grads(q, k, v, attn_mask=dense)
+    _ref, grads = _torch_sdpa_grads(q, k, v, attn_mask=dense)
     out.square().sum().backward()
     for name, t, g in zip("qkv", (q, k, v), grads):
         assert_close_to_golden(t.grad, g, name=f"d{name}")
@@ -288,7 +309,7 @@ def test_causal_bias_under_torch_compile(backend):
     q, k = _t(1, 2, 6, 8, dtype=torch.float32, grad=True), _t(1, 2, 9, 8, dtype=torch.float32, grad=True)
     for mask in (causal_upper_left(6, 9), causal_lower_right(6, 9)):
         torch._dynamo.reset()
-        f = torch.compile(lambda q, k, v: subquad.sdpa(q, k, v, attn_mask=mask), backend=backend, fullgraph=True)
+        f = torch.compile(lambda q, k, v: subquad.sdpa(q, k, v, attn_mask=mask), backend=backend, fullgraph=True)  # noqa: B023 - compiled and called in this iteration
         out = f(q, k, k)
         ref = ORIGINAL_SDPA(q, k, k, attn_mask=mask._materialize())
         assert (out - ref).abs().max().item() < 1e-5
@@ -328,14 +349,20 @@ def test_is_grads_batched(qkv_grad):
 
 def test_torch_func_grad_jacrev_and_vmap(qkv_grad):
     q, k, v = qkv_grad
-    for g, w in zip(torch.func.grad(lambda *a: _f(*a).sum(), argnums=(0, 1, 2))(q, k, v),
-                    torch.func.grad(lambda *a: _ref(*a).sum(), argnums=(0, 1, 2))(q, k, v)):
+    for g, w in zip(
+        torch.func.grad(lambda *a: _f(*a).sum(), argnums=(0, 1, 2))(q, k, v),
+        torch.func.grad(lambda *a: _ref(*a).sum(), argnums=(0, 1, 2))(q, k, v),
+    ):
         assert_close_to_golden(g, w)
-    for g, w in zip(torch.func.jacrev(_f, argnums=(0, 1, 2))(q, k, v), torch.func.jacrev(_ref, argnums=(0, 1, 2))(q, k, v)):
+    for g, w in zip(
+        torch.func.jacrev(_f, argnums=(0, 1, 2))(q, k, v), torch.func.jacrev(_ref, argnums=(0, 1, 2))(q, k, v)
+    ):
         assert_close_to_golden(g, w)
     qs = _t(3, 1, 2, 7, 4)
-    assert_close_to_golden(torch.func.vmap(_f, in_dims=(0, None, None))(qs, k.detach(), v.detach()),
-                           torch.func.vmap(_ref, in_dims=(0, None, None))(qs, k.detach(), v.detach()))
+    assert_close_to_golden(
+        torch.func.vmap(_f, in_dims=(0, None, None))(qs, k.detach(), v.detach()),
+        torch.func.vmap(_ref, in_dims=(0, None, None))(qs, k.detach(), v.detach()),
+    )
     per_sample = torch.func.vmap(torch.func.grad(lambda *a: _f(*a).sum()), in_dims=(0, None, None))
     per_sample_ref = torch.func.vmap(torch.func.grad(lambda *a: _ref(*a).sum()), in_dims=(0, None, None))
     assert_close_to_golden(per_sample(qs, k.detach(), v.detach()), per_sample_ref(qs, k.detach(), v.detach()))

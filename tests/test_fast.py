@@ -47,8 +47,21 @@ def test_remembered_plans_give_the_full_paths_results(shapes, kw):
         for Lk in (None, 5, 300):  # new lengths reuse the entry (a decode step's key grows)
             q, k, v, kwargs = _tensors(shapes, kw, Lk)
             fast_key = _fast.key(
-                q, k, v, kwargs.get("attn_mask"), kwargs.get("is_causal", False), None, None, kwargs.get("scale"),
-                kwargs.get("enable_gqa", False), 0.0, None, None, "auto", kwargs.get("return_lse", False), None,
+                q,
+                k,
+                v,
+                kwargs.get("attn_mask"),
+                kwargs.get("is_causal", False),
+                None,
+                None,
+                kwargs.get("scale"),
+                kwargs.get("enable_gqa", False),
+                0.0,
+                None,
+                None,
+                "auto",
+                kwargs.get("return_lse", False),
+                None,
             )
             assert fast_key is not None
             first = subquad.attention(q, k, v, **kwargs)
@@ -67,13 +80,40 @@ def test_remembered_plans_give_the_full_paths_results(shapes, kw):
 
 def test_calls_that_need_the_full_path_take_it():
     q, k, v, _ = _tensors(dict(q=(1, 2, 8, 16), k=(1, 2, 8, 16)), {})
-    for kwargs in (dict(dropout_p=0.1), dict(chunk_size=4), dict(mask_mod=lambda b, h, i, j: i >= j),
-                   dict(score_mod=lambda s, b, h, i, j: s), dict(scale=torch.tensor(0.3))):
-        assert _fast.key(q, k, v, None, False, kwargs.get("score_mod"), kwargs.get("mask_mod"), kwargs.get("scale"),
-                         False, kwargs.get("dropout_p", 0.0), None, kwargs.get("chunk_size"), "auto", False, None) is None
+    for kwargs in (
+        dict(dropout_p=0.1),
+        dict(chunk_size=4),
+        dict(mask_mod=lambda b, h, i, j: i >= j),
+        dict(score_mod=lambda s, b, h, i, j: s),
+        dict(scale=torch.tensor(0.3)),
+    ):
+        assert (
+            _fast.key(
+                q,
+                k,
+                v,
+                None,
+                False,
+                kwargs.get("score_mod"),
+                kwargs.get("mask_mod"),
+                kwargs.get("scale"),
+                False,
+                kwargs.get("dropout_p", 0.0),
+                None,
+                kwargs.get("chunk_size"),
+                "auto",
+                False,
+                None,
+            )
+            is None
+        )
     with torch.enable_grad():
-        assert _fast.key(q.requires_grad_(), k, v, None, False, None, None, None, False, 0.0, None, None, "auto",
-                         False, None) is None
+        assert (
+            _fast.key(
+                q.requires_grad_(), k, v, None, False, None, None, None, False, 0.0, None, None, "auto", False, None
+            )
+            is None
+        )
 
 
 def test_errors_are_the_full_paths_on_a_remembered_key():
@@ -128,7 +168,7 @@ def test_the_cache_is_bounded_and_shared_by_threads():
                 for _ in range(20):
                     out = subquad.attention(q, k, v)
             results[i] = (out - ORIGINAL_SDPA(q, k, v)).abs().max().item()
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             errors.append(e)
 
     threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]

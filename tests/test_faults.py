@@ -73,7 +73,7 @@ def test_kernel_refusal_is_still_handled(monkeypatch):
         raise RuntimeError("the fused kernel: some new restriction")
 
     assert fused.cpu_flash_unavailable_reason() is None
-    fwd, bwd = fused._cpu_flash_ops()
+    fwd, _bwd = fused._cpu_flash_ops()
     monkeypatch.setattr(fused, "_cpu_flash_ops", lambda: (fwd, refusing))
     q, k, v = (t.requires_grad_() for t in _qkv())
     out = subquad.attention(q, k, v, is_causal=True, chunk_size=8)
@@ -97,9 +97,8 @@ def test_an_interrupt_leaves_nothing_half_done(monkeypatch):
         return real(self, *args, **kwargs)
 
     monkeypatch.setattr(FusedCPU, "forward_rows", interrupted)
-    with subquad.patch_sdpa(chunk_size=(8, 8)):
-        with pytest.raises(KeyboardInterrupt):
-            F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    with subquad.patch_sdpa(chunk_size=(8, 8)), pytest.raises(KeyboardInterrupt):
+        F.scaled_dot_product_attention(q, k, v, is_causal=True)
     assert F.scaled_dot_product_attention is ORIGINAL_SDPA
     monkeypatch.setattr(FusedCPU, "forward_rows", real)
     out = subquad.attention(q, k, v, is_causal=True, chunk_size=(8, 8))  # the next call is whole
@@ -188,8 +187,7 @@ def test_long_calls_warn_and_log_progress(monkeypatch, caplog):
     monkeypatch.setattr(_engine, "LONG_CALL_SECONDS", 0.0)
     monkeypatch.setattr(_engine.Progress.__init__, "__defaults__", (0.0,))  # log at every block
     q, k, v = _qkv(64)
-    with caplog.at_level(logging.INFO, logger="subquad"):
-        with pytest.warns(RuntimeWarning, match="predicted to take about"):
-            subquad.attention(q, k, v, chunk_size=(8, 8), backend="matmul")
+    with caplog.at_level(logging.INFO, logger="subquad"), pytest.warns(RuntimeWarning, match="predicted to take about"):
+        subquad.attention(q, k, v, chunk_size=(8, 8), backend="matmul")
     lines = [r.getMessage() for r in caplog.records if r.name == "subquad"]
     assert any("forward: 7/8 row blocks" in line for line in lines), lines

@@ -14,8 +14,8 @@ import torch
 import subquad
 from conftest import assert_close_to_golden, naive_attention, to64
 from subquad import mods
-from subquad._tiles import TILES
 from subquad._backends import flex
+from subquad._tiles import TILES
 
 pytestmark = pytest.mark.skipif(flex._flex_unavailable_reason() is not None, reason="no FlexAttention in this torch")
 
@@ -86,10 +86,13 @@ def test_gqa_bf16_and_bottom_right_causal():
         out = subquad.attention(q, k, v, attn_mask=None, **kw, allow_compile=True)
         with_bias = subquad.attention(q, k, v, attn_mask=bias, **kw, allow_compile=True)
     assert subquad.explain(q, k, v, attn_mask=bias, **kw, allow_compile=True).backend == "flex"
-    assert_close_to_golden(out, naive_attention(*to64(q, k, v), **kw), naive_attention(q.float(), k.float(), v.float(), **kw).bfloat16())
+    assert_close_to_golden(
+        out, naive_attention(*to64(q, k, v), **kw), naive_attention(q.float(), k.float(), v.float(), **kw).bfloat16()
+    )
     dense = bias._materialize()
     assert_close_to_golden(
-        with_bias, naive_attention(*to64(q, k, v), attn_mask=dense, **kw),
+        with_bias,
+        naive_attention(*to64(q, k, v), attn_mask=dense, **kw),
         naive_attention(q.float(), k.float(), v.float(), attn_mask=dense, **kw).bfloat16(),
     )
 
@@ -101,10 +104,14 @@ def test_block_mask_is_cached_and_follows_in_place_changes_of_its_tensors():
     mask = mods.document(ids)
     with torch.no_grad():
         first = subquad.attention(q, k, v, mask_mod=mask, allow_compile=True)
-        assert_close_to_golden(first, naive_attention(*to64(q, k, v), mask_mod=mask), naive_attention(q, k, v, mask_mod=mask))
+        assert_close_to_golden(
+            first, naive_attention(*to64(q, k, v), mask_mod=mask), naive_attention(q, k, v, mask_mod=mask)
+        )
         ids[L // 4 :] = 1  # the same tensor, changed in place: the cached BlockMask must not be reused
         second = subquad.attention(q, k, v, mask_mod=mask, allow_compile=True)
-    assert_close_to_golden(second, naive_attention(*to64(q, k, v), mask_mod=mask), naive_attention(q, k, v, mask_mod=mask))
+    assert_close_to_golden(
+        second, naive_attention(*to64(q, k, v), mask_mod=mask), naive_attention(q, k, v, mask_mod=mask)
+    )
 
 
 def test_a_failed_compile_falls_back_to_the_tiles_with_a_warning(monkeypatch):
@@ -119,9 +126,13 @@ def test_a_failed_compile_falls_back_to_the_tiles_with_a_warning(monkeypatch):
         return s * 0.9
 
     with torch.no_grad():
-        with pytest.warns(RuntimeWarning, match=r"FlexAttention could not compile this call \(RuntimeError: lowering failed"):
+        with pytest.warns(
+            RuntimeWarning, match=r"FlexAttention could not compile this call \(RuntimeError: lowering failed"
+        ):
             out = subquad.attention(q, k, v, score_mod=score_mod, allow_compile=True)
-        assert_close_to_golden(out, naive_attention(*to64(q, k, v), score_mod=score_mod), naive_attention(q, k, v, score_mod=score_mod))
+        assert_close_to_golden(
+            out, naive_attention(*to64(q, k, v), score_mod=score_mod), naive_attention(q, k, v, score_mod=score_mod)
+        )
         plan = subquad.explain(q, k, v, score_mod=score_mod, allow_compile=True)  # not tried again
     assert plan.backend != "flex" and "compiling this signature failed before" in " ".join(plan.rejected["flex"])
 
@@ -184,8 +195,11 @@ def test_flex_never_runs_uncompiled(monkeypatch):
     q, k, v = _qkv()
     with torch.no_grad(), pytest.warns(RuntimeWarning, match="torch.compile did not compile this call"):
         out = subquad.attention(q, k, v, score_mod=softcap, mask_mod=causal, allow_compile=True)
-    assert_close_to_golden(out, naive_attention(*to64(q, k, v), score_mod=softcap, mask_mod=causal),
-                           naive_attention(q, k, v, score_mod=softcap, mask_mod=causal))
+    assert_close_to_golden(
+        out,
+        naive_attention(*to64(q, k, v), score_mod=softcap, mask_mod=causal),
+        naive_attention(q, k, v, score_mod=softcap, mask_mod=causal),
+    )
     assert "did not compile" in subquad.explain(q, k, v, score_mod=alibi, allow_compile=True).rejected["flex"][0]
 
 
@@ -210,7 +224,11 @@ def test_a_kernel_that_compiles_only_with_static_shapes(monkeypatch):
     real = flex._compiled
     monkeypatch.setattr(flex, "_FAILED", {})
     monkeypatch.setattr(flex, "_STATIC_ONLY", set())
-    monkeypatch.setattr(flex, "_compiled", lambda static=False: (lambda *a: (calls.append("static"), real(static=True)(*a))[1]) if static else dynamic)
+    monkeypatch.setattr(
+        flex,
+        "_compiled",
+        lambda static=False: (lambda *a: (calls.append("static"), real(static=True)(*a))[1]) if static else dynamic,
+    )
     q, k, v = _qkv()
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("error")

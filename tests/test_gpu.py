@@ -113,7 +113,8 @@ def test_cuda_callbacks_through_compiled_flex_and_the_tiles():
     assert peak <= 256 << 20, (peak, plan)
     cpu_slopes = slopes.cpu().double()
     golden = naive_attention(
-        *to64(q.cpu(), k.cpu(), v.cpu()), score_mod=lambda s, b, h, qi, ki: s - cpu_slopes[h] * (qi - ki),
+        *to64(q.cpu(), k.cpu(), v.cpu()),
+        score_mod=lambda s, b, h, qi, ki: s - cpu_slopes[h] * (qi - ki),
         mask_mod=kw["mask_mod"],
     )
     assert (out.cpu().double() - golden).abs().max().item() < 5e-3

@@ -9,12 +9,16 @@ import subquad
 
 
 def qkv(B=2, H=3, Lq=5, Lk=7, E=8, Ev=8, dtype=torch.float32):
-    return torch.randn(B, H, Lq, E, dtype=dtype), torch.randn(B, H, Lk, E, dtype=dtype), torch.randn(B, H, Lk, Ev, dtype=dtype)
+    return (
+        torch.randn(B, H, Lq, E, dtype=dtype),
+        torch.randn(B, H, Lk, E, dtype=dtype),
+        torch.randn(B, H, Lk, Ev, dtype=dtype),
+    )
 
 
 def test_not_a_tensor():
-    q, k, v = qkv()
-    with pytest.raises(TypeError, match="Expected key to be a torch.Tensor, got list"):
+    q, _k, v = qkv()
+    with pytest.raises(TypeError, match=r"Expected key to be a torch\.Tensor, got list"):
         subquad.attention(q, [1, 2], v)
 
 
@@ -43,18 +47,23 @@ def test_too_few_dims():
 
 def test_head_dim_mismatch():
     q, k, v = qkv()
-    with pytest.raises(ValueError, match=r"key.shape\[-1\] == query.shape\[-1\] \(E\), got key \(2, 3, 7, 4\) and query \(2, 3, 5, 8\)"):
+    with pytest.raises(
+        ValueError, match=r"key.shape\[-1\] == query.shape\[-1\] \(E\), got key \(2, 3, 7, 4\) and query \(2, 3, 5, 8\)"
+    ):
         subquad.attention(q, k[..., :4], v)
 
 
 def test_key_value_length_mismatch():
     q, k, v = qkv()
-    with pytest.raises(ValueError, match=r"key.shape\[-2\] == value.shape\[-2\] \(Lk\), got key \(2, 3, 7, 8\) and value \(2, 3, 6, 8\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"key.shape\[-2\] == value.shape\[-2\] \(Lk\), got key \(2, 3, 7, 8\) and value \(2, 3, 6, 8\)",
+    ):
         subquad.attention(q, k, v[:, :, :6])
 
 
 def test_batch_mismatch():
-    q, k, v = qkv()
+    q, _k, _v = qkv()
     k3, v3 = torch.randn(3, 3, 7, 8), torch.randn(3, 3, 7, 8)
     with pytest.raises(ValueError, match=r"same batch dims .* broadcast, got query \(2, 3, 5, 8\), key \(3, 3, 7, 8\)"):
         subquad.attention(q, k3, v3)
@@ -73,7 +82,7 @@ def test_heads_without_gqa():
 
 
 def test_gqa_not_divisible():
-    q, k, v = qkv(H=3)
+    q, _k, _v = qkv(H=3)
     with pytest.raises(ValueError, match=r"multiple of the key/value heads, got Hq=3 .* Hk=2"):
         subquad.attention(q, torch.randn(2, 2, 7, 8), torch.randn(2, 2, 7, 8), enable_gqa=True)
 
@@ -81,7 +90,9 @@ def test_gqa_not_divisible():
 @pytest.mark.parametrize("mask", [torch.zeros(5, 6, dtype=torch.bool), torch.zeros(4, 5, 7)], ids=["Lk", "heads"])
 def test_mask_not_broadcastable(mask):
     q, k, v = qkv()
-    with pytest.raises(ValueError, match=r"attn_mask of shape .* does not broadcast to the scores' shape \(2, 3, 5, 7\)"):
+    with pytest.raises(
+        ValueError, match=r"attn_mask of shape .* does not broadcast to the scores' shape \(2, 3, 5, 7\)"
+    ):
         subquad.attention(q, k, v, attn_mask=mask)
 
 
@@ -134,7 +145,9 @@ def test_scale_of_the_wrong_type(scale):
 
 def test_unknown_backend_lists_valid_ones():
     q, k, v = qkv()
-    with pytest.raises(ValueError, match=r"Unknown backend='flash'; expected 'auto' or one of 'sdpa', 'flex', 'fused', 'matmul'"):
+    with pytest.raises(
+        ValueError, match=r"Unknown backend='flash'; expected 'auto' or one of 'sdpa', 'flex', 'fused', 'matmul'"
+    ):
         subquad.attention(q, k, v, backend="flash")
 
 

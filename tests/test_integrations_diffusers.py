@@ -12,8 +12,6 @@ import torch
 
 diffusers = pytest.importorskip("diffusers")
 
-import subquad  # noqa: E402
-from subquad.integrations import diffusers as sqd  # noqa: E402
 from diffusers import AutoencoderKL, UNet2DConditionModel  # noqa: E402
 from diffusers.models.attention_processor import (  # noqa: E402
     Attention,
@@ -21,6 +19,9 @@ from diffusers.models.attention_processor import (  # noqa: E402
     AttnProcessor,
     AttnProcessor2_0,
 )
+
+from conftest import spy_sdpa_calls  # noqa: E402
+from subquad.integrations import diffusers as sqd  # noqa: E402
 
 MANY_TILES = (7, 5)
 
@@ -33,32 +34,40 @@ def _close(test, golden, *, tol=1e-10, what="output"):
 
 def _unet():
     torch.manual_seed(0)
-    return UNet2DConditionModel(
-        sample_size=16,
-        in_channels=4,
-        out_channels=4,
-        layers_per_block=1,
-        block_out_channels=(32, 64),
-        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
-        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
-        cross_attention_dim=32,
-        attention_head_dim=8,
-        norm_num_groups=32,
-    ).double().eval()
+    return (
+        UNet2DConditionModel(
+            sample_size=16,
+            in_channels=4,
+            out_channels=4,
+            layers_per_block=1,
+            block_out_channels=(32, 64),
+            down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+            up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+            cross_attention_dim=32,
+            attention_head_dim=8,
+            norm_num_groups=32,
+        )
+        .double()
+        .eval()
+    )
 
 
 def _vae():
     torch.manual_seed(0)
-    return AutoencoderKL(
-        in_channels=3,
-        out_channels=3,
-        down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
-        up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
-        block_out_channels=(32, 64),
-        latent_channels=4,
-        norm_num_groups=32,
-        sample_size=32,
-    ).double().eval()
+    return (
+        AutoencoderKL(
+            in_channels=3,
+            out_channels=3,
+            down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
+            up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
+            block_out_channels=(32, 64),
+            latent_channels=4,
+            norm_num_groups=32,
+            sample_size=32,
+        )
+        .double()
+        .eval()
+    )
 
 
 def _unet_inputs(seed=1):
@@ -73,18 +82,6 @@ def unet():
     return _unet()
 
 
-def _spy_calls(monkeypatch):
-    calls = []
-    real = subquad.sdpa
-
-    def spy(*args, **kwargs):
-        calls.append(kwargs)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(subquad, "sdpa", spy)
-    return calls
-
-
 def test_unet_self_and_cross_attention_match_default_processor(unet, monkeypatch):
     sample, text = _unet_inputs()
     unet.set_attn_processor(AttnProcessor2_0())
@@ -95,7 +92,7 @@ def test_unet_self_and_cross_attention_match_default_processor(unet, monkeypatch
     assert len(changed) == 8, sorted(changed)
     assert {n.rsplit(".", 1)[-1] for n in changed} == {"attn1", "attn2"}
     assert all(isinstance(p, AttnProcessor2_0) for p in changed.values())
-    calls = _spy_calls(monkeypatch)
+    calls = spy_sdpa_calls(monkeypatch)
     with torch.no_grad():
         out = unet(sample, 10, encoder_hidden_states=text).sample
     assert len(calls) == 8 and all(c["chunk_size"] == MANY_TILES for c in calls)
@@ -146,9 +143,7 @@ def test_vae_mid_block_attention_matches_default_processor():
 
 
 def test_enable_on_a_pipeline_prefixes_component_names():
-    pipe = types.SimpleNamespace(
-        components={"unet": _unet(), "vae": _vae(), "tokenizer": object(), "scheduler": None}
-    )
+    pipe = types.SimpleNamespace(components={"unet": _unet(), "vae": _vae(), "tokenizer": object(), "scheduler": None})
     changed = sqd.enable(pipe, memory_budget="64MiB")
     assert sum(n.startswith("unet.") for n in changed) == 8
     assert sum(n.startswith("vae.") for n in changed) == 2
@@ -205,7 +200,7 @@ def test_reenable_replaces_options(unet):
 
 
 def test_errors():
-    with pytest.raises(TypeError, match="unexpected option.*'return_lse'"):
+    with pytest.raises(TypeError, match=r"unexpected option.*'return_lse'"):
         sqd.SubquadAttnProcessor(return_lse=True)
     with pytest.raises(TypeError, match="diffusers pipeline"):
         sqd.enable(object())

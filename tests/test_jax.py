@@ -59,7 +59,7 @@ def assert_close_to_jax(test: Any, want: Any, what: str) -> None:
 def golden(q, k, v, bias=None, keep=None, scale=None, score_mod=None):
     """float64 NumPy attention from the definition; rows that see no key give 0 and lse -inf."""
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
-    B, T, N, H = q.shape
+    _B, _T, N, H = q.shape
     K = k.shape[2]
     G = N // K
     kk, vv = np.repeat(k, G, axis=2), np.repeat(v, G, axis=2)
@@ -81,7 +81,7 @@ def golden(q, k, v, bias=None, keep=None, scale=None, score_mod=None):
 
 def jref(q, k, v, bias=None, keep=None, scale=None):
     """The same definition in jnp (float64), for autodiff gradients."""
-    B, T, N, H = q.shape
+    _B, _T, N, H = q.shape
     G = N // k.shape[2]
     s = jnp.einsum("btnh,bsnh->bnts", q, jnp.repeat(k, G, axis=2)) * (1 / np.sqrt(H) if scale is None else scale)
     if bias is not None:
@@ -101,7 +101,9 @@ def randn(*shape: int, dtype: Any = np.float64) -> Any:
     return jnp.asarray(RNG.standard_normal(shape), dtype)
 
 
-def qkv(B: int, T: int, S: int, N: int, K: int, H: int, Hv: Optional[int] = None, dtype: Any = np.float64) -> Tuple[Any, Any, Any]:
+def qkv(
+    B: int, T: int, S: int, N: int, K: int, H: int, Hv: Optional[int] = None, dtype: Any = np.float64
+) -> Tuple[Any, Any, Any]:
     return randn(B, T, N, H, dtype=dtype), randn(B, S, K, H, dtype=dtype), randn(B, S, K, Hv or H, dtype=dtype)
 
 
@@ -172,7 +174,11 @@ def test_bias_and_mask_of_broadcast_shapes(shape):
     keep = RNG.random(shape) > 0.3
     out = sj.attention(q, k, v, bias, jnp.asarray(keep), chunk_size=(16, 32))
     assert_close(out, golden(q, k, v, bias, keep)[0], 1e-12, "out")
-    assert_close_to_jax(sj.dot_product_attention(q, k, v, bias, jnp.asarray(keep)), jax.nn.dot_product_attention(q, k, v, bias, jnp.asarray(keep)), "drop-in")
+    assert_close_to_jax(
+        sj.dot_product_attention(q, k, v, bias, jnp.asarray(keep)),
+        jax.nn.dot_product_attention(q, k, v, bias, jnp.asarray(keep)),
+        "drop-in",
+    )
 
 
 def test_fully_masked_rows_give_zero_and_minus_inf_lse():
@@ -189,7 +195,10 @@ def test_fully_masked_rows_give_zero_and_minus_inf_lse():
     assert np.all(np.isfinite(np.asarray(g))) and np.all(np.asarray(g)[0, 20:30] == 0)
 
 
-@pytest.mark.skipif(not JAX_HAS_RESIDUAL or JAX_NAN_ROWS, reason="this JAX's dot_product_attention has no return_residual, or gives NaN on rows that see no key")
+@pytest.mark.skipif(
+    not JAX_HAS_RESIDUAL or JAX_NAN_ROWS,
+    reason="this JAX's dot_product_attention has no return_residual, or gives NaN on rows that see no key",
+)
 def test_drop_in_matches_jax_on_fully_masked_rows_and_padding():
     """JAX's large negative fill: a row that sees nothing averages all values; padding rows are 0."""
     q, k, v = qkv(2, 33, 47, 4, 2, 16)
@@ -208,7 +217,9 @@ def test_drop_in_matches_jax_on_fully_masked_rows_and_padding():
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_local_window_and_lengths_match_jax(window, causal):
     q, k, v = qkv(2, 61, 61, 2, 1, 16)
-    lengths = dict(query_seq_lengths=jnp.asarray([61, 40], jnp.int32), key_value_seq_lengths=jnp.asarray([50, 61], jnp.int32))
+    lengths = dict(
+        query_seq_lengths=jnp.asarray([61, 40], jnp.int32), key_value_seq_lengths=jnp.asarray([50, 61], jnp.int32)
+    )
     out = sj.dot_product_attention(q, k, v, is_causal=causal, local_window_size=window, **lengths)
     want = jax.nn.dot_product_attention(q, k, v, is_causal=causal, local_window_size=window, **lengths)
     assert_close_to_jax(out, want, "out")
@@ -266,7 +277,12 @@ def test_check_grads_in_float64():
 
     q, k, v = qkv(1, 9, 11, 2, 1, 4)
     bias = randn(1, 2, 9, 11)
-    check_grads(lambda q, k, v, b: sj.attention(q, k, v, b, is_causal=True, chunk_size=(4, 3)), (q, k, v, bias), order=1, modes=["rev"])
+    check_grads(
+        lambda q, k, v, b: sj.attention(q, k, v, b, is_causal=True, chunk_size=(4, 3)),
+        (q, k, v, bias),
+        order=1,
+        modes=["rev"],
+    )
 
 
 def test_lse_is_differentiable():
@@ -343,7 +359,10 @@ def test_gradient_of_an_array_the_score_mod_closes_over():
     table = randn(30, 30)
 
     def loss(table, q):
-        return (sj.attention(q, k, v, score_mod=lambda s, b, h, qi, ki: jnp.tanh(s) * 3 + table[qi, ki], chunk_size=(8, 16)) ** 2).sum()
+        return (
+            sj.attention(q, k, v, score_mod=lambda s, b, h, qi, ki: jnp.tanh(s) * 3 + table[qi, ki], chunk_size=(8, 16))
+            ** 2
+        ).sum()
 
     def ref_loss(table, q):
         s = jnp.einsum("btnh,bsnh->bnts", q, k) / np.sqrt(8)
@@ -355,7 +374,9 @@ def test_gradient_of_an_array_the_score_mod_closes_over():
 
 
 # ------------------------------------------------------------------ low precision
-@pytest.mark.parametrize("dtype,atol", [(jnp.float32, 2e-6), (jnp.bfloat16, 3e-2), (jnp.float16, 4e-3)], ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize(
+    "dtype,atol", [(jnp.float32, 2e-6), (jnp.bfloat16, 3e-2), (jnp.float16, 4e-3)], ids=["fp32", "bf16", "fp16"]
+)
 def test_low_precision_dtypes(dtype, atol):
     q, k, v = qkv(1, 77, 131, 4, 2, 32, dtype=dtype)
     out = sj.attention(q, k, v, is_causal=True, chunk_size=(32, 64))
@@ -373,6 +394,10 @@ def _temp_bytes(fn, *shapes):
     return jax.jit(fn).lower(*shapes).compile().memory_analysis().temp_size_in_bytes
 
 
+def _forward(**options):
+    return lambda q, k, v: sj.attention(q, k, v, **options)
+
+
 def _loss(**options):
     return jax.grad(lambda q, k, v: sj.attention(q, k, v, **options).sum(), (0, 1, 2))
 
@@ -383,7 +408,7 @@ def test_compiled_temp_memory_grows_linearly_not_quadratically(causal):
     for T in (2048, 8192):
         x = jax.ShapeDtypeStruct((1, T, 4, 64), jnp.float32)
         temps[T] = (
-            _temp_bytes(lambda q, k, v: sj.attention(q, k, v, is_causal=causal, chunk_size=256), x, x, x),
+            _temp_bytes(_forward(is_causal=causal, chunk_size=256), x, x, x),
             _temp_bytes(_loss(is_causal=causal, chunk_size=256), x, x, x),
         )
         scores = 4 * 4 * T * T
@@ -402,20 +427,32 @@ def test_budget_holds_in_the_compiled_program(budget):
     x = jax.ShapeDtypeStruct((1, 4096, 4, 64), jnp.float32)
     limit = parse_budget(budget)
     for causal in (False, True):
-        fwd = _temp_bytes(lambda q, k, v: sj.attention(q, k, v, is_causal=causal, memory_budget=budget), x, x, x)
+        fwd = _temp_bytes(_forward(is_causal=causal, memory_budget=budget), x, x, x)
         bwd = _temp_bytes(_loss(is_causal=causal, memory_budget=budget), x, x, x)
         assert fwd <= limit and bwd <= limit, (budget, causal, fwd, bwd)
 
 
 def test_memory_model_is_an_upper_bound_of_the_compiled_temporaries():
-    for T, S, N, K, H, chunk in [(1024, 1024, 8, 8, 64, (128, 256)), (3000, 1000, 4, 1, 32, (512, 512)), (4096, 4096, 8, 2, 128, None)]:
+    for T, S, N, K, H, chunk in [
+        (1024, 1024, 8, 8, 64, (128, 256)),
+        (3000, 1000, 4, 1, 32, (512, 512)),
+        (4096, 4096, 8, 2, 128, None),
+    ]:
         q = jnp.zeros((1, T, N, H), jnp.float32)
         kv = jnp.zeros((1, S, K, H), jnp.float32)
         call = prepare(q, kv, kv, is_causal=True, chunk_size=chunk)
         xq, xk = jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(kv.shape, kv.dtype)
-        fwd = _temp_bytes(lambda q, k, v: sj.attention(q, k, v, is_causal=True, chunk_size=chunk), xq, xk, xk)
+        fwd = _temp_bytes(_forward(is_causal=True, chunk_size=chunk), xq, xk, xk)
         bwd = _temp_bytes(_loss(is_causal=True, chunk_size=chunk), xq, xk, xk)
-        assert fwd <= call.forward_bytes and bwd <= call.backward_bytes, (T, S, chunk, fwd, call.forward_bytes, bwd, call.backward_bytes)
+        assert fwd <= call.forward_bytes and bwd <= call.backward_bytes, (
+            T,
+            S,
+            chunk,
+            fwd,
+            call.forward_bytes,
+            bwd,
+            call.backward_bytes,
+        )
 
 
 def test_budget_too_small_raises():
@@ -432,7 +469,11 @@ def test_budget_too_small_raises():
     [
         (lambda q, k, v: sj.attention(q[0, 0], k, v), ValueError, "same number of dims"),
         (lambda q, k, v: sj.attention(q, k.astype(jnp.float32), v), TypeError, "one dtype"),
-        (lambda q, k, v: sj.attention(q.astype(jnp.int32), k.astype(jnp.int32), v.astype(jnp.int32)), TypeError, "floating"),
+        (
+            lambda q, k, v: sj.attention(q.astype(jnp.int32), k.astype(jnp.int32), v.astype(jnp.int32)),
+            TypeError,
+            "floating",
+        ),
         (lambda q, k, v: sj.attention(q, k[..., :3], v), ValueError, "match query"),
         (lambda q, k, v: sj.attention(q[:, :, :3], k, v), ValueError, "multiple of key/value heads"),
         (lambda q, k, v: sj.attention(q, k, v, mask=jnp.ones((1, 1, 10, 12))), TypeError, "bool"),
@@ -442,11 +483,23 @@ def test_budget_too_small_raises():
         (lambda q, k, v: sj.attention(q, k, v, chunk_size=(1, 2, 3)), ValueError, "pair"),
         (lambda q, k, v: sj.attention(q, k, v, memory_budget="lots"), ValueError, "memory_budget"),
         (lambda q, k, v: sj.attention(q, k, v, local_window_size=(1, 2, 3)), ValueError, "local_window_size"),
-        (lambda q, k, v: sj.attention(q, k, v, query_seq_lengths=jnp.ones(3, jnp.int32)), ValueError, "query_seq_lengths"),
+        (
+            lambda q, k, v: sj.attention(q, k, v, query_seq_lengths=jnp.ones(3, jnp.int32)),
+            ValueError,
+            "query_seq_lengths",
+        ),
         (lambda q, k, v: sj.attention(q, k, v, is_causal=1), TypeError, "is_causal"),
         (lambda q, k, v: sj.attention(q, k, v, score_mod=3), TypeError, "score_mod"),
-        (lambda q, k, v: sj.attention(q, k, v, score_mod=lambda s, b, h, i, j: s[..., :3]), ValueError, "score_mod returned"),
-        (lambda q, k, v: sj.attention(q, k, v, mask_mod=lambda b, h, i, j: i - j), TypeError, "mask_mod must return bool"),
+        (
+            lambda q, k, v: sj.attention(q, k, v, score_mod=lambda s, b, h, i, j: s[..., :3]),
+            ValueError,
+            "score_mod returned",
+        ),
+        (
+            lambda q, k, v: sj.attention(q, k, v, mask_mod=lambda b, h, i, j: i - j),
+            TypeError,
+            "mask_mod must return bool",
+        ),
         (lambda q, k, v: sj.dot_product_attention(q, k, v, implementation="cudnn"), NotImplementedError, "cudnn"),
         (lambda q, k, v: sj.explain(q, k, v, causal=True), TypeError, "unexpected keyword"),
     ],
@@ -513,7 +566,23 @@ def test_bench_cli_runs_the_jax_preset(tmp_path, capsys):
     pytest.importorskip("torch")  # `subquad bench` is a torch program, its JAX presets included
     from subquad.bench import cli
 
-    assert cli.main(["--framework", "jax", "--preset", "jax-quick", "--impl", "subquad-jax", "--seconds", "0.01", "--out", str(tmp_path)]) == 0
+    assert (
+        cli.main(
+            [
+                "--framework",
+                "jax",
+                "--preset",
+                "jax-quick",
+                "--impl",
+                "subquad-jax",
+                "--seconds",
+                "0.01",
+                "--out",
+                str(tmp_path),
+            ]
+        )
+        == 0
+    )
     text = (tmp_path / "results.txt").read_text()
     assert "subquad-jax" in text and "1x1024x4x64 causal train" in text
     with pytest.raises(SystemExit):

@@ -22,7 +22,8 @@ pytest.importorskip("jax")
 
 WORKER = pathlib.Path(__file__).with_name("_jax_sharded_cases.py")
 CASES = [
-    node.name for node in ast.parse(WORKER.read_text()).body
+    node.name
+    for node in ast.parse(WORKER.read_text()).body
     if isinstance(node, ast.FunctionDef) and any(getattr(d, "id", None) == "case" for d in node.decorator_list)
 ]
 
@@ -33,8 +34,13 @@ def results():
     env.pop("XLA_FLAGS", None)
     # Two workers share the cases and run at once (compiling is mostly single-threaded).
     workers = [
-        subprocess.Popen([sys.executable, str(WORKER), *CASES[i::2]], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True, env=env)
+        subprocess.Popen(
+            [sys.executable, str(WORKER), *CASES[i::2]],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
         for i in range(2)
     ]
     found, stderr = {}, ""

@@ -105,6 +105,7 @@ def test_builtin_mask_float32_auto(name):
 
 def test_mask_drawings():
     """The masks the docstrings draw."""
+
     def draw(mm, Lq=6, Lk=6):
         m = _materialize(mm, 1, 1, Lq, Lk)[0, 0]
         return ["".join("x" if x else "." for x in row) for row in m.tolist()]
@@ -115,14 +116,32 @@ def test_mask_drawings():
     assert draw(mods.sliding_window(1)) == ["xx....", "xxx...", ".xxx..", "..xxx.", "...xxx", "....xx"]
     assert draw(mods.sliding_window(2, causal=True)) == ["x.....", "xx....", "xxx...", ".xxx..", "..xxx.", "...xxx"]
     assert draw(mods.document(torch.tensor([0, 0, 0, 1, 1, 2]))) == [
-        "xxx...", "xxx...", "xxx...", "...xx.", "...xx.", ".....x"]
+        "xxx...",
+        "xxx...",
+        "xxx...",
+        "...xx.",
+        "...xx.",
+        ".....x",
+    ]
     assert draw(mods.key_padding(4)) == ["xxxx.."] * 6
     assert draw(mods.prefix_lm(3)) == ["xxx...", "xxx...", "xxx...", "xxxx..", "xxxxx.", "xxxxxx"]
     ids = torch.tensor([0, 0, 0, 1, 1, 1])
     assert draw(mods.and_masks(mods.causal(), mods.document(ids))) == [
-        "x.....", "xx....", "xxx...", "...x..", "...xx.", "...xxx"]
+        "x.....",
+        "xx....",
+        "xxx...",
+        "...x..",
+        "...xx.",
+        "...xxx",
+    ]
     assert draw(mods.or_masks(mods.sliding_window(1), mods.key_padding(2))) == [
-        "xx....", "xxx...", "xxxx..", "xxxxx.", "xx.xxx", "xx..xx"]
+        "xx....",
+        "xxx...",
+        "xxxx..",
+        "xxxxx.",
+        "xx.xxx",
+        "xx..xx",
+    ]
 
 
 def test_causal_builtins_match_sdpa_alignments():
@@ -223,7 +242,7 @@ def test_builtins_match_flex_attention():
         except (NotImplementedError, RuntimeError) as e:  # a build whose flex cannot run on CPU eagerly
             pytest.skip(f"flex_attention unavailable on CPU here: {e}")
         out = subquad.attention(q, k, v, score_mod=mods.alibi(H), mask_mod=mm, chunk_size=32)
-        torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5, msg=lambda m: f"{mm!r}: {m}")
+        torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5, msg=lambda m: f"{mm!r}: {m}")  # noqa: B023 - called at once
 
 
 # ----------------------------------------------------------------------------- block skipping
@@ -549,7 +568,9 @@ def test_mask_mod_non_bool(result, backend):
         "none": lambda q_idx, kv_idx: None,
     }[result]
     with pytest.raises(TypeError, match=r"mask_mod must return a bool tensor"):
-        subquad.attention(q, k, v, mask_mod=lambda b, h, q_idx, kv_idx: make(q_idx, kv_idx), backend=backend, chunk_size=4)
+        subquad.attention(
+            q, k, v, mask_mod=lambda b, h, q_idx, kv_idx: make(q_idx, kv_idx), backend=backend, chunk_size=4
+        )
 
 
 def test_mask_mod_wrong_shape():
@@ -561,7 +582,9 @@ def test_mask_mod_wrong_shape():
 
 def test_general_score_mod_cannot_be_forced_fused():
     q, k, v = _qkv(1, 2, 9, 12)
-    with pytest.raises(NotImplementedError, match=r"score_mod is not score \+ bias \(the score goes through aten.mul.Tensor\)"):
+    with pytest.raises(
+        NotImplementedError, match=r"score_mod is not score \+ bias \(the score goes through aten.mul.Tensor\)"
+    ):
         subquad.attention(q, k, v, score_mod=lambda s, b, h, q_idx, kv_idx: s * 2, backend="fused")
 
 
@@ -589,13 +612,13 @@ def test_constructor_errors(call, match):
 
 # ----------------------------------------------------------------------------- alibi slopes
 def test_alibi_slopes_standard_values():
-    assert torch.equal(mods.alibi_slopes(8, f64), torch.tensor([2.0 ** -i for i in range(1, 9)], dtype=f64))
+    assert torch.equal(mods.alibi_slopes(8, f64), torch.tensor([2.0**-i for i in range(1, 9)], dtype=f64))
     assert torch.equal(mods.alibi_slopes(4, f64), torch.tensor([2.0 ** (-2 * i) for i in range(1, 5)], dtype=f64))
     # Non-powers of two: the 8 slopes of 8 heads, then the odd-exponent slopes of 16 heads.
     s12 = mods.alibi_slopes(12, f64)
-    want = [2.0 ** -i for i in range(1, 9)] + [2.0 ** -(i - 0.5) for i in range(1, 5)]
+    want = [2.0**-i for i in range(1, 9)] + [2.0 ** -(i - 0.5) for i in range(1, 5)]
     assert torch.allclose(s12, torch.tensor(want, dtype=f64), rtol=1e-15, atol=0)
-    assert mods.alibi_slopes(1).tolist() == [2.0 ** -8]
+    assert mods.alibi_slopes(1).tolist() == [2.0**-8]
     assert mods.alibi(6).slopes.shape == (6,)
 
 
@@ -632,7 +655,9 @@ def test_gradient_reaches_a_module_level_tensor():
     global GLOBAL_TABLE
     GLOBAL_TABLE = torch.randn(2, 41, dtype=f64).requires_grad_()
     q, k, v = _qkv(1, 2, 17, 21)
-    got = torch.autograd.grad(subquad.attention(q, k, v, score_mod=_global_rel_bias, chunk_size=(5, 6)).sum(), GLOBAL_TABLE)[0]
+    got = torch.autograd.grad(
+        subquad.attention(q, k, v, score_mod=_global_rel_bias, chunk_size=(5, 6)).sum(), GLOBAL_TABLE
+    )[0]
     want = torch.autograd.grad(naive_attention(q, k, v, score_mod=_global_rel_bias).sum(), GLOBAL_TABLE)[0]
     assert_close_to_golden(got, want, name="dtable", floor=1e-11)
 
@@ -646,7 +671,9 @@ def test_score_mod_that_promotes_the_dtype_is_cast_back(backend):
     out = subquad.attention(q, k, v, score_mod=mod, backend=backend)
     golden = naive_attention(*to64(q, k, v), score_mod=mod)
     assert out.dtype == torch.float32
-    assert_close_to_golden(out, golden, naive_attention(q, k, v, score_mod=lambda s, b, h, qi, ki: s + table.float()[qi, ki]))
+    assert_close_to_golden(
+        out, golden, naive_attention(q, k, v, score_mod=lambda s, b, h, qi, ki: s + table.float()[qi, ki])
+    )
 
 
 def test_score_mod_returning_integers_raises():
@@ -692,13 +719,19 @@ def _idioms(S):
         ("module", module, [module.bias]),
         ("nested-container", lambda s, b, h, qi, ki: s + nested["tables"][0][qi, ki], nested["tables"]),
         ("param-and-its-view", lambda s, b, h, qi, ki: s + param[qi, ki] + 0.5 * view[qi, ki], [param]),
-        ("module-and-derived", lambda s, b, h, qi, ki: module(s, b, h, qi, ki) + derived[qi, ki], [module.bias, param, scale]),
+        (
+            "module-and-derived",
+            lambda s, b, h, qi, ki: module(s, b, h, qi, ki) + derived[qi, ki],
+            [module.bias, param, scale],
+        ),
         ("derived-and-source", lambda s, b, h, qi, ki: s + derived[qi, ki] * param[qi, ki], [param, scale]),
     ]
 
 
 @pytest.mark.parametrize("name", [i[0] for i in _idioms(4)])
-@pytest.mark.parametrize("backend,chunk", [("auto", (7, 5)), ("matmul", None), ("auto", None)], ids=["7x5", "whole-matmul", "planned"])
+@pytest.mark.parametrize(
+    "backend,chunk", [("auto", (7, 5)), ("matmul", None), ("auto", None)], ids=["7x5", "whole-matmul", "planned"]
+)
 def test_captured_tensor_gradients_whatever_the_idiom(name, backend, chunk):
     S = 40
     _, score_mod, leaves = next(i for i in _idioms(S) if i[0] == name)
@@ -769,9 +802,17 @@ def _user_alibi(score, b, h, q_idx, kv_idx):
         ("alibi", _user_alibi, "score + bias"),
         ("table", lambda s, b, h, qi, ki: s + 0.01 * (qi - ki).abs().to(s.dtype), "score + bias"),
         ("where-mask", lambda s, b, h, qi, ki: torch.where(ki <= qi, s, float("-inf")), "where(cond, score, -inf)"),
-        ("masked-where-bias", lambda s, b, h, qi, ki: torch.where(ki <= qi, s - 0.1 * (qi - ki), float("-inf")), "score + bias"),
+        (
+            "masked-where-bias",
+            lambda s, b, h, qi, ki: torch.where(ki <= qi, s - 0.1 * (qi - ki), float("-inf")),
+            "score + bias",
+        ),
         ("clamp", lambda s, b, h, qi, ki: s.clamp(max=0.5), "not additive: the score goes through aten.clamp"),
-        ("data-dependent", lambda s, b, h, qi, ki: s + 1 if bool(s.max() > 0) else s, "not additive: it could not be traced"),
+        (
+            "data-dependent",
+            lambda s, b, h, qi, ki: s + 1 if bool(s.max() > 0) else s,
+            "not additive: it could not be traced",
+        ),
         ("identity", lambda s, b, h, qi, ki: s, "returns the score unchanged"),
     ],
     ids=lambda x: x if isinstance(x, str) else "",
@@ -811,7 +852,7 @@ def test_structure_is_traced_once_per_callback(monkeypatch):
     q, k, v = _qkv(1, 4, 16, 16)
     for scale in (0.1, 0.1, 0.2):  # a new lambda each time, as in a model's forward
         table = torch.randn(16, 16, dtype=f64)  # a new tensor of the same kind each time
-        subquad.attention(q, k, v, score_mod=lambda s, b, h, qi, ki: s + scale * table[qi, ki])
+        subquad.attention(q, k, v, score_mod=lambda s, b, h, qi, ki: s + scale * table[qi, ki])  # noqa: B023 - a fresh closure each time is the point
     # The same code with a new tensor of the same dtype and rank is the same structure; the
     # float it captured is part of the key (it could steer Python control flow).
     assert len(calls) == 2

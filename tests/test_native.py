@@ -20,12 +20,12 @@ import warnings
 import pytest
 import torch
 
-import subquad
 import _machine
+import subquad
 from _devices import OpRecorder
 from conftest import assert_close_to_golden, naive_attention, to64
 from subquad import _cli, _native
-from subquad._backends import matmul, offsets, products
+from subquad._backends import matmul, offsets
 from test_half import CASES, check_case_against_float64
 
 BF16 = torch.bfloat16

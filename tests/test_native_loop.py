@@ -13,15 +13,14 @@ AVX512-BF16 (the per-tile kernel, tests/test_native.py, serves those CPUs).
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 import subquad
+import test_native  # its build fixture's skip mark, kernel loader and call recorder
 from conftest import assert_close_to_golden, memory_bound_failures, naive_attention, run_memory_probe, to64
 from subquad import _native, mods
-import test_native  # its build fixture's skip mark, kernel loader and call recorder
 
 BF16 = torch.bfloat16
 

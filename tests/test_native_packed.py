@@ -27,7 +27,11 @@ from test_varlen import packed, reference
 
 pytestmark = test_native.pytestmark  # a C++ compiler and ninja
 
-LOOPS = {torch.float32: "forward_packed_f32", torch.float16: "forward_packed_f32", torch.bfloat16: "forward_packed_bf16"}
+LOOPS = {
+    torch.float32: "forward_packed_f32",
+    torch.float16: "forward_packed_f32",
+    torch.bfloat16: "forward_packed_bf16",
+}
 DTYPES = list(LOOPS)
 
 
@@ -167,10 +171,32 @@ def test_the_kernel_refuses_bad_spans(kernel):
         run,
         {
             "rows past q": (q, q, q, torch.tensor([[0, 11, 0, 4]]), offsets[:1], *state(), 0.25, False, 0.0),
-            "keys ending before they start": (q, q, q, torch.tensor([[0, 4, 5, 4]]), offsets[:1], *state(), 0.25, False, 0.0),
+            "keys ending before they start": (
+                q,
+                q,
+                q,
+                torch.tensor([[0, 4, 5, 4]]),
+                offsets[:1],
+                *state(),
+                0.25,
+                False,
+                0.0,
+            ),
             "int32 spans": (q, q, q, spans.int(), offsets, *state(), 0.25, False, 0.0),
             "spans and offsets disagree": (q, q, q, spans, offsets[:1], *state(), 0.25, False, 0.0),
-            "a state of the wrong size": (q, q, q, spans, offsets, torch.zeros(19), torch.zeros(20), torch.zeros(20, 16), 0.25, False, 0.0),
+            "a state of the wrong size": (
+                q,
+                q,
+                q,
+                spans,
+                offsets,
+                torch.zeros(19),
+                torch.zeros(20),
+                torch.zeros(20, 16),
+                0.25,
+                False,
+                0.0,
+            ),
             "a batch of two": (q.expand(2, -1, -1, -1), q, q, spans, offsets, *state(), 0.25, False, 0.0),
         },
     )

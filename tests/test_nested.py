@@ -40,7 +40,7 @@ def grads_of(nts, out):
 
 @pytest.mark.parametrize("lengths", [[3, 5], [1, 7, 4], [9]], ids=["two", "three", "one"])
 def test_equals_torchs_math_path_where_torch_runs(lengths):
-    (q, qs), (k, ks), (v, vs) = (nested(lengths, seed=s) for s in range(3))
+    (q, _qs), (k, _ks), (v, _vs) = (nested(lengths, seed=s) for s in range(3))
     out = subquad.sdpa(q, k, v)
     assert out.is_nested and out.shape[:2] == q.shape[:2]
     with warnings.catch_warnings():

@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 
 import subquad
+from conftest import spy_sdpa_calls
 from subquad.integrations.patch import ORIGINAL_SDPA
 
 MANY_TILES = (7, 5)
@@ -54,14 +55,7 @@ def test_patched_matches_torch_sdpa(case):
 
 
 def test_routes_every_call_with_the_options(monkeypatch):
-    calls = []
-    real = subquad.sdpa
-
-    def spy(*args, **kwargs):
-        calls.append(kwargs)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(subquad, "sdpa", spy)
+    calls = spy_sdpa_calls(monkeypatch)
     q, k, v = _qkv(1, 2, 9, 8)
     with subquad.patch_sdpa(chunk_size=MANY_TILES, backend="matmul"):
         torch.nn.functional.scaled_dot_product_attention(q, k, v)
@@ -72,17 +66,15 @@ def test_routes_every_call_with_the_options(monkeypatch):
 
 
 def test_restores_when_the_body_raises():
-    with pytest.raises(RuntimeError, match="boom"):
-        with subquad.patch_sdpa():
-            raise RuntimeError("boom")
+    with pytest.raises(RuntimeError, match="boom"), subquad.patch_sdpa():
+        raise RuntimeError("boom")
     assert F.scaled_dot_product_attention is ORIGINAL_SDPA
 
 
 def test_restores_when_the_attention_raises():
     q, k, v = _qkv(1, 2, 9, 8)
-    with pytest.raises(ValueError, match="key.shape"):
-        with subquad.patch_sdpa():
-            F.scaled_dot_product_attention(q, k[..., :4], v)
+    with pytest.raises(ValueError, match=r"key\.shape"), subquad.patch_sdpa():
+        F.scaled_dot_product_attention(q, k[..., :4], v)
     assert F.scaled_dot_product_attention is ORIGINAL_SDPA
 
 
@@ -127,9 +119,8 @@ def test_gradients_flow_through_the_patch():
 
 @pytest.mark.parametrize("option", ["return_lse", "attn_mask", "memory"])
 def test_rejects_unknown_options(option):
-    with pytest.raises(TypeError, match=f"unexpected option.*'{option}'"):
-        with subquad.patch_sdpa(**{option: 1}):
-            pass
+    with pytest.raises(TypeError, match=f"unexpected option.*'{option}'"), subquad.patch_sdpa(**{option: 1}):
+        pass
     assert F.scaled_dot_product_attention is ORIGINAL_SDPA
 
 
@@ -190,7 +181,9 @@ def test_threads_each_use_their_own_block_and_others_see_the_newest(monkeypatch)
     holder = subquad.patch_sdpa(chunk_size=(5, 5))
     holder.__enter__()
     try:
-        b = threading.Thread(target=lambda: bystander_seen.append(F.scaled_dot_product_attention(q, k, v)), name="bystander")
+        b = threading.Thread(
+            target=lambda: bystander_seen.append(F.scaled_dot_product_attention(q, k, v)), name="bystander"
+        )
         b.start()
         b.join(10)
     finally:
@@ -228,8 +221,8 @@ import signal  # noqa: E402
 import sys  # noqa: E402
 import threading  # noqa: E402
 
-from subquad.integrations import patch as _patch  # noqa: E402
 from subquad._backends import TORCH_SDPA  # noqa: E402
+from subquad.integrations import patch as _patch  # noqa: E402
 
 
 def _consistent() -> list:
@@ -255,10 +248,13 @@ class _Code:
         ins = list(dis.get_instructions(code))
         self.calls = {x.offset: x.opname for x in ins if x.opname.startswith("CALL")}
         self.back_jumps = {
-            x.offset for x in ins
+            x.offset
+            for x in ins
             if x.opcode in dis.hasjrel + dis.hasjabs and isinstance(x.argval, int) and x.argval < x.offset
         }
-        self.entries = list(dis.Bytecode(code).exception_entries) if hasattr(dis.Bytecode(code), "exception_entries") else []
+        self.entries = (
+            list(dis.Bytecode(code).exception_entries) if hasattr(dis.Bytecode(code), "exception_entries") else []
+        )
 
     def handler(self, offset: int):
         return next(((e.target, e.depth) for e in self.entries if e.start <= offset < e.end), None)

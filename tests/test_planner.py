@@ -11,22 +11,29 @@ import torch
 import torch.nn.functional as F
 
 import subquad
-from subquad import MemoryBudgetError, _budget
 from conftest import assert_close_to_golden, memory_bound_failures, naive_attention, run_memory_probe
-from subquad._inputs import Inputs
-from subquad._validate import make_inputs
-from subquad._backends import Matmul, Options
-from subquad._backends import MPS_MAX_MATMUL_ELEMENTS
+from subquad import MemoryBudgetError, _budget
+from subquad._backends import MPS_MAX_MATMUL_ELEMENTS, Matmul, Options
 from subquad._budget import DEFAULT_BUDGET_FRACTION, free_memory_bytes, parse_budget
+from subquad._inputs import Inputs
 from subquad._planner import make_plan
+from subquad._validate import make_inputs
 
 MiB = 1 << 20
 
 
 @pytest.mark.parametrize(
     "text,expected",
-    [(1024, 1024), ("512MiB", 512 * MiB), ("2GB", 2 * 10**9), ("1.5GiB", int(1.5 * 2**30)), ("64 mib", 64 * MiB),
-     ("100", 100), ("3KiB", 3072), (0, 0)],
+    [
+        (1024, 1024),
+        ("512MiB", 512 * MiB),
+        ("2GB", 2 * 10**9),
+        ("1.5GiB", int(1.5 * 2**30)),
+        ("64 mib", 64 * MiB),
+        ("100", 100),
+        ("3KiB", 3072),
+        (0, 0),
+    ],
 )
 def test_parse_budget(text, expected):
     assert parse_budget(text) == expected

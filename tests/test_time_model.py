@@ -28,10 +28,19 @@ def _brute_block_fraction(Lq, Lk, o, bq, bk):
     return computed / (Lq * Lk)
 
 
-@pytest.mark.parametrize("Lq,Lk,o,bq,bk", [
-    (2048, 2048, 0, 256, 512), (256, 256, 0, 64, 512), (37, 100, 63, 8, 16), (100, 37, 0, 16, 7),
-    (64, 64, -70, 8, 8), (64, 96, 32, 1, 1), (1, 1000, 999, 32, 512), (300, 300, -17, 64, 128),
-])
+@pytest.mark.parametrize(
+    "Lq,Lk,o,bq,bk",
+    [
+        (2048, 2048, 0, 256, 512),
+        (256, 256, 0, 64, 512),
+        (37, 100, 63, 8, 16),
+        (100, 37, 0, 16, 7),
+        (64, 64, -70, 8, 8),
+        (64, 96, 32, 1, 1),
+        (1, 1000, 999, 32, 512),
+        (300, 300, -17, 64, 128),
+    ],
+)
 def test_block_fraction_counts_every_block_with_a_visible_score(Lq, Lk, o, bq, bk):
     assert _planner.block_fraction(Lq, Lk, o, (bq, bk)) == pytest.approx(_brute_block_fraction(Lq, Lk, o, bq, bk))
     # One-score blocks are the visible fraction itself.
@@ -92,8 +101,10 @@ def test_a_backward_is_predicted_at_its_dtypes_share_of_the_forward(fixed_rates,
     monkeypatch.setattr(_planner, "backend_seconds", lambda device, dt, b: (1e-9, 1e-6) if b == backend else None)
     q = torch.empty(1, 4, 512, 64, dtype=dtype)
     qg = q.clone().requires_grad_()
-    fwd, both = (subquad.explain(t, t, t, backend=backend, chunk_size=(128, 256) if backend == "matmul" else None)
-                 for t in (q, qg))
+    fwd, both = (
+        subquad.explain(t, t, t, backend=backend, chunk_size=(128, 256) if backend == "matmul" else None)
+        for t in (q, qg)
+    )
     assert both.backward_backend == backend
     overhead = _planner._TILE_OVERHEAD_S["cpu"]
     fwd_work = fwd.predicted_seconds - fwd.tiles * overhead
@@ -106,7 +117,9 @@ def test_a_backends_own_time_is_timed_once_on_real_tensors(monkeypatch, backend)
 
     monkeypatch.setattr(_planner, "_OWN", {})
     # The measurement itself, not SUBQUAD_TEST_RATE_FACTOR's scaled wrapper of it (tests/_machine.py).
-    monkeypatch.setattr(_planner, "_measure_backend", getattr(_planner._measure_backend, "__wrapped__", _planner._measure_backend))
+    monkeypatch.setattr(
+        _planner, "_measure_backend", getattr(_planner._measure_backend, "__wrapped__", _planner._measure_backend)
+    )
     bh, nq, nk, _ = _planner._FUSED_PROBE_SHAPE if backend == "fused" else _planner._CPU_PROBE_SHAPE
     lk = nk * _planner._PROBE_ROW_TILES
     a, b = 2e-9, 5e-7  # seconds per score and per query row
@@ -167,8 +180,21 @@ def _kernel_scores(rows, keys, causal):
     return n
 
 
-@pytest.mark.parametrize("rows,keys", [(1, 1), (100, 100), (256, 256), (512, 512), (640, 640), (768, 768),
-                                       (1000, 1000), (2048, 2048), (128, 384), (300, 1100)])
+@pytest.mark.parametrize(
+    "rows,keys",
+    [
+        (1, 1),
+        (100, 100),
+        (256, 256),
+        (512, 512),
+        (640, 640),
+        (768, 768),
+        (1000, 1000),
+        (2048, 2048),
+        (128, 384),
+        (300, 1100),
+    ],
+)
 @pytest.mark.parametrize("causal", [False, True])
 def test_kernel_work_counts_the_kernels_own_blocks(rows, keys, causal):
     split = fused._row_split(rows)
@@ -185,16 +211,27 @@ def _tiles(L, threads, monkeypatch, heads=8, **kw):
     return whole(plan.chunk_size), whole(plan.backward_chunk_size)
 
 
-@pytest.mark.parametrize("L,threads,expected", [
-    # 384-767 rows run in the kernel's 64-row blocks over one block of 512 keys: all computed;
-    # tiles of 256 skip the tiles above the diagonal.
-    (512, 1, (256, 256)), (512, 2, (256, 256)), (512, 4, (256, 256)), (384, 2, (256, 256)),
-    (640, 1, (256, 256)), (640, 2, (256, None)),
-    # The saving no longer pays for the calls: fewer rows, more threads (each call costs more
-    # of them), or a kernel that skips 256 x 512 blocks itself (from 768 rows: never weighed).
-    (256, 1, (None, None)), (384, 4, (None, None)), (512, 16, (None, None)), (768, 1, (None, None)),
-    (2048, 1, (None, None)), (4096, 2, (None, None)),
-])
+@pytest.mark.parametrize(
+    "L,threads,expected",
+    [
+        # 384-767 rows run in the kernel's 64-row blocks over one block of 512 keys: all computed;
+        # tiles of 256 skip the tiles above the diagonal.
+        (512, 1, (256, 256)),
+        (512, 2, (256, 256)),
+        (512, 4, (256, 256)),
+        (384, 2, (256, 256)),
+        (640, 1, (256, 256)),
+        (640, 2, (256, None)),
+        # The saving no longer pays for the calls: fewer rows, more threads (each call costs more
+        # of them), or a kernel that skips 256 x 512 blocks itself (from 768 rows: never weighed).
+        (256, 1, (None, None)),
+        (384, 4, (None, None)),
+        (512, 16, (None, None)),
+        (768, 1, (None, None)),
+        (2048, 1, (None, None)),
+        (4096, 2, (None, None)),
+    ],
+)
 def test_causal_fused_tiles_are_the_cheapest_by_the_kernels_blocks(L, threads, expected, monkeypatch, fixed_rates):
     # The choice is arithmetic on the kernel's blocks and a per-call cost: nothing timed.
     assert _tiles(L, threads, monkeypatch) == expected
@@ -233,11 +270,14 @@ def test_cost_chosen_tiles_give_the_float64_answer_packed_and_dense(monkeypatch)
     out = subquad.varlen_attention(q, k, v, cu, cu, is_causal=True, backend="fused")
     gout = torch.randn(out.shape, generator=g, dtype=torch.float64)
     grads = torch.autograd.grad(out, (q, k, v), gout)
-    ref = torch.cat([
-        torch.nn.functional.scaled_dot_product_attention(a.transpose(0, 1), b.transpose(0, 1), c.transpose(0, 1),
-                                                         is_causal=True).transpose(0, 1)
-        for a, b, c in zip(q.split(lens), k.split(lens), v.split(lens))
-    ])
+    ref = torch.cat(
+        [
+            torch.nn.functional.scaled_dot_product_attention(
+                a.transpose(0, 1), b.transpose(0, 1), c.transpose(0, 1), is_causal=True
+            ).transpose(0, 1)
+            for a, b, c in zip(q.split(lens), k.split(lens), v.split(lens))
+        ]
+    )
     ref_grads = torch.autograd.grad(ref, (q, k, v), gout)
     torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
     for got, want in zip(grads, ref_grads):

@@ -45,17 +45,25 @@ def reference(q, k, v, cu_q, cu_k, window=(-1, -1)):
             keep &= j >= i - window[0]
         if window[1] >= 0:
             keep &= j <= i + window[1]
-        o = ORIGINAL_SDPA(q[a:b].transpose(0, 1), k[c:d].transpose(0, 1), v[c:d].transpose(0, 1), attn_mask=keep,
-                          enable_gqa=q.shape[1] != k.shape[1])
+        o = ORIGINAL_SDPA(
+            q[a:b].transpose(0, 1),
+            k[c:d].transpose(0, 1),
+            v[c:d].transpose(0, 1),
+            attn_mask=keep,
+            enable_gqa=q.shape[1] != k.shape[1],
+        )
         outs.append(torch.nan_to_num(o).transpose(0, 1))  # rows that see nothing: 0
     return torch.cat(outs)
 
 
-@pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (2, 0), (1, 2)], ids=["full", "causal", "causal-window", "window"])
+@pytest.mark.parametrize(
+    "window", [(-1, -1), (-1, 0), (2, 0), (1, 2)], ids=["full", "causal", "causal-window", "window"]
+)
 def test_varlen_attn_runs_on_the_cpu_with_gradients(window):
     q, k, v, cu_q, cu_k = packed([3, 8, 1, 6], [5, 8, 4, 2])
-    out, lse = varlen.varlen_attn(q, k, v, cu_q, cu_k, 8, 8, window_size=window, enable_gqa=True,
-                                  return_aux=varlen.AuxRequest(lse=True))
+    out, lse = varlen.varlen_attn(
+        q, k, v, cu_q, cu_k, 8, 8, window_size=window, enable_gqa=True, return_aux=varlen.AuxRequest(lse=True)
+    )
     ref = reference(q, k, v, cu_q, cu_k, window)
     # lse (H, total_q): float32 as torch's, except that float64 inputs (which torch's kernels do not take) keep float64.
     assert out.shape == q.shape and lse.shape == (q.shape[1], q.shape[0]) and lse.dtype == f64
@@ -82,7 +90,9 @@ def test_out_variant_seqused_k_and_paged_keys():
     pool_k, pool_v = pages[0][order], pages[1][order]
     where = {int(p): n for n, p in enumerate(order)}  # physical page of each logical page
     table = torch.tensor([[where[0], where[1]], [where[2], where[3]]], dtype=torch.int32)
-    paged = varlen.varlen_attn(q, pool_k, pool_v, cu_q, None, 3, 8, seqused_k=used, block_table=table, window_size=(-1, 0))
+    paged = varlen.varlen_attn(
+        q, pool_k, pool_v, cu_q, None, 3, 8, seqused_k=used, block_table=table, window_size=(-1, 0)
+    )
     assert_close_to_golden(paged, out)
 
 

@@ -24,8 +24,16 @@ def packed(lengths_q, lengths_k=None, Hq=4, Hk=None, E=8, Ev=None, dtype=f64, gr
     Hk = Hq if Hk is None else Hk
     Ev = E if Ev is None else Ev
     g = torch.Generator().manual_seed(seed)
-    cu_q = torch.tensor([0, *torch.tensor(lengths_q).cumsum(0).tolist()], dtype=torch.int32) if lengths_q else torch.zeros(1, dtype=torch.int32)
-    cu_k = torch.tensor([0, *torch.tensor(lengths_k).cumsum(0).tolist()], dtype=torch.int32) if lengths_k else torch.zeros(1, dtype=torch.int32)
+    cu_q = (
+        torch.tensor([0, *torch.tensor(lengths_q).cumsum(0).tolist()], dtype=torch.int32)
+        if lengths_q
+        else torch.zeros(1, dtype=torch.int32)
+    )
+    cu_k = (
+        torch.tensor([0, *torch.tensor(lengths_k).cumsum(0).tolist()], dtype=torch.int32)
+        if lengths_k
+        else torch.zeros(1, dtype=torch.int32)
+    )
     q = torch.randn(int(cu_q[-1]), Hq, E, generator=g, dtype=dtype).requires_grad_(grad)
     k = torch.randn(int(cu_k[-1]), Hk, E, generator=g, dtype=dtype).requires_grad_(grad)
     v = torch.randn(int(cu_k[-1]), Hk, Ev, generator=g, dtype=dtype).requires_grad_(grad)
@@ -49,8 +57,20 @@ def visible(Lq, Lk, is_causal, alignment, window):
     return keep
 
 
-def reference(q, k, v, cu_q, cu_k, *, is_causal=False, alignment="top_left", window=None, score_mod=None,
-              mask_mod=None, scale=None):
+def reference(
+    q,
+    k,
+    v,
+    cu_q,
+    cu_k,
+    *,
+    is_causal=False,
+    alignment="top_left",
+    window=None,
+    score_mod=None,
+    mask_mod=None,
+    scale=None,
+):
     """The packed call as a loop of materialized float64 attentions, one per sequence."""
     outs, lses = [], []
     for s in range(len(cu_q) - 1):
@@ -63,8 +83,17 @@ def reference(q, k, v, cu_q, cu_k, *, is_causal=False, alignment="top_left", win
             o = torch.zeros(qs.shape[0], b - a, vs.shape[-1], dtype=f64)
             lse = torch.full((qs.shape[0], b - a), -math.inf, dtype=f64)
         else:
-            o, lse = naive_attention(qs, ks, vs, attn_mask=keep, scale=scale, enable_gqa=qs.shape[0] != ks.shape[0],
-                                     score_mod=sm, mask_mod=mm, return_lse=True)
+            o, lse = naive_attention(
+                qs,
+                ks,
+                vs,
+                attn_mask=keep,
+                scale=scale,
+                enable_gqa=qs.shape[0] != ks.shape[0],
+                score_mod=sm,
+                mask_mod=mm,
+                return_lse=True,
+            )
         outs.append(o.transpose(0, 1))
         lses.append(lse.transpose(0, 1))
     return torch.cat(outs), torch.cat(lses)
@@ -98,10 +127,16 @@ LENGTHS = {
 
 
 @pytest.mark.parametrize("lengths", list(LENGTHS.values()), ids=list(LENGTHS))
-@pytest.mark.parametrize("backend,chunk", [("fused", None), ("fused", (4, 4)), ("matmul", (3, 5)), ("matmul", None)],
-                         ids=["fused-whole", "fused-4", "matmul-3x5", "matmul-whole"])
-@pytest.mark.parametrize("is_causal,alignment", [(False, "top_left"), (True, "top_left"), (True, "bottom_right")],
-                         ids=["full", "causal-tl", "causal-br"])
+@pytest.mark.parametrize(
+    "backend,chunk",
+    [("fused", None), ("fused", (4, 4)), ("matmul", (3, 5)), ("matmul", None)],
+    ids=["fused-whole", "fused-4", "matmul-3x5", "matmul-whole"],
+)
+@pytest.mark.parametrize(
+    "is_causal,alignment",
+    [(False, "top_left"), (True, "top_left"), (True, "bottom_right")],
+    ids=["full", "causal-tl", "causal-br"],
+)
 def test_matches_a_loop_over_the_sequences(lengths, backend, chunk, is_causal, alignment):
     q, k, v, cu_q, cu_k = packed(lengths, grad=True)
     check(q, k, v, cu_q, cu_k, is_causal=is_causal, alignment=alignment, backend=backend, chunk_size=chunk)
@@ -186,8 +221,12 @@ def test_half_and_single_precision(dtype):
     q, k, v, cu_q, cu_k = packed([33, 7, 60], dtype=dtype)
     out = subquad.varlen_attention(q, k, v, cu_q, cu_k, is_causal=True)
     ref, _ = reference(q, k, v, cu_q, cu_k, is_causal=True)
-    same_dtype = torch.cat([naive_attention(*(t[a:b].transpose(0, 1) for t in (q, k, v)), is_causal=True).transpose(0, 1)
-                            for a, b in zip(cu_q[:-1].tolist(), cu_q[1:].tolist())])
+    same_dtype = torch.cat(
+        [
+            naive_attention(*(t[a:b].transpose(0, 1) for t in (q, k, v)), is_causal=True).transpose(0, 1)
+            for a, b in zip(cu_q[:-1].tolist(), cu_q[1:].tolist())
+        ]
+    )
     assert out.dtype == dtype
     assert_close_to_golden(out, ref, same_dtype)
 
@@ -225,7 +264,7 @@ def test_budget_plans_for_the_longest_sequence():
     out = subquad.varlen_attention(q, k, v, cu_q, cu_k, memory_budget="1MiB", backend="matmul")
     ref, _ = reference(q, k, v, cu_q, cu_k)
     assert (out.double() - ref).abs().max().item() < 1e-5
-    with pytest.raises(subquad.MemoryBudgetError, match="memory_budget=.* is too small for 3 packed sequences"):
+    with pytest.raises(subquad.MemoryBudgetError, match=r"memory_budget=.* is too small for 3 packed sequences"):
         subquad.varlen_attention(q, k, v, cu_q, cu_k, memory_budget="1KiB")
 
 
@@ -236,23 +275,44 @@ def _bad(**change):
     return args
 
 
-@pytest.mark.parametrize("change,error,match", [
-    (dict(cu_seqlens_q=torch.tensor([1, 3, 7], dtype=torch.int32)), ValueError, r"cu_seqlens_q to start at 0 and never decrease"),
-    (dict(cu_seqlens_q=torch.tensor([0, 5, 3, 7], dtype=torch.int32)), ValueError, "never decrease"),
-    (dict(cu_seqlens_k=torch.tensor([0, 3, 6], dtype=torch.int32)), ValueError, r"cu_seqlens_k\[-1\] == 7 \(the packed length of key\), got 6"),
-    (dict(cu_seqlens_q=torch.tensor([0.0, 3.0, 7.0])), TypeError, "cu_seqlens_q to be a 1-D int32"),
-    (dict(cu_seqlens_q=torch.tensor([[0, 3, 7]], dtype=torch.int32)), TypeError, "cu_seqlens_q to be a 1-D int32"),
-    (dict(cu_seqlens_k=torch.tensor([0, 7], dtype=torch.int32)), ValueError, "same number of sequences, got 2 and 1"),
-    (dict(max_seqlen_q=3), ValueError, r"max_seqlen_q=3 is smaller than the longest sequence \(4 tokens\)"),
-    (dict(query=torch.randn(1, 7, 4, 8, dtype=f64)), ValueError, r"query of packed sequences to be \(total, H, E\): 3 dims"),
-    (dict(alignment="bottom-right"), ValueError, "Unknown alignment='bottom-right'"),
-    (dict(window=(1, -1)), ValueError, r"window = \(left, right\) with ints >= 0 or None"),
-    (dict(window=3), ValueError, r"window to be None or \(left, right\)"),
-])
+@pytest.mark.parametrize(
+    "change,error,match",
+    [
+        (
+            dict(cu_seqlens_q=torch.tensor([1, 3, 7], dtype=torch.int32)),
+            ValueError,
+            r"cu_seqlens_q to start at 0 and never decrease",
+        ),
+        (dict(cu_seqlens_q=torch.tensor([0, 5, 3, 7], dtype=torch.int32)), ValueError, "never decrease"),
+        (
+            dict(cu_seqlens_k=torch.tensor([0, 3, 6], dtype=torch.int32)),
+            ValueError,
+            r"cu_seqlens_k\[-1\] == 7 \(the packed length of key\), got 6",
+        ),
+        (dict(cu_seqlens_q=torch.tensor([0.0, 3.0, 7.0])), TypeError, "cu_seqlens_q to be a 1-D int32"),
+        (dict(cu_seqlens_q=torch.tensor([[0, 3, 7]], dtype=torch.int32)), TypeError, "cu_seqlens_q to be a 1-D int32"),
+        (
+            dict(cu_seqlens_k=torch.tensor([0, 7], dtype=torch.int32)),
+            ValueError,
+            "same number of sequences, got 2 and 1",
+        ),
+        (dict(max_seqlen_q=3), ValueError, r"max_seqlen_q=3 is smaller than the longest sequence \(4 tokens\)"),
+        (
+            dict(query=torch.randn(1, 7, 4, 8, dtype=f64)),
+            ValueError,
+            r"query of packed sequences to be \(total, H, E\): 3 dims",
+        ),
+        (dict(alignment="bottom-right"), ValueError, "Unknown alignment='bottom-right'"),
+        (dict(window=(1, -1)), ValueError, r"window = \(left, right\) with ints >= 0 or None"),
+        (dict(window=3), ValueError, r"window to be None or \(left, right\)"),
+    ],
+)
 def test_bad_arguments_name_themselves(change, error, match):
     args = _bad(**change)
     with pytest.raises(error, match=match):
-        subquad.varlen_attention(**{n: args.pop(n) for n in ("query", "key", "value", "cu_seqlens_q", "cu_seqlens_k")}, **args)
+        subquad.varlen_attention(
+            **{n: args.pop(n) for n in ("query", "key", "value", "cu_seqlens_q", "cu_seqlens_k")}, **args
+        )
 
 
 def test_window_masks_equal_mods_local_window():
@@ -272,11 +332,12 @@ def test_seqused_k_uses_the_first_keys_of_each_block(alignment):
     # Key blocks of 10 (a padded or cached layout), of which each sequence uses a prefix.
     q, k, v, cu_q, cu_k = packed([4, 7, 3, 1], [10, 10, 10, 10], grad=True)
     used = torch.tensor([10, 3, 0, 6], dtype=torch.int32)
-    out, lse = subquad.varlen_attention(q, k, v, cu_q, cu_k, seqused_k=used, is_causal=True, alignment=alignment,
-                                        return_lse=True, chunk_size=(2, 4))
+    out, _lse = subquad.varlen_attention(
+        q, k, v, cu_q, cu_k, seqused_k=used, is_causal=True, alignment=alignment, return_lse=True, chunk_size=(2, 4)
+    )
     keep = torch.cat([torch.arange(s * 10, s * 10 + int(n)) for s, n in enumerate(used)])
     cu_used = torch.tensor([0, *used.cumsum(0).tolist()], dtype=torch.int32)
-    ref, ref_lse = reference(q, k[keep], v[keep], cu_q, cu_used, is_causal=True, alignment=alignment)
+    ref, _ref_lse = reference(q, k[keep], v[keep], cu_q, cu_used, is_causal=True, alignment=alignment)
     assert_close_to_golden(out, ref.detach())
     g = torch.randn_like(out)
     got = torch.autograd.grad(out, (q, k, v), g)
@@ -300,7 +361,11 @@ def test_short_sequences_share_tiles(monkeypatch, alignment):
     lengths_k = [max(0, n + int(d)) for n, d in zip(lengths_q, torch.randint(-3, 4, (61,), generator=g))]
     q, k, v, cu_q, cu_k = packed(lengths_q, lengths_k, Hq=4, Hk=2, E=16)
     check(q, k, v, cu_q, cu_k, grad=False, is_causal=True, alignment=alignment, enable_gqa=True)
-    short = [s for s, (a, b) in enumerate(zip(lengths_q, lengths_k)) if 0 < a and 4 * a * b <= _buckets.SHORT_SCORES and 4 * a <= _buckets.SHORT_ROWS]
+    short = [
+        s
+        for s, (a, b) in enumerate(zip(lengths_q, lengths_k))
+        if 0 < a and 4 * a * b <= _buckets.SHORT_SCORES and 4 * a <= _buckets.SHORT_ROWS
+    ]
     assert sorted(ran) == short and 60 not in ran
 
 
@@ -371,8 +436,9 @@ def test_gradients_write_every_row_once(monkeypatch, backend, chunk):
     monkeypatch.setattr(torch, "empty_like", lambda *a, **kw: real(*a, **kw).fill_(math.nan))
     q, k, v, cu_q, cu_k = packed([4, 0, 7, 3, 1], [10, 10, 10, 10, 10], grad=True)
     used = torch.tensor([10, 5, 3, 0, 6], dtype=torch.int32)
-    out = subquad.varlen_attention(q, k, v, cu_q, cu_k, seqused_k=used, is_causal=True, backend=backend,
-                                   chunk_size=chunk)
+    out = subquad.varlen_attention(
+        q, k, v, cu_q, cu_k, seqused_k=used, is_causal=True, backend=backend, chunk_size=chunk
+    )
     keep = torch.cat([torch.arange(s * 10, s * 10 + int(n)) for s, n in enumerate(used)])
     cu_used = torch.tensor([0, *used.cumsum(0).tolist()], dtype=torch.int32)
     ref, _ = reference(q, k[keep], v[keep], cu_q, cu_used, is_causal=True)
