@@ -149,9 +149,12 @@ def test_the_backward_kernel_matches_its_definition(kernel):
     assert bool((p[0, 2] == 0).all()) and bool((ds[0, 2] == 0).all())
 
 
-def test_next_offsets_match_the_eager_bookkeeping(kernel):
+@pytest.mark.parametrize("alpha", [0.125 * matmul.LOG2E, 0.0, 1e-46, 2e-38, 1.3e-38], ids=str)
+def test_next_offsets_match_the_eager_bookkeeping(kernel, alpha):
     # far_rows and OffsetOperand.set_offset, which the eager path runs: the same far rows, the
-    # same offsets returned and written into the operand's strided offset column.
+    # same offsets returned and written into the operand's strided offset column; products that
+    # vanish (a scale of 0 or one that underflows float32) have offset 0 in both, and offsets that
+    # overflow bfloat16 once divided by the scale (just above float32's smallest normal) too.
     g = torch.Generator().manual_seed(12)
     m_run = torch.randn(3, 40, generator=g) * 4
     m_run[0, :5] = -math.inf  # nothing seen yet
@@ -160,7 +163,6 @@ def test_next_offsets_match_the_eager_bookkeeping(kernel):
     m_tile[2, 0] = math.nan
     used = (m_run + torch.randn(3, 40, generator=g)).to(BF16).float()
     used[0, 5] = math.inf  # not finite: offset 0
-    alpha = 0.125 * matmul.LOG2E
     want_op = offsets.OffsetOperand(torch.zeros(3, 40, 16, dtype=BF16), alpha)
     moved, want_far, _ = offsets.far_rows(m_tile, m_run, used.unsqueeze(-1))
     want = want_op.set_offset(torch.where(moved, m_tile, used)).squeeze(-1)

@@ -105,9 +105,9 @@ def test_the_loop_matches_float64(loop, name):
     assert err < 1e-4, err
 
 
-SCALES = (-0.3, 0.0, 0.7)
+SCALES = (-0.3, 0.0, 1e-45, 0.7)
 """Scales for :func:`assert_scale_matches_float64`: a positive one's products go to the
-exponentials unscaled (the scale is their FMA); zero and negative ones are scaled first."""
+exponentials unscaled (the scale is their FMA); zero, underflowing and negative ones are scaled first."""
 
 
 def assert_scale_matches_float64(kernel, dtype, scale, loop_name, lse_tol):

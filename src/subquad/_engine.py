@@ -261,7 +261,7 @@ def _one_kernel(inp: Inputs, chunk: Tuple[int, int], s: int, rows: Tuple[int, in
     if not inp.is_causal:
         return False
     assert inp.packed is not None
-    if inp.causal_offset + inp.packed.offset(s) != 0 or inp.scale <= 0:
+    if inp.causal_offset + inp.packed.offset(s) != 0 or not inp.positive_scale:
         return None
     return ke - ks > 1  # one key: every row sees it (kv_segments calls that tile "none")
 

@@ -212,7 +212,7 @@ def remember(k: Optional[Tuple[Any, ...]], inp: Inputs, plan: Plan, memory_budge
         plan.backend == "fused"
         and inp.attn_mask is None
         and inp.E == inp.Ev
-        and inp.scale > 0
+        and inp.positive_scale
         and inp.query.stride(-1) == 1
         and inp.key.stride(-1) == 1
         and inp.value.stride(-1) == 1

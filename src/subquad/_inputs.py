@@ -217,6 +217,15 @@ class Inputs:
         return 8 if self.dtype == torch.float64 else 4
 
     @property
+    def positive_scale(self) -> bool:
+        """Whether the scale is positive in the statistics' arithmetic (:attr:`stats_dtype`): at
+        least its smallest normal number. torch's fused kernels apply their own causal flag as
+        ``-inf`` scores before they scale them: with a scale of 0 there (1e-46 is 0 in float32; a
+        subnormal one is 0 where denormals are flushed) or a negative one, the masked entries
+        become NaN or the largest. Without it, causal masks go into a bias."""
+        return self.scale >= torch.finfo(self.stats_dtype).tiny
+
+    @property
     def bias_dtype(self) -> torch.dtype:
         """The dtype of a bias tile fed to a fused kernel.
 
@@ -350,12 +359,15 @@ def fold_batch(t: Tensor, batch: Sequence[int]) -> Optional[Tensor]:
     """``t`` (rank ``len(batch) + 3``) with its batch dims folded into one, as a view, or ``None``.
 
     Each batch dim of ``t`` is 1 (broadcast) or ``batch[i]``; the folded dim is 1 if all are 1,
-    ``prod(batch)`` if none is broadcast and the strides allow a view.
+    ``prod(batch)`` if none is broadcast and the strides allow a view, and 0 whatever the
+    broadcast and the strides if ``batch`` is empty (a view of no elements).
     """
     nb = len(batch)
     sizes, rest = tuple(t.shape[:nb]), tuple(t.shape[nb:])
     if all(s == 1 for s in sizes):
         return t.reshape(1, *rest)
+    if prod(batch) == 0:
+        return t.expand(*batch, *rest).reshape(0, *rest)
     if any(s != b for s, b in zip(sizes, batch)):
         return None  # broadcast in some batch dims only
     try:

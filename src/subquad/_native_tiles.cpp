@@ -203,7 +203,9 @@ void check_rows(const torch::Tensor& t, int64_t rows, const char* what) {
 // offsets its product used. col: (batch, rows) bfloat16, any strides: the offset column of the
 // rows' operand (subquad/_backends/offsets.py, OffsetOperand). Per row: moved = m_tile > m_run;
 // far = moved and |m_tile - used| > drift; the next offset o = m_tile where moved, else used (0
-// where not finite) is written to col as -bf16(o / alpha) and returned as bf16(o / alpha) · alpha.
+// where not finite) is written to col as -bf16(o / alpha) and returned as bf16(o / alpha) · alpha;
+// bf16(o / alpha) is 0 where alpha is below float32's smallest normal (the products are 0:
+// OffsetOperand.vanishes) or where it overflows bfloat16, as in OffsetOperand.set_offset.
 // Returns (next offsets (batch, rows) float32, far (batch, rows) bool, the number of far rows).
 std::tuple<torch::Tensor, torch::Tensor, int64_t> next_offsets(torch::Tensor m_tile, torch::Tensor m_run,
                                                                torch::Tensor used, torch::Tensor col, double alpha,
@@ -222,6 +224,7 @@ std::tuple<torch::Tensor, torch::Tensor, int64_t> next_offsets(torch::Tensor m_t
   uint16_t* c = reinterpret_cast<uint16_t*>(col.data_ptr());
   const int64_t s0 = col.stride(0), s1 = col.stride(1);
   const float a = static_cast<float>(alpha), d = static_cast<float>(drift);
+  const bool vanishes = std::fabs(alpha) < std::numeric_limits<float>::min();
   int64_t n_far = 0;
   for (int64_t b = 0; b < batch; ++b) {
     for (int64_t r = 0; r < rows; ++r) {
@@ -232,7 +235,8 @@ std::tuple<torch::Tensor, torch::Tensor, int64_t> next_offsets(torch::Tensor m_t
       n_far += is_far;
       float o = moved ? mt[i] : u[i];
       o = std::isfinite(o) ? o : 0.0f;
-      const uint16_t h = float_to_bf16(o / a);
+      uint16_t h = vanishes ? uint16_t{0} : float_to_bf16(o / a);
+      if ((h & 0x7F80u) == 0x7F80u) h = 0;  // infinite or NaN
       c[b * s0 + r * s1] = static_cast<uint16_t>(h ^ 0x8000u);  // -h: the sign bit flipped
       nx[i] = bf16_to_float(h) * a;
     }

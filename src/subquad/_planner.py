@@ -577,10 +577,11 @@ def score_mod_seconds(inp: Inputs) -> float:
     grids. A hand-written tanh soft-cap took about 3 ns per score on the 2-core CPU, 7x the
     softmax work of the rates (without it, ``explain()`` predicted a fifth of that call's time).
 
-    0 without a ``score_mod``, when the probe raises (the call itself will say why), and off the
-    CPU (a GPU's elementwise work is a small part of a call; not measured there).
+    0 without a ``score_mod``, for a call with no score to compute (an empty output or no key:
+    the engine computes nothing), when the probe raises (the call itself will say why), and off
+    the CPU (a GPU's elementwise work is a small part of a call; not measured there).
     """
-    if inp.score_mod is None or inp.device.type != "cpu" or inp.Lq == 0 or inp.Lk == 0:
+    if inp.score_mod is None or inp.device.type != "cpu" or inp.empty or inp.Lk == 0:
         return 0.0
     return per_callback("cost", inp.score_mod, inp.dtype, inp.device, lambda: _time_score_mod(inp))
 

@@ -287,9 +287,10 @@ def _generated_causal(inp: Inputs, qc: int, kc: int) -> bool:
     """Whether some tile of these sizes needs a generated causal mask (not the kernel's own flag).
 
     The kernel's flag is top-left within a tile: square tiles aligned with the diagonal use it.
-    It returns NaN with ``scale <= 0``, so then every partly visible tile gets a generated mask.
+    It returns NaN without a positive scale (:attr:`Inputs.positive_scale`), so then every partly
+    visible tile gets a generated mask.
     """
-    if inp.scale <= 0:
+    if not inp.positive_scale:
         return True
     qc, kc = min(qc, max(inp.Lq, 1)), min(kc, max(inp.Lk, 1))
     off = inp.causal_offset

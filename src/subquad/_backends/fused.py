@@ -164,7 +164,7 @@ def _plain_square_causal(inp: Inputs) -> bool:
         and inp.causal_offset == 0
         and inp.attn_mask is None
         and not inp.has_callbacks
-        and inp.scale > 0
+        and inp.positive_scale
     )
 
 
@@ -319,10 +319,10 @@ class FusedCPU(Backend):
 
     @staticmethod
     def causal_in_kernel(inp: Inputs, seg: Segment) -> bool:
-        # The kernel's own causal flag is top-left within the tile (a diagonal tile). With
-        # scale <= 0 it returns NaN (it scales the masked -inf scores), so the mask goes into
+        # The kernel's own causal flag is top-left within the tile (a diagonal tile). Without a
+        # positive scale it returns NaN (it scales the masked -inf scores), so the mask goes into
         # the bias then.
-        return seg.causal == "diag" and inp.scale > 0
+        return seg.causal == "diag" and inp.positive_scale
 
     def bias(self, inp: Inputs, qs: int, qe: int, seg: Segment) -> Optional[Tensor]:
         """The tile's float bias for the kernel (masks, generated causal part, additive ``score_mod``)."""

@@ -56,26 +56,41 @@ class OffsetOperand:
     def __init__(self, a: Tensor, alpha: float) -> None:
         batch, rows, e = a.shape
         self.e, self.alpha = e, alpha
+        # torch's CPU bfloat16 baddbmm writes nothing when alpha is 0 in float32 (torch 2.13: the
+        # output keeps what it held). An alpha below float32's smallest normal (a scale of 0, or
+        # one that underflows) makes every product 0 or far below what a softmax tells from 0:
+        # such products are 0 here, and so are their offsets.
+        self.vanishes = abs(alpha) < torch.finfo(torch.float32).tiny
         self.rows = torch.empty((batch, rows, e + 1), dtype=a.dtype, device=a.device)
         self.rows[..., :e].copy_(a)
 
     def set_offset(self, off: Tensor) -> Tensor:
         """Set each row's offset from ``off`` (batch, rows), values near its largest: rounded to
         the operands' dtype, 0 where not finite. Returns the offsets the products subtract, in
-        ``off``'s dtype, ``(batch, rows, 1)``."""
+        ``off``'s dtype, ``(batch, rows, 1)``.
+
+        The column holds ``off / alpha``: 0 where the products vanish (:attr:`vanishes`), and
+        where it overflows the operands' dtype (an ``alpha`` just above float32's smallest normal
+        with an offset far from 0: the lse of the backward), as ``alpha · a @ bᵀ`` is then nearly 0.
+        """
         finite = torch.nan_to_num(off, nan=0.0, posinf=0.0, neginf=0.0)
-        col = finite.div(self.alpha).to(self.rows.dtype)
+        col = torch.zeros_like(finite) if self.vanishes else finite.div(self.alpha)
+        col = torch.nan_to_num(col.to(self.rows.dtype), nan=0.0, posinf=0.0, neginf=0.0)
         self.rows[..., self.e].copy_(col.neg())
         return col.to(off.dtype).mul_(self.alpha).unsqueeze(-1)
 
     def product(self, b_ext: Tensor, out: Tensor) -> Tensor:
         """``alpha · a @ bᵀ - offset`` for ``b_ext = [b, 1]`` from :meth:`operand`, rounded once,
         written to ``out``."""
+        if self.vanishes:
+            return out.zero_()
         return torch.baddbmm(out, self.rows, b_ext.transpose(1, 2), beta=0.0, alpha=self.alpha, out=out)
 
     def rows_product(self, b_ext: Tensor, batch: int, rows: Tensor) -> Tensor:
         """:meth:`product` for some ``rows`` of one ``batch`` entry only, as a new tensor."""
         a = self.rows[batch].index_select(0, rows)
+        if self.vanishes:
+            return a.new_zeros(rows.numel(), b_ext.shape[1])
         return torch.addmm(a.new_empty(rows.numel(), b_ext.shape[1]), a, b_ext[batch].t(), beta=0.0, alpha=self.alpha)
 
     def operand(self, b: Tensor, scratch: Scratch) -> Tensor:

@@ -68,8 +68,10 @@ class Sdpa(Backend):
             reasons.append("attn_mask requires grad: SDPA would take its math path (Lq x Lk memory)")
         if inp.is_causal and inp.causal_offset != 0:
             reasons.append("bottom-right causal: torch's SDPA takes it only as a CausalBias, which may materialize it")
-        if inp.is_causal and inp.scale <= 0:
-            reasons.append(f"is_causal with scale={inp.scale:g} <= 0: torch's fused kernels return NaN")
+        if inp.is_causal and not inp.positive_scale:
+            reasons.append(
+                f"is_causal with scale={inp.scale:g}, not positive in {inp.stats_dtype}: torch's fused kernels return NaN"
+            )
         if inp.n_groups > 1 or inp.kv_broadcast or inp.query.shape[0] != inp.B:
             reasons.append("batch dims broadcast between query, key and value: SDPA may expand them in memory")
         if inp.device_type == "cpu":
