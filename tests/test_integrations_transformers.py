@@ -8,15 +8,18 @@ A larger ``initializer_range`` than the default makes attention peaky enough tha
 or a wrong head mapping changes the logits by O(1), not by rounding.
 """
 
+import inspect
+
 import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
 
-import subquad  # noqa: E402
-from subquad.integrations import transformers as sqt  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM  # noqa: E402
 from transformers import masking_utils as mu  # noqa: E402
+
+import subquad  # noqa: E402
+from subquad.integrations import transformers as sqt  # noqa: E402
 
 MANY_TILES = (7, 5)
 VOCAB = 101
@@ -37,9 +40,15 @@ def registered():
 def _llama(**overrides):
     torch.manual_seed(0)
     cfg = dict(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-        initializer_range=0.3, pad_token_id=0,
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        initializer_range=0.3,
+        pad_token_id=0,
     )
     cfg.update(overrides)
     return LlamaForCausalLM(LlamaConfig(**cfg)).double().eval()
@@ -48,9 +57,16 @@ def _llama(**overrides):
 def _mistral():
     torch.manual_seed(0)
     cfg = MistralConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, sliding_window=6, max_position_embeddings=256,
-        initializer_range=0.3, pad_token_id=0,
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        sliding_window=6,
+        max_position_embeddings=256,
+        initializer_range=0.3,
+        pad_token_id=0,
     )
     return MistralForCausalLM(cfg).double().eval()
 
@@ -102,7 +118,9 @@ def _padding(total, pads):
 
 def _packed():
     if not hasattr(mu, "remap_positions_for_packed_sequence"):
-        pytest.skip("this transformers has no masking_utils.remap_positions_for_packed_sequence (transformers 5.20 has not)")
+        pytest.skip(
+            "this transformers has no masking_utils.remap_positions_for_packed_sequence (transformers 5.20 has not)"
+        )
     pos = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3], list(range(9))])
     fn = mu.and_masks(
         mu.remap_positions_for_packed_sequence(mu.causal_mask_function, pos),
@@ -114,20 +132,36 @@ def _packed():
 MASK_CASES = {
     "causal-square": lambda: dict(q_length=9, kv_length=9),
     "causal-left-padding": lambda: dict(q_length=9, kv_length=9, attention_mask=_padding(9, (3, 0))),
-    "decode-one-query-long-cache": lambda: dict(q_length=1, kv_length=30, q_offset=29, attention_mask=_padding(30, (4, 0))),
+    "decode-one-query-long-cache": lambda: dict(
+        q_length=1, kv_length=30, q_offset=29, attention_mask=_padding(30, (4, 0))
+    ),
     "chunked-prefill": lambda: dict(q_length=5, kv_length=12, q_offset=7, attention_mask=_padding(12, (2, 1))),
-    "sliding-window": lambda: dict(q_length=17, kv_length=17, local_size=5, mask_function=mu.sliding_window_causal_mask_function(5)),
+    "sliding-window": lambda: dict(
+        q_length=17, kv_length=17, local_size=5, mask_function=mu.sliding_window_causal_mask_function(5)
+    ),
     "sliding-window-cache-offset": lambda: dict(
-        q_length=3, kv_length=7, q_offset=9, kv_offset=5, local_size=5,
-        mask_function=mu.sliding_window_causal_mask_function(5), attention_mask=_padding(12, (2, 0)),
+        q_length=3,
+        kv_length=7,
+        q_offset=9,
+        kv_offset=5,
+        local_size=5,
+        mask_function=mu.sliding_window_causal_mask_function(5),
+        attention_mask=_padding(12, (2, 0)),
     ),
     "static-cache-prefill": lambda: dict(q_length=6, kv_length=16, attention_mask=_padding(6, (0, 0))),
     "bidirectional-padding": lambda: dict(
-        q_length=7, kv_length=7, mask_function=mu.bidirectional_mask_function, attention_mask=_padding(7, (2, 0)),
-        allow_is_causal_skip=False, allow_is_bidirectional_skip=True,
+        q_length=7,
+        kv_length=7,
+        mask_function=mu.bidirectional_mask_function,
+        attention_mask=_padding(7, (2, 0)),
+        allow_is_causal_skip=False,
+        allow_is_bidirectional_skip=True,
     ),
     "chunked-attention": lambda: dict(
-        q_length=11, kv_length=11, local_size=4, mask_function=mu.chunked_causal_mask_function(4, torch.tensor([2, 0])),
+        q_length=11,
+        kv_length=11,
+        local_size=4,
+        mask_function=mu.chunked_causal_mask_function(4, torch.tensor([2, 0])),
     ),
     "packed-sequences": _packed,
 }
@@ -228,9 +262,17 @@ def test_softcap_runs_as_score_mod():
 
     torch.manual_seed(0)
     cfg = Gemma2Config(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=6,
-        attn_logit_softcapping=2.0, initializer_range=0.3, pad_token_id=0,
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        sliding_window=6,
+        attn_logit_softcapping=2.0,
+        initializer_range=0.3,
+        pad_token_id=0,
     )
     model = Gemma2ForCausalLM(cfg).double().eval()
     ids, mask = _batch(19, pads=(0, 0))
@@ -244,9 +286,18 @@ def test_attention_sinks_renormalise_by_the_lse():
 
     torch.manual_seed(0)
     cfg = GptOssConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=6,
-        num_local_experts=4, num_experts_per_tok=2, initializer_range=0.3, pad_token_id=0,
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        sliding_window=6,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        initializer_range=0.3,
+        pad_token_id=0,
     )
     model = GptOssForCausalLM(cfg).eval()
     with torch.no_grad():
@@ -283,17 +334,199 @@ def test_compiled_model_has_no_graph_break():
     _close(out, golden, what="compiled logits")
 
 
-def test_output_attentions_is_refused():
-    model = _llama()
+@pytest.fixture
+def transformers_warnings():
+    """What transformers' loggers print, with ``warning_once``'s memory cleared before and after."""
+    import io
+    import logging
+
+    from transformers.utils import logging as tf_logging
+
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    root = tf_logging.get_logger()
+    tf_logging.warning_once.cache_clear()
+    root.addHandler(handler)
+    yield stream
+    root.removeHandler(handler)
+    tf_logging.warning_once.cache_clear()
+
+
+def _attention_outputs(outputs):
+    return {k: v for k, v in outputs.items() if "attentions" in k}
+
+
+@pytest.mark.parametrize("family", ["llama", "bart"])
+def test_output_attentions_behaves_as_under_sdpa(transformers_warnings, family):
+    # transformers 5's "sdpa" warns once and returns no weights (empty tuples); so does "subquad".
+    ids, mask = _batch(7, pads=(2, 0))
+    model = _llama() if family == "llama" else _bart()
+    extra = {} if family == "llama" else {"decoder_input_ids": ids[:, :4]}
+    runs = {}
+    for impl in ("sdpa", "subquad"):
+        model.set_attn_implementation(impl)
+        with torch.no_grad():
+            first = model(ids, attention_mask=mask, output_attentions=True, **extra)
+            model(ids, attention_mask=mask, output_attentions=True, **extra)
+        runs[impl] = first
+    printed = transformers_warnings.getvalue().splitlines()
+    for impl in ("sdpa", "subquad"):
+        assert sum(f"`{impl}` attention does not support `output_attentions=True`" in line for line in printed) == 1
+        assert runs[impl].keys() == runs["sdpa"].keys()
+        assert _attention_outputs(runs[impl]) == _attention_outputs(runs["sdpa"])
+        assert all(v == () for v in _attention_outputs(runs[impl]).values())
+    _close(runs["subquad"].logits, runs["sdpa"].logits, what="logits")
     model.set_attn_implementation("subquad")
-    ids, _ = _batch(7, pads=(0,))
-    with pytest.raises(NotImplementedError, match="output_attentions"):
-        model(ids, output_attentions=True)
+    with torch.no_grad():  # return_dict=False keeps the (empty) attentions in the tuple, as "sdpa" does
+        as_tuple = model(ids, attention_mask=mask, output_attentions=True, return_dict=False, **extra)
+    model.set_attn_implementation("sdpa")
+    with torch.no_grad():
+        golden = model(ids, attention_mask=mask, output_attentions=True, return_dict=False, **extra)
+    assert [type(x) for x in as_tuple] == [type(x) for x in golden]
 
 
 def test_register_rejects_unknown_options():
-    with pytest.raises(TypeError, match="unexpected option.*'mask_mod'"):
+    with pytest.raises(TypeError, match=r"unexpected option.*'mask_mod'"):
         sqt.register(mask_mod=lambda b, h, q, k: q >= k)
+
+
+# ----------------------------------------------------------------------------- static caches
+# A StaticCache hands the mask its query offset as a tensor that each layer's update() increases in
+# place. The LazyMask is evaluated inside the layer, after that update: it must use the offset as
+# it was when the mask was made, as "sdpa" (which builds the tensor at once) does. Where no 2-D mask
+# covers the empty slots past the offset, a mask reading the live tensor lets each query see the
+# next, still empty, slot.
+def test_lazy_mask_keeps_the_static_cache_offset_it_was_made_with():
+    from transformers import StaticCache
+
+    cfg = LlamaConfig(num_hidden_layers=1, hidden_size=32, num_attention_heads=4, num_key_value_heads=4)
+    cache = StaticCache(config=cfg, max_cache_len=6)
+    kv = torch.zeros(1, 4, 3, 8)
+    cache.update(kv, kv, 0)
+    masks = {}
+    for impl in ("sdpa", "subquad"):
+        cfg._attn_implementation = impl
+        masks[impl] = mu.create_causal_mask(cfg, torch.zeros(1, 1, 32), None, cache)
+    assert isinstance(masks["subquad"], sqt.LazyMask)
+    new = torch.zeros(1, 4, 1, 8)
+    cache.update(new, new, 0)  # the layer writes before it attends
+    assert masks["sdpa"][0, 0, 0].tolist() == [True] * 4 + [False] * 2
+    assert torch.equal(masks["subquad"].materialize(), masks["sdpa"])
+
+
+def _qwen2():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        initializer_range=0.3,
+        pad_token_id=0,
+    )
+    return Qwen2ForCausalLM(cfg).double().eval()
+
+
+def _decode_loop(model, impl, ids, n=7):
+    """transformers' recipe for a StaticCache by hand: prefill, then one token at a time, no mask.
+    The logits of the last position at each step ``(B, n + 1, V)``."""
+    from transformers import StaticCache
+
+    model.set_attn_implementation(impl)
+    # transformers 5.24 renamed the argument past_key_values -> cache (the old name warns).
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    cache = {name: StaticCache(config=model.config, max_cache_len=ids.shape[1] + n + 3)}
+    steps = []
+    with torch.no_grad():
+        logits = model(ids, **cache, use_cache=True).logits[:, -1]
+        for _ in range(n):
+            steps.append(logits)
+            logits = model(logits.argmax(-1, keepdim=True), **cache, use_cache=True).logits[:, -1]
+    return torch.stack(steps + [logits], dim=1)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_static_cache_decode_loop_without_a_mask_matches_eager(calls, family):
+    model = _llama() if family == "llama" else _qwen2()
+    ids, _ = _batch(9, pads=(0, 0))
+    golden = _decode_loop(model, "eager", ids)
+    calls.clear()
+    out = _decode_loop(model, "subquad", ids)
+    # eager's softmax runs in float32; the mask bug moved these logits by 1e-2 to 1.
+    _close(out, golden, tol=1e-6, what="decode-loop logits vs eager")
+    _close(out, _decode_loop(model, "sdpa", ids), what="decode-loop logits vs sdpa")
+    assert any(c["Lq"] == 1 and c["mask_mod"] is not None for c in calls)  # the LazyMask path ran
+
+
+def _t5():
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    torch.manual_seed(0)
+    cfg = T5Config(
+        vocab_size=VOCAB,
+        d_model=32,
+        d_kv=8,
+        d_ff=64,
+        num_layers=2,
+        num_heads=4,
+        pad_token_id=0,
+        eos_token_id=1,
+        decoder_start_token_id=0,
+        initializer_factor=3.0,
+    )
+    return T5ForConditionalGeneration(cfg).double().eval()
+
+
+def _bart():
+    from transformers import BartConfig, BartForConditionalGeneration
+
+    torch.manual_seed(0)
+    cfg = BartConfig(
+        vocab_size=VOCAB,
+        d_model=32,
+        encoder_layers=2,
+        decoder_layers=2,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=64,
+        decoder_ffn_dim=64,
+        max_position_embeddings=64,
+        pad_token_id=1,
+        eos_token_id=2,
+        bos_token_id=0,
+        decoder_start_token_id=2,
+        init_std=0.3,
+    )
+    return BartForConditionalGeneration(cfg).double().eval()
+
+
+@pytest.mark.parametrize("family", ["t5", "bart"])
+def test_encoder_decoder_generate_with_a_static_cache_matches_eager(calls, family):
+    model = _t5() if family == "t5" else _bart()
+    ids, mask = _batch(11, pads=(3, 0))
+    scores = {}
+    for impl in ("eager", "subquad"):
+        model.set_attn_implementation(impl)
+        with torch.no_grad():
+            result = model.generate(
+                ids,
+                attention_mask=mask,
+                max_new_tokens=6,
+                min_new_tokens=6,
+                do_sample=False,
+                cache_implementation="static",
+                output_logits=True,
+                return_dict_in_generate=True,
+            )
+        scores[impl] = (result.sequences, torch.stack(result.logits, dim=1))
+    assert torch.equal(scores["subquad"][0], scores["eager"][0])
+    _close(scores["subquad"][1], scores["eager"][1], tol=1e-6, what="generate logits vs eager")
+    assert any(c["Lq"] == 1 and c["mask_mod"] is not None for c in calls)
 
 
 # ----------------------------------------------------------------------------- padding-free batches
@@ -314,7 +547,9 @@ def varlen_calls(monkeypatch):
     real = subquad.varlen_attention
 
     def spy(query, key, value, cu_seqlens_q, cu_seqlens_k, **kwargs):
-        seen.append(dict(kwargs, cu_q=cu_seqlens_q.tolist(), cu_k=cu_seqlens_k.tolist(), Hq=query.shape[1], Hk=key.shape[1]))
+        seen.append(
+            dict(kwargs, cu_q=cu_seqlens_q.tolist(), cu_k=cu_seqlens_k.tolist(), Hq=query.shape[1], Hk=key.shape[1])
+        )
         return real(query, key, value, cu_seqlens_q, cu_seqlens_k, **kwargs)
 
     monkeypatch.setattr(subquad, "varlen_attention", spy)
@@ -342,7 +577,10 @@ def _packed_vs_separate(model, batch, sequences, golden_impl):
                 (part * weights[:, cu[s] : cu[s + 1]]).sum().backward()
                 parts.append(part)
             logits = torch.cat(parts, dim=1)
-        results[impl] = (logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+        results[impl] = (
+            logits.detach(),
+            {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
+        )
     return results["subquad"], results[golden_impl]
 
 
@@ -368,9 +606,18 @@ def test_padding_free_batch_sliding_window_softcap_and_scaling(varlen_calls):
 
     torch.manual_seed(0)
     cfg = Gemma2Config(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=6, query_pre_attn_scalar=24,
-        attn_logit_softcapping=2.0, initializer_range=0.3, pad_token_id=0,
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        sliding_window=6,
+        query_pre_attn_scalar=24,
+        attn_logit_softcapping=2.0,
+        initializer_range=0.3,
+        pad_token_id=0,
     )
     model = Gemma2ForCausalLM(cfg).double()
     batch, sequences = _flattened((9, 3, 14), seed=2)
@@ -381,4 +628,4 @@ def test_padding_free_batch_sliding_window_softcap_and_scaling(varlen_calls):
         _close(grads[name], g, tol=1e-4, what=f"grad of {name}")
     assert sorted(c["window"] is not None for c in varlen_calls) == [False, True]
     for c in varlen_calls:
-        assert c["window"] in (None, (5, 5)) and c["score_mod"] is not None and c["scale"] == 24 ** -0.5
+        assert c["window"] in (None, (5, 5)) and c["score_mod"] is not None and c["scale"] == 24**-0.5

@@ -25,6 +25,7 @@ batches that carry flash-attn's ``cu_seq_lens_q``/``cu_seq_lens_k`` (transformer
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
@@ -41,6 +42,10 @@ NAME = "subquad"
 OPTIONS = ("memory_budget", "chunk_size", "backend")
 
 _options: Dict[str, Any] = {}
+
+_logger: Any = logging.getLogger("transformers.integrations.subquad")
+"""A child of transformers' logger, as ``"sdpa"``'s is, so that transformers' verbosity settings apply to
+its warnings too; ``warning_once`` is the method transformers adds to ``logging.Logger``."""
 
 
 class LazyMask:
@@ -185,7 +190,15 @@ def subquad_mask(
         if allow_is_bidirectional_skip and no_padding:
             return None
 
-    pad = padding_mask
+    # "sdpa" evaluates its mask here; this one is evaluated inside each layer, after the layer has
+    # written its keys to the cache. So it keeps copies of the tensors the caller may change in
+    # place meanwhile: a StaticCache's query offset is its cumulative_length, which each layer's
+    # update() increases (read live, every query would also see the next, still empty slot). A
+    # clone of the 0-d tensor rather than int(): no device sync on the decode step. The 2-D mask
+    # is copied only where it is still the caller's own tensor (B x Lk bools).
+    if isinstance(q_offset, Tensor):
+        q_offset = q_offset.clone()
+    pad = padding_mask.clone() if padding_mask is not None and padding_mask is attention_mask else padding_mask
 
     # Positions inside the call -> absolute positions, which transformers' functions expect.
     def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
@@ -298,7 +311,9 @@ def subquad_attention_forward(
     ``query (B, Hq, Lq, E)``, ``key (B, Hk, Lk, E)``, ``value (B, Hk, Lk, Ev)`` with ``Hq`` a
     multiple of ``Hk``; ``attention_mask`` is ``None``, a :class:`LazyMask`, or a bool/float
     tensor that broadcasts to ``(B, Hq, Lq, Lk)`` (a custom 4-D mask is passed through).
-    Returns ``(out (B, Lq, Hq, Ev), None)``: attention weights are never formed.
+    Returns ``(out (B, Lq, Hq, Ev), None)``: attention weights are never formed. With
+    ``output_attentions=True`` it does what ``"sdpa"`` does: logs a warning once (through
+    transformers' logging) and returns no weights.
 
     Beyond ``"sdpa"``: ``softcap`` (Gemma 2) runs as a ``score_mod``, and attention sinks
     (``s_aux``, one logit per head) renormalise the output by the log-sum-exp.
@@ -310,9 +325,11 @@ def subquad_attention_forward(
     mask is evaluated; not under ``torch.compile``, with a position bias or a padding mask.
     """
     if kwargs.get("output_attentions", False):
-        raise NotImplementedError(
-            'attn_implementation="subquad" never forms the attention weights, so it cannot return them; '
-            'use attn_implementation="eager" for output_attentions=True.'
+        # As "sdpa" does: say so once and return no weights (the model's outputs then hold empty
+        # tuples of attentions, as under "sdpa").
+        _logger.warning_once(
+            "`subquad` attention does not support `output_attentions=True`: it never forms the attention weights."
+            " Please set your attention to `eager` if you want any of these features."
         )
     q_length, kv_length = query.shape[2], key.shape[2]
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
