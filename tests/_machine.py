@@ -19,7 +19,8 @@ environment, check that nothing else leaks through (``.ci/robustness``, docs/ci/
     states the machine it assumes (:func:`fake_cpu`); this switch finds the ones that do not.
 ``SUBQUAD_TEST_RECORD=PATH``
     append to ``PATH`` one JSON line per reading: which test (``PYTEST_CURRENT_TEST``) read which
-    of ``rates``, ``threads``, ``free-memory``, ``clock``, ``cpu``, and from which function.
+    of ``rates``, ``threads``, ``free-memory``, ``clock``, ``cpu`` (a plan that changes with the
+    CPU), ``cpu-read`` (asked whether it multiplies half precision natively), and from where.
 
 Both apply to the test process and to the helpers it starts (``_memory_probe.py``,
 ``_distributed_cases.py`` call :func:`install` too). Nothing here imports pytest.
@@ -55,7 +56,7 @@ any such table, not for these numbers."""
 
 RATE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
-KINDS = ("rates", "threads", "free-memory", "clock", "cpu")
+KINDS = ("rates", "threads", "free-memory", "clock", "cpu", "cpu-read")
 
 # Clock readings whose value cannot change a result: the free-memory cache's expiry, the start of
 # a progress log that is off unless a call is predicted long (then ``Progress.tick`` reads the
@@ -204,11 +205,6 @@ def fake_cpu(monkeypatch: Any, name: str, kernel: Any = "keep") -> Machine:
         view = None if machine.build is None else Build(machine, real)
         monkeypatch.setitem(_native._LOADED, "module", view)
     return machine
-
-
-def ambient_machine() -> Optional[str]:
-    """``SUBQUAD_TEST_CPU``, or ``None``."""
-    return os.environ.get("SUBQUAD_TEST_CPU", "").strip() or None
 
 
 def _install_cpu(name: str) -> None:
@@ -405,10 +401,10 @@ def selects(row: Dict[str, str]) -> bool:
 
 
 def selects_cpu(row: Dict[str, str]) -> bool:
-    """Whether a reading makes its test one that ``.ci/robustness`` reruns on other CPUs
+    """Whether a reading makes its test one that ``.ci/robustness quick`` reruns on other CPUs
     (``SUBQUAD_TEST_CPU``): one of its plans changes with the machine (``_planning`` plans every
-    call again on each of :data:`MACHINES`), or it asked whether the CPU multiplies half
-    precision natively outside the planner (the products a tile runs)."""
+    call again on each of :data:`MACHINES`). Tests that only asked whether the CPU multiplies half
+    precision natively (``cpu-read``: the products their tiles ran) are left to ``full``."""
     return row["test"] != "<outside a test>" and row["kind"] == "cpu"
 
 
