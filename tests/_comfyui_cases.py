@@ -498,6 +498,53 @@ def vae_node():
 
 
 @case
+def mps_torch_2_12():
+    """One SD1.5 step and a VAE decode through the node on a simulated Mac with torch 2.12: every
+    attention call reaches torch's SDPA through subquad's MPS router (no explicit scale, no
+    causal flag), and the results equal ComfyUI's default."""
+    from subquad._backends import sdpa as sdpa_module
+    from subquad._inputs import Inputs
+
+    model_cls, vae_cls = node_classes()
+    model = tiny_sd15()
+    base, _, n_default = sample(model)
+    vae = tiny_vae()
+    latent = torch.randn(1, 4, 16, 16, generator=torch.Generator().manual_seed(6))
+    vae_base, _, _ = decode(vae, latent)
+    calls = []
+    real_sdpa, real_type, real_version = sdpa_module.TORCH_SDPA, Inputs.device_type, torch.__version__
+
+    def record(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        calls.append((tuple(q.shape), tuple(v.shape), q.dtype, attn_mask is not None, is_causal, scale))
+        return real_sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale)
+
+    sdpa_module.TORCH_SDPA = record
+    Inputs.device_type = property(lambda self: "mps")
+    torch.__version__ = torch.torch_version.TorchVersion("2.12.1")
+    subquad._fast.clear()  # plans remembered for the CPU cases above (a real tensor never changes device)
+    try:
+        (patched,) = model_cls().patch(model, "")
+        out, n_sq, n_cq = sample(patched)
+        (patched_vae,) = vae_cls().patch(vae, "")
+        vae_out, n_vae, _ = decode(patched_vae, latent)
+    finally:
+        sdpa_module.TORCH_SDPA, Inputs.device_type, torch.__version__ = real_sdpa, real_type, real_version
+        subquad._fast.clear()
+    check(
+        n_sq == n_default and n_cq == 0, f"simulated MPS: subquad {n_sq} calls (expected {n_default}), sub-quad {n_cq}"
+    )
+    check(n_vae == 1, f"simulated MPS VAE decode: subquad {n_vae} calls")
+    check(len(calls) == n_default + 1, f"{len(calls)} calls reached torch's SDPA, expected {n_default + 1}")
+    bad = [c for c in calls if c[5] is not None or c[4] or c[0][-1] != c[1][-1]]
+    check(not bad, f"calls in a torch 2.12 MPS defect's condition (explicit scale, causal, Ev != E): {bad}")
+    check(rel(out, base) < 1e-4, f"simulated MPS step vs ComfyUI's default: relative difference {rel(out, base):.3g}")
+    check(
+        rel(vae_out, vae_base) < 1e-4, f"simulated MPS VAE vs default: relative difference {rel(vae_out, vae_base):.3g}"
+    )
+    return {"calls": len(calls), "relative_difference": rel(out, base)}
+
+
+@case
 def default_mode():
     """SUBQUAD_COMFYUI_DEFAULT=1 when the node loads: every model and new VAE runs in subquad; disable_default() undoes it."""
     node_classes()

@@ -38,6 +38,8 @@ def _info(args: argparse.Namespace) -> int:
     print(f"native tile kernel: {_native.status()}")
     if device.type == "cpu":
         print(f"CPU: {describe_cpu()}")
+    if device.type == "mps":
+        print_mps_defects()
     if device.type == "cuda":
         from torch.backends import cuda as bc
 
@@ -69,6 +71,18 @@ def _info(args: argparse.Namespace) -> int:
             f"\nran {plan.backend}: {dt * 1e3:.1f} ms, output {tuple(out.shape)} {str(out.dtype).replace('torch.', '')}"
         )
     return 0
+
+
+def print_mps_defects() -> None:
+    """The known defects of this torch's SDPA on MPS that subquad routes around (docs/devices.md)."""
+    import torch  # optional dependency, present: main() required it
+
+    from subquad._backends import mps_sdpa  # optional: needs torch
+
+    active = mps_sdpa.active_defects()
+    print(f"torch {torch.__version__}'s SDPA on MPS: {len(active)} known defect(s) routed around")
+    for d in active:
+        print(f"  pytorch#{d.issue} ({d.releases}): {d.summary}; detour: {mps_sdpa.DETOURS[d.detour]}")
 
 
 class _Parser(argparse.ArgumentParser):

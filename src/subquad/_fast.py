@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from . import _engine
-from ._backends import BACKENDS, MPS_MAX_MATMUL_ELEMENTS, TORCH_SDPA, cpu_flash_forward
+from ._backends import BACKENDS, TORCH_SDPA, cpu_flash_forward, mps_sdpa
 from ._backends.fused import groupable, grouped_attention, grouped_bytes
 from ._backends.products import native_fp16_products
 from ._budget import resolve_budget
@@ -98,9 +98,10 @@ def _fits(entry: Entry, inp: Inputs, Lq: int, Lk: int, need_lse: bool) -> bool:
 
 
 def _device_allows(inp: Inputs, Lq: int, Lk: int) -> bool:
-    """Whether the device can take the whole call in one kernel: MPS aborts the process on a
-    matmul of 2**32 elements (its SDPA materializes the scores), so it must stay below the cap."""
-    return inp.device_type != "mps" or inp.B * inp.Hq * Lq * Lk < MPS_MAX_MATMUL_ELEMENTS
+    """Whether the device can take the whole call (``inp`` at these lengths) in one kernel: on MPS,
+    whether torch's path for it is exact (a path that materializes the scores must stay below
+    the matmul cap: Metal aborts the process at 2**32 elements)."""
+    return inp.device_type != "mps" or mps_sdpa.route(inp).refusal is None
 
 
 def _fits_exactly(entry: Entry, backend: Any, inp: Inputs, Lq: int, Lk: int, need_lse: bool, budget: int) -> bool:

@@ -16,7 +16,8 @@ from torch import Tensor
 from torch.torch_version import TorchVersion
 
 from .._inputs import Inputs
-from .base import MPS_MAX_MATMUL_ELEMENTS, Backend, Options, _bh
+from . import mps_sdpa
+from .base import Backend, Options, _bh
 from .fused import FusedCPU
 
 # Torch's own SDPA: its builtin, never what ``F.scaled_dot_product_attention`` happens to be when
@@ -28,9 +29,9 @@ TORCH_SDPA = (
 MiB = 1 << 20
 
 
-_ZERO_ROWS_FROM = {"mps": (2, 9), "cuda": (2, 5)}
+_ZERO_ROWS_FROM = {"cuda": (2, 5)}
 """The torch release from which SDPA returns 0, not NaN, for a row that sees no key, per device
-(MPS: pytorch#157727; CUDA's fused kernels: pytorch#133882). The CPU kernel always did."""
+(CUDA's fused kernels: pytorch#133882; MPS: :data:`mps_sdpa.DEFECTS`). The CPU kernel always did."""
 
 
 @functools.lru_cache(maxsize=None)
@@ -89,14 +90,16 @@ class Sdpa(Backend):
                 f"(fixed in torch {'.'.join(map(str, _ZERO_ROWS_FROM[inp.device_type]))}); the tiles return 0 there"
             )
         if inp.device_type == "mps":
-            scores = _bh(inp) * inp.Lq * inp.Lk
-            if scores >= MPS_MAX_MATMUL_ELEMENTS:
-                # Past 2**32 elements Metal aborts the process (pytorch#149261): no except can catch it.
-                reasons.append(
-                    f"on MPS SDPA materializes the {scores:,} scores, and every MPS matmul must stay below "
-                    f"{MPS_MAX_MATMUL_ELEMENTS:,} elements"
-                )
+            refusal = mps_sdpa.route(inp).refusal
+            if refusal is not None:
+                reasons.append(refusal)
         return reasons
+
+    def notes(self, inp: Inputs) -> List[str]:
+        if inp.device_type != "mps":
+            return super().notes(inp)
+        r = mps_sdpa.route(inp)
+        return [f"torch {r.version} on MPS runs it in {r.path.what}"] + r.notes()
 
     def forward_bytes(self, inp: Inputs, qc: int, kc: int, need_lse: bool) -> int:
         bh = _bh(inp)
@@ -105,9 +108,10 @@ class Sdpa(Backend):
             # Bool masks become float masks; the efficient kernel pads Lk to a multiple of 16.
             n += inp.mask_tile_elements(inp.Lq, inp.Lk + 16) * inp.itemsize * 2
         if inp.device_type == "mps":
-            # MPS materializes the scores and their softmax, in float32; dropout goes through the
-            # math path, which keeps its float32 mask too.
-            n += bh * inp.Lq * inp.Lk * (12 if inp.dropout_p > 0 else 8)
+            # What torch's path for the call holds (the scores on MPSGraph and the math path, none
+            # in the prefill kernels), and the detours' copies.
+            r = mps_sdpa.route(inp)
+            n += mps_sdpa.path_bytes(inp, r.path) + mps_sdpa.detour_bytes(inp, r)
         if inp.device_type == "cpu":
             n += FusedCPU()._kernel_bytes(inp, inp.Lq, inp.Lk)
         return n + 1 * MiB
@@ -130,7 +134,12 @@ class Sdpa(Backend):
         if inp.G > 1:
             kwargs["enable_gqa"] = True
         if inp.device_type == "mps":
-            return TORCH_SDPA(inp.query, inp.key, inp.value, **kwargs), None
+            r = mps_sdpa.route(inp)
+            if r.refusal is not None:  # planned on another release, or the fast path at a new length
+                raise RuntimeError(f"no exact MPS kernel for this call: {r.refusal}")
+            a = mps_sdpa.apply(inp, r)
+            kwargs.update(attn_mask=a.attn_mask, is_causal=a.is_causal, scale=a.scale)
+            return TORCH_SDPA(a.query, a.key, a.value, **kwargs), None
         if inp.device_type == "cuda" and _default_is_fused(inp.query, inp.key, inp.value, kwargs):
             return TORCH_SDPA(inp.query, inp.key, inp.value, **kwargs), None
         fused = [

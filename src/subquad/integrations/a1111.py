@@ -20,7 +20,8 @@ What the forwards keep from A1111's own: hypernetworks are applied to the keys a
 (``apply_hypernetworks``); "Upcast cross attention layer to float32" (``opts.upcast_attn``) casts
 q, k, v to float32 and the result back; the output has the input's dtype. Without the upcast,
 half-precision inputs still get float32 scores, softmax and accumulators inside subquad, so fp16
-scores that would overflow give finite, exact results. Under autocast the attention call runs with
+scores that would overflow give finite, exact results (on MPS, torch's MPSGraph path, which subquad
+uses where it fits, rounds the scores to the inputs' dtype: the upcast setting keeps them float32). Under autocast the attention call runs with
 autocast off (subquad chooses its own precision). Masks are read as each library's own
 ``forward`` reads them (``ldm``: a key mask ``(B, ...)`` flattened to ``(B, Lk)``, True = attend;
 ``sgm``: an SDPA mask); ``sgm``'s ``additional_tokens`` and ``n_times_crossframe_attn_in_self``

@@ -75,8 +75,9 @@ def attention(
 
     with the scores, softmax and sums in float32 for half-precision inputs, in tiles that keep the
     memory budget. ``attn_precision`` (after ComfyUI's ``--force-upcast-attention`` /
-    ``--dont-upcast-attention``) of float32 is therefore always met; a wider one (float64) casts
-    the inputs. A row whose keys are all masked gives 0.
+    ``--dont-upcast-attention``) of float32 is therefore met; on MPS, where torch's MPSGraph path
+    rounds the scores to the inputs' dtype, it casts the inputs to float32; a wider one (float64)
+    casts the inputs. A row whose keys are all masked gives 0.
 
     Keyword arguments: ``memory_budget`` (else :func:`resolve_budget`'s order); every other one ComfyUI
     passes (``transformer_options``, ...) is accepted and ignored.
@@ -114,10 +115,18 @@ def attention(
     precision = _precision(attn_precision, dtype)
     if precision is not None and precision.is_floating_point and precision.itemsize > max(dtype.itemsize, 4):
         q, k, v = q.to(precision), k.to(precision), v.to(precision)
+    elif precision == torch.float32 and dtype in (torch.float16, torch.bfloat16) and _on_mps(q):
+        # torch's MPSGraph path rounds q·kᵀ to the inputs' dtype (float16 overflows past 65504):
+        # the upcast ComfyUI asked for is kept by running the call in float32
+        q, k, v = q.float(), k.float(), v.float()
     out = subquad.sdpa(q, k, v, attn_mask=mask, memory_budget=budget).to(dtype)
     if skip_output_reshape:
         return out
     return out.transpose(1, 2).reshape(b, -1, heads * out.shape[-1])
+
+
+def _on_mps(t: Tensor) -> bool:
+    return t.device.type == "mps"
 
 
 def _precision(attn_precision: Optional[torch.dtype], dtype: torch.dtype) -> Optional[torch.dtype]:
