@@ -47,6 +47,7 @@ def _cases() -> Dict[str, Callable[[], Dict[str, Callable[[], object]]]]:
                 "subquad": lambda: subquad.sdpa(q, k, v, enable_gqa=gqa),
                 "peer": lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa),
             }
+
         return build
 
     def packed(heads, causal, backward, lengths=None):
@@ -55,6 +56,7 @@ def _cases() -> Dict[str, Callable[[], Dict[str, Callable[[], object]]]]:
             lens = lengths or torch.randint(1, 65, (1024,), generator=rng).tolist()
             fns = bench_varlen.impls(lens, heads, 64, causal, backward, dense=False)
             return {"subquad": fns["subquad.varlen_attention"], "peer": fns["per-sequence SDPA loop"]}
+
         return build
 
     def dense(shape, backend, backward, dtype=torch.float32, causal=True):
@@ -69,12 +71,14 @@ def _cases() -> Dict[str, Callable[[], Dict[str, Callable[[], object]]]]:
                         out.backward(torch.ones_like(out))
                         for t in (q, k, v):
                             t.grad = None
+
                 return run
 
             return {
                 "subquad": step(lambda: subquad.attention(q, k, v, is_causal=causal, backend=backend)),
                 "peer": step(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)),
             }
+
         return build
 
     def softcap(score, b, h, q_idx, kv_idx):
@@ -93,6 +97,7 @@ def _cases() -> Dict[str, Callable[[], Dict[str, Callable[[], object]]]]:
                 "subquad": lambda: subquad.attention(q, k, v, score_mod=softcap, mask_mod=causal),
                 "peer": lambda: compiled(q, k, v, score_mod=softcap, block_mask=block),
             }
+
         return build
 
     return {
@@ -139,7 +144,7 @@ def child() -> None:
             ratios = []
             for r in range(5):
                 t = {}
-                for n in (("subquad", "peer") if r % 2 == 0 else ("peer", "subquad")):
+                for n in ("subquad", "peer") if r % 2 == 0 else ("peer", "subquad"):
                     f = fns[n]
                     start = time.perf_counter()
                     for _ in range(reps):
@@ -192,7 +197,7 @@ def main() -> int:
         versions["after"] = _export(args.after, os.path.join(tmp, "after")) if args.after else os.path.join(ROOT, "src")
         rounds: Dict[str, List[Dict[str, float]]] = {"before": [], "after": []}
         for r in range(args.rounds):
-            for v in (("before", "after") if r % 2 == 0 else ("after", "before")):
+            for v in ("before", "after") if r % 2 == 0 else ("after", "before"):
                 rounds[v].append(_run(versions[v], args.threads, args.only))
                 print(f"round {r + 1}/{args.rounds} {v} done", file=sys.stderr, flush=True)
     head = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout
@@ -210,8 +215,10 @@ def main() -> int:
         a = [x[name] for x in rounds["after"]]
         paired = statistics.median(x / y for x, y in zip(a, b))
         report["cases"][name] = {  # type: ignore[index]
-            "before": statistics.median(b), "before_range": [min(b), max(b)],
-            "after": statistics.median(a), "after_range": [min(a), max(a)],
+            "before": statistics.median(b),
+            "before_range": [min(b), max(b)],
+            "after": statistics.median(a),
+            "after_range": [min(a), max(a)],
             "after_over_before": paired,
         }
         cell = lambda xs: f"{statistics.median(xs):.2f} [{min(xs):.2f}-{max(xs):.2f}]"  # noqa: E731

@@ -1,6 +1,6 @@
 """Time and peak memory against the memory budget, next to SDPA (issue 3's table and plot).
 
-    python benchmarks/bench_budget.py [--length 16384] [--budgets 16 64 256 1024] [--out docs/benchmarks/budget-cpu]
+    python benchmarks/bench_budget.py [--length 16384] [--budgets 16 64 256 1024] [--out docs/benchmarks/data/forward/budget-cpu]
 
 For each budget: subquad's planner ("auto"), and the pure-PyTorch tiles ("matmul", the path that
 other devices and callbacks take), without a mask and with a key-padding bool mask (which the fused
@@ -20,7 +20,7 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _harness import fmt_bytes, measure  # noqa: E402
+from _harness import fmt_bytes, measure
 
 MiB = 1 << 20
 
@@ -64,9 +64,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         r = measure("bench_budget:make", kw, repeats=args.repeats)
         r.update(kw, budget_mib=budget_mib)
         records.append(r)
-        print(f"  {impl:15s} mask={mask!s:5s} budget={budget_mib!s:>5s} MiB {r.get('status')}: "
-              f"{r.get('median_ms', float('nan')):8.0f} ms, peak extra {fmt_bytes(r.get('peak_extra_bytes', 0))} "
-              f"{r.get('reason', '')}", flush=True)
+        print(
+            f"  {impl:15s} mask={mask!s:5s} budget={budget_mib!s:>5s} MiB {r.get('status')}: "
+            f"{r.get('median_ms', float('nan')):8.0f} ms, peak extra {fmt_bytes(r.get('peak_extra_bytes', 0))} "
+            f"{r.get('reason', '')}",
+            flush=True,
+        )
 
     for mask in (False, True):
         run("sdpa", mask, None)
@@ -74,8 +77,10 @@ def main(argv: Optional[List[str]] = None) -> int:
             for b in args.budgets:
                 run(impl, mask, b)
 
-    print(f"\n1x{H}x{L}x64 fp32, {torch.get_num_threads()} threads. Peak = RSS high-water mark beyond the inputs "
-          f"(the output, {fmt_bytes(H * L * 64 * 4)}, included).")
+    print(
+        f"\n1x{H}x{L}x64 fp32, {torch.get_num_threads()} threads. Peak = RSS high-water mark beyond the inputs "
+        f"(the output, {fmt_bytes(H * L * 64 * 4)}, included)."
+    )
     print("| mask | impl | budget | median ms | vs SDPA | peak extra | within budget + output |")
     print("|---|---|---|---|---|---|---|")
     out_bytes = H * L * 64 * 4
@@ -84,14 +89,32 @@ def main(argv: Optional[List[str]] = None) -> int:
         for r in (r for r in records if r["mask"] == mask):
             ok = r.get("status") == "ok"
             ratio = f"{r['median_ms'] / sd['median_ms']:.2f}x" if ok and sd.get("status") == "ok" else "-"
-            within = "-" if r["budget_mib"] is None or not ok else ("yes" if r["peak_extra_bytes"] <= r["budget_mib"] * MiB + out_bytes else "NO")
-            print(f"| {'key padding' if mask else 'none'} | {r['impl']} | {r['budget_mib'] or '-'} | "
-                  f"{r.get('median_ms', float('nan')):.0f} | {ratio} | {fmt_bytes(r.get('peak_extra_bytes', 0))} | {within} |")
+            within = (
+                "-"
+                if r["budget_mib"] is None or not ok
+                else ("yes" if r["peak_extra_bytes"] <= r["budget_mib"] * MiB + out_bytes else "NO")
+            )
+            print(
+                f"| {'key padding' if mask else 'none'} | {r['impl']} | {r['budget_mib'] or '-'} | "
+                f"{r.get('median_ms', float('nan')):.0f} | {ratio} | {fmt_bytes(r.get('peak_extra_bytes', 0))} | {within} |"
+            )
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "budget.json"), "w") as f:
-            json.dump({"meta": dict(torch=torch.__version__, machine=platform.machine(), threads=torch.get_num_threads(),
-                                    shape=[1, H, L, 64], dtype="float32"), "records": records}, f, indent=1)
+            json.dump(
+                {
+                    "meta": dict(
+                        torch=torch.__version__,
+                        machine=platform.machine(),
+                        threads=torch.get_num_threads(),
+                        shape=[1, H, L, 64],
+                        dtype="float32",
+                    ),
+                    "records": records,
+                },
+                f,
+                indent=1,
+            )
         _plot(records, args.budgets, os.path.join(args.out, "budget.png"), f"1x{H}x{L}x64 fp32, CPU")
     return 0
 
@@ -112,7 +135,9 @@ def _plot(records: List[Dict[str, Any]], budgets: List[int], path: str, title: s
             rs = [r for r in records if r["impl"] == impl and r["mask"] == mask and r.get("status") == "ok"]
             xs = [r["budget_mib"] for r in rs]
             axes[0].plot(xs, [r["median_ms"] for r in rs], style, color=color, marker="o", label=f"{impl}, {tag}")
-            axes[1].plot(xs, [r["peak_extra_bytes"] / MiB for r in rs], style, color=color, marker="o", label=f"{impl}, {tag}")
+            axes[1].plot(
+                xs, [r["peak_extra_bytes"] / MiB for r in rs], style, color=color, marker="o", label=f"{impl}, {tag}"
+            )
         sd = next((r for r in records if r["impl"] == "sdpa" and r["mask"] == mask and r.get("status") == "ok"), None)
         if sd:
             axes[0].axhline(sd["median_ms"], color="C3", linestyle=style, label=f"SDPA, {tag}")

@@ -1,6 +1,6 @@
 """Forward time and peak memory on this machine: subquad vs SDPA, naive and the chunked peers.
 
-    python benchmarks/bench_core.py [--lengths 4096 8192] [--out docs/benchmarks/core-cpu.json]
+    python benchmarks/bench_core.py [--lengths 4096 8192] [--out docs/benchmarks/data/forward/core-cpu.json]
 
 Peers (benchmark-only, ``pip install memory-efficient-attention==0.1.3
 memory-efficient-attention-pytorch==0.1.6 einops``) run at their default chunk sizes. Each case
@@ -22,7 +22,7 @@ from typing import Any, Callable, Dict, List
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _harness import fmt_bytes, measure  # noqa: E402
+from _harness import fmt_bytes, measure
 
 
 def _inputs(B: int, H: int, L: int, E: int, dtype: str, device: str):
@@ -31,7 +31,9 @@ def _inputs(B: int, H: int, L: int, E: int, dtype: str, device: str):
     return [torch.randn(B, H, L, E, generator=g, dtype=dt).to(device) for _ in range(3)]
 
 
-def make(impl: str, B: int, H: int, L: int, E: int, dtype: str = "float32", device: str = "cpu", budget: Any = None) -> Callable[[], Any]:
+def make(
+    impl: str, B: int, H: int, L: int, E: int, dtype: str = "float32", device: str = "cpu", budget: Any = None
+) -> Callable[[], Any]:
     """Factory run in the child process: inputs plus a no-argument call."""
     q, k, v = _inputs(B, H, L, E, dtype, device)
     if impl.startswith("subquad"):
@@ -95,9 +97,12 @@ def main(argv: List[str] | None = None) -> int:
             r = measure("bench_core:make", dict(impl=impl, **shape), repeats=args.repeats)
             r.update(impl=impl, **shape)
             records.append(r)
-            print(f"  {impl:20s} L={L:6d} {r.get('status')}: "
-                  f"{r.get('median_ms', float('nan')):9.1f} ms  peak extra {fmt_bytes(r.get('peak_extra_bytes', 0))}"
-                  f"  {r.get('reason', '')}", flush=True)
+            print(
+                f"  {impl:20s} L={L:6d} {r.get('status')}: "
+                f"{r.get('median_ms', float('nan')):9.1f} ms  peak extra {fmt_bytes(r.get('peak_extra_bytes', 0))}"
+                f"  {r.get('reason', '')}",
+                flush=True,
+            )
     print()
     print("| shape | impl | median ms | vs SDPA | peak extra (incl. output) | status |")
     print("|---|---|---|---|---|---|")
@@ -107,7 +112,9 @@ def main(argv: List[str] | None = None) -> int:
             ratio = f"{r['median_ms'] / base['median_ms']:.2f}x" if base and r.get("status") == "ok" else "-"
             ms = f"{r['median_ms']:.1f}" if r.get("status") == "ok" else "-"
             mem = fmt_bytes(r["peak_extra_bytes"]) if r.get("status") == "ok" else "-"
-            print(f"| {args.batch}x{args.heads}x{L}x{args.dim} {args.dtype} | {r['impl']} | {ms} | {ratio} | {mem} | {r['status']} |")
+            print(
+                f"| {args.batch}x{args.heads}x{L}x{args.dim} {args.dtype} | {r['impl']} | {ms} | {ratio} | {mem} | {r['status']} |"
+            )
     if args.out:
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
         meta = dict(torch=torch.__version__, machine=platform.machine(), threads=torch.get_num_threads())

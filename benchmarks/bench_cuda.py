@@ -1,6 +1,6 @@
 """CUDA checks of subquad's own paths: per-call overhead, matmul tile ceilings, explain() vs measured.
 
-Three parts, each one process (the figures in docs/benchmarks/cuda-h200/ came from them):
+Three parts, each one process (the figures in docs/benchmarks/data/gpu/cuda-h200/ came from them):
 
     python benchmarks/bench_cuda.py overhead            # small calls: subquad vs F.sdpa, syncs per path
     python benchmarks/bench_cuda.py tiles --ceiling-mib 4 64 256 1024   # one process per ceiling

@@ -1,6 +1,6 @@
 """Half precision through the tiles against the fused kernel and SDPA (issue 29).
 
-    python benchmarks/bench_half.py [--rounds 5] [--processes 5] [--out docs/benchmarks/half-cpu.json]
+    python benchmarks/bench_half.py [--rounds 5] [--processes 5] [--out docs/benchmarks/data/half/half-cpu.json]
 
 - forward 1x8x4096x64 in float32, bfloat16 and float16: subquad's tiles (``backend="matmul"``),
   the fused CPU kernel (``backend="fused"``) and ``F.scaled_dot_product_attention``, in

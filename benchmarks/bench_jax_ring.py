@@ -2,7 +2,7 @@
 
     python benchmarks/bench_jax_ring.py                              # 8k and 16k, forward and train
     python benchmarks/bench_jax_ring.py --lengths 4096 --repeats 1   # a quick look
-    python benchmarks/bench_jax_ring.py --out docs/benchmarks/jax-ring-cpu
+    python benchmarks/bench_jax_ring.py --out docs/benchmarks/data/jax/jax-ring-cpu
 
 Four XLA host devices (``--xla_force_host_platform_device_count=4``) in one process: they share
 the machine's cores, so this measures the cost of the ring (its loops, transfers and merges) and
@@ -40,12 +40,13 @@ from typing import Any, Callable, Dict, List, Optional
 
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-import subquad.jax as sj  # noqa: E402
+import subquad.jax as sj
 
 B, N, H = 1, 8, 64
 SEQ = P(None, "seq")
@@ -74,15 +75,32 @@ def load_ringattention() -> Optional[Any]:
 
 def implementations(mesh: Mesh, ra: Optional[Any]) -> Dict[str, Callable[..., Any]]:
     one = lambda q, k, v: sj.attention(q, k, v, is_causal=True)  # noqa: E731
-    ring = jax.shard_map(lambda q, k, v: sj.ring_attention(q, k, v, axis_name="seq", is_causal=True), mesh=mesh,
-                         in_specs=(SEQ,) * 3, out_specs=SEQ)
-    uly = jax.shard_map(lambda q, k, v: sj.ulysses_attention(q, k, v, axis_name="seq", is_causal=True), mesh=mesh,
-                        in_specs=(SEQ,) * 3, out_specs=SEQ)
+    ring = jax.shard_map(
+        lambda q, k, v: sj.ring_attention(q, k, v, axis_name="seq", is_causal=True),
+        mesh=mesh,
+        in_specs=(SEQ,) * 3,
+        out_specs=SEQ,
+    )
+    uly = jax.shard_map(
+        lambda q, k, v: sj.ulysses_attention(q, k, v, axis_name="seq", is_causal=True),
+        mesh=mesh,
+        in_specs=(SEQ,) * 3,
+        out_specs=SEQ,
+    )
     found = {"subquad-jax": one, "subquad-ring": ring, "subquad-ulysses": uly}
     if ra is not None:
-        kwargs = dict(causal_block_size=1, deterministic=True, dropout_rng=None, attn_pdrop=0.0, query_chunk_size=512,
-                      key_chunk_size=512, dtype=jnp.float32, policy=jax.checkpoint_policies.nothing_saveable,
-                      precision=None, prevent_cse=True)
+        kwargs = dict(
+            causal_block_size=1,
+            deterministic=True,
+            dropout_rng=None,
+            attn_pdrop=0.0,
+            query_chunk_size=512,
+            key_chunk_size=512,
+            dtype=jnp.float32,
+            policy=jax.checkpoint_policies.nothing_saveable,
+            precision=None,
+            prevent_cse=True,
+        )
 
         def theirs(q: Any, k: Any, v: Any) -> Any:
             return ra.ring_attention(q, k, v, None, None, None, "seq", True, kwargs)
@@ -95,7 +113,9 @@ def layout_of(name: str) -> str:
     return {"subquad-jax": "-", "ringattention": "contiguous"}.get(name, "zigzag")
 
 
-def measure(name: str, fn: Callable[..., Any], T: int, mode: str, repeats: int, mesh: Mesh, want: Optional[Any]) -> Dict[str, Any]:
+def measure(
+    name: str, fn: Callable[..., Any], T: int, mode: str, repeats: int, mesh: Mesh, want: Optional[Any]
+) -> Dict[str, Any]:
     rng = np.random.default_rng(0)
     q, k, v, w = (jnp.asarray(rng.standard_normal((B, T, N, H)), jnp.float32) for _ in range(4))
     lay = layout_of(name)
@@ -117,8 +137,15 @@ def measure(name: str, fn: Callable[..., Any], T: int, mode: str, repeats: int, 
         jax.block_until_ready(compiled(*args))
         times.append(time.perf_counter() - start)
     row: Dict[str, Any] = {
-        "impl": name, "T": T, "mode": mode, "median_s": statistics.median(times), "times_s": times,
-        "temp_bytes": int(temp), "compile_s": compile_s, "devices": 1 if name == "subquad-jax" else 4, "layout": lay,
+        "impl": name,
+        "T": T,
+        "mode": mode,
+        "median_s": statistics.median(times),
+        "times_s": times,
+        "temp_bytes": int(temp),
+        "compile_s": compile_s,
+        "devices": 1 if name == "subquad-jax" else 4,
+        "layout": lay,
     }
     if mode == "forward":
         out = result if name == "subquad-jax" else sj.unshard(result, 4, layout=lay)
@@ -128,8 +155,10 @@ def measure(name: str, fn: Callable[..., Any], T: int, mode: str, repeats: int, 
 
 
 def table(rows: List[Dict[str, Any]]) -> str:
-    lines = ["| T | mode | implementation | devices | time (median) | vs one device | temp memory per device | vs one device | max error |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| T | mode | implementation | devices | time (median) | vs one device | temp memory per device | vs one device | max error |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     base = {(r["T"], r["mode"]): r for r in rows if r["impl"] == "subquad-jax"}
     for r in rows:
         b = base.get((r["T"], r["mode"]))
@@ -170,8 +199,12 @@ def main() -> None:
         os.makedirs(a.out, exist_ok=True)
         meta = {
             "when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "jax": jax.__version__, "python": platform.python_version(), "cpus": os.cpu_count(),
-            "load_average_at_end": os.getloadavg(), "shape": f"(1, T, {N}, {H}) float32 causal", "host_devices": 4,
+            "jax": jax.__version__,
+            "python": platform.python_version(),
+            "cpus": os.cpu_count(),
+            "load_average_at_end": os.getloadavg(),
+            "shape": f"(1, T, {N}, {H}) float32 causal",
+            "host_devices": 4,
             "note": "4 XLA host devices share the machine's 2 cores, which another engineer's benchmarks also used",
         }
         with open(os.path.join(a.out, "results.json"), "w") as f:

@@ -1,9 +1,9 @@
 """The tiles' C++ loops against the fused kernel, by call size (what ``auto`` decides on).
 
     subquad build
-    python benchmarks/bench_loop_sizes.py [--json docs/benchmarks/loop-sizes.json]
-    python benchmarks/bench_loop_sizes.py --backward [--json docs/benchmarks/loop-sizes-backward.json]
-    python benchmarks/bench_loop_sizes.py --dtype float32 [--json docs/benchmarks/loop-sizes-float32.json]
+    python benchmarks/bench_loop_sizes.py [--json docs/benchmarks/data/loops/loop-sizes.json]
+    python benchmarks/bench_loop_sizes.py --backward [--json docs/benchmarks/data/loops/loop-sizes-backward.json]
+    python benchmarks/bench_loop_sizes.py --dtype float32 [--json docs/benchmarks/data/loops/loop-sizes-float32.json]
 
 Inference calls (bfloat16 unless ``--dtype`` says float32 or float16), each through the full path
 with the backend forced: ``backend="matmul"`` (the loop, where the native kernel was built for
@@ -15,9 +15,14 @@ decode step (32 query heads on 8 key heads, 512 keys), Stable Diffusion 1.5's se
 512x512 (4x8x4096x40) and its cross-attention (2x10x4096x64 against 77 keys). ``--cases hosts``
 times what a Stable Diffusion host runs per step instead (:data:`HOST_CASES`), ``--cases
 head-dims`` wide heads (:data:`HEAD_DIM_CASES`).
-``segments.LOOP_BEFORE_FUSED_SCORES`` and ``WIDE_LOOP_BEFORE_FUSED_SCORES`` are read off these.
+``auto:`` is the backend ``explain()`` chooses (this CPU's calibration decides: the first call
+runs it, about a second per dtype and direction), and ``auto/best`` its time over the faster
+backend's, from the per-round ratios (1.00: it chose the faster). The fallback thresholds
+(``loop_choice.LOOP_BEFORE_FUSED_SCORES`` ...) were read off these on one CPU.
 ``--backward`` times forward + backward (the backward loop where it runs), without the decode
-step.
+step. ``--cases training-mods`` times causal 1x4x2048x64 forward + backward with a soft cap, ALiBi
+and a causal window of 256 (``backend="auto"``) against plain causal on the fused kernel, and
+prints ``explain()``'s prediction over the measured time.
 """
 
 from __future__ import annotations
@@ -69,6 +74,7 @@ HOST_CASES = [
     ("SDXL cross 2x20x1024x64, 77 keys", (2, 20, 1024, 64), (2, 20, 77, 64), False, False),
     ("VAE 1x1x1024x512 (256 px)", (1, 1, 1024, 512), (1, 1, 1024, 512), False, False),
     ("VAE 1x1x4096x512 (512 px)", (1, 1, 4096, 512), (1, 1, 4096, 512), False, False),
+    ("LLM prefill 1x32x2048x128 causal, 8 kv heads", (1, 32, 2048, 128), (1, 8, 2048, 128), True, True),
 ]
 
 # ``--cases head-dims``: wide heads at 2^24-2^25 scores (where float32 leaves the loops).
@@ -80,7 +86,63 @@ HEAD_DIM_CASES = [
     ("1x2x4096x384", (1, 2, 4096, 384), (1, 2, 4096, 384), False, False),
     ("1x1x4096x512", (1, 1, 4096, 512), (1, 1, 4096, 512), False, False),
 ]
-SETS = {"sizes": CASES, "hosts": HOST_CASES, "head-dims": HEAD_DIM_CASES}
+SETS = {"sizes": CASES, "hosts": HOST_CASES, "head-dims": HEAD_DIM_CASES, "training-mods": []}
+
+
+def _training_mods(dtype: torch.dtype, rounds: int) -> List[Dict[str, Any]]:
+    """Causal 1x4x2048x64 forward + backward: each callback through ``auto`` over plain causal on
+    the fused kernel, per-round ratios, and explain()'s prediction over the measured time."""
+    from subquad import mods
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 4, 2048, 64, generator=g).to(dtype).requires_grad_() for _ in range(3))
+    d_out = torch.randn(q.shape, generator=g).to(dtype)
+    variants: Dict[str, Dict[str, Any]] = {
+        "plain causal, fused": dict(is_causal=True, backend="fused"),
+        "soft cap 30": dict(is_causal=True, score_mod=lambda s, b, h, qi, ki: 30.0 * torch.tanh(s / 30.0)),
+        "ALiBi": dict(is_causal=True, score_mod=mods.alibi(4)),
+        "causal window 256": dict(mask_mod=mods.sliding_window(256, causal=True)),
+    }
+
+    def run(kw: Dict[str, Any]) -> Callable[[], None]:
+        def call() -> None:
+            subquad.attention(q, k, v, **kw).backward(d_out)
+            for t in (q, k, v):
+                t.grad = None
+
+        return call
+
+    plans = {n: subquad.explain(q, k, v, **kw) for n, kw in variants.items()}
+    calls = {n: run(kw) for n, kw in variants.items()}
+    for fn in calls.values():
+        fn(), fn()
+    per_round: Dict[str, List[float]] = {n: [] for n in calls}
+    for r in range(rounds):
+        order = list(calls) if r % 2 == 0 else list(reversed(list(calls)))
+        for n in order:
+            per_round[n].append(_median_ms(calls[n], 5))
+    base = per_round["plain causal, fused"]
+    rows = []
+    for n in calls:
+        ratios = [t / b for t, b in zip(per_round[n], base)]
+        ms = statistics.median(per_round[n])
+        plan = plans[n]
+        pred = plan.predicted_seconds
+        rows.append(
+            dict(
+                case=n,
+                backend=plan.backend,
+                ms=ms,
+                ratios=ratios,
+                predicted_over_measured=None if pred is None else pred * 1e3 / ms,
+            )
+        )
+        extra = "" if pred is None else f"  explain predicted/measured {pred * 1e3 / ms:.2f}"
+        print(
+            f"{n:<22} {plan.backend:<7} {ms:8.1f} ms  over plain causal fused: {statistics.median(ratios):.2f} "
+            f"[{min(ratios):.2f}-{max(ratios):.2f}]{extra}"
+        )
+    return rows
 
 
 def _median_ms(fn: Callable[[], Any], n: int) -> float:
@@ -125,6 +187,22 @@ def main() -> None:
     )
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
+    if args.cases == "training-mods":
+        rows_ = _training_mods(dtype, max(args.rounds, 3))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(
+                    {
+                        "machine": machine(),
+                        "torch_threads": torch.get_num_threads(),
+                        "dtype": args.dtype,
+                        "cases": args.cases,
+                        "rows": rows_,
+                    },
+                    f,
+                    indent=1,
+                )
+        return
     kernel = _native.tile_kernel()
     loop = "forward_segment_bf16" if dtype == torch.bfloat16 else "forward_segment_f32"
     if kernel is None or not hasattr(kernel, loop):
@@ -152,13 +230,22 @@ def main() -> None:
         scores = sq[0] * sq[1] * sq[2] * skv[2]
         auto = subquad.explain(q, k, v, is_causal=causal, enable_gqa=gqa).backend
         ratio = (statistics.median(ratios), min(ratios), max(ratios))
+        auto_best = max(ratio[0], 1.0) if auto == "matmul" else max(1.0 / ratio[0], 1.0)
         rows.append(
-            dict(case=name, scores=scores, loop_ms=best["matmul"], fused_ms=best["fused"], ratios=ratios, auto=auto)
+            dict(
+                case=name,
+                scores=scores,
+                loop_ms=best["matmul"],
+                fused_ms=best["fused"],
+                ratios=ratios,
+                auto=auto,
+                auto_over_best=auto_best,
+            )
         )
         print(
             f"{name:<38} {scores:>11,} scores  loop {best['matmul']:8.3f} ms  fused {best['fused']:8.3f} ms"
             f"  loop/fused {best['matmul'] / best['fused']:5.2f}"
-            f"  per round {ratio[0]:.2f} [{ratio[1]:.2f}-{ratio[2]:.2f}]  auto: {auto}"
+            f"  per round {ratio[0]:.2f} [{ratio[1]:.2f}-{ratio[2]:.2f}]  auto: {auto}  auto/best {auto_best:.2f}"
         )
     if args.json:
         with open(args.json, "w") as f:

@@ -30,7 +30,7 @@ import time
 from typing import Dict, List, Optional, Tuple
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _harness import _status_kib  # noqa: E402
+from _harness import _status_kib
 
 B, H, L, E = 1, 4, 8192, 64
 LONG_H, LONG_L = 2, 65536

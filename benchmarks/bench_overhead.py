@@ -55,8 +55,11 @@ def per_call(rounds: int, reps: int) -> dict:
         row["ratio"] = row["subquad"] / row["sdpa"]
         row["extra_us"] = row["subquad"] - row["sdpa"]
         out[name] = row
-        print(f"{name:40s} subquad {row['subquad']:8.1f} us  sdpa {row['sdpa']:8.1f} us  "
-              f"ratio {row['ratio']:.3f}  extra {row['extra_us']:+.1f} us", flush=True)
+        print(
+            f"{name:40s} subquad {row['subquad']:8.1f} us  sdpa {row['sdpa']:8.1f} us  "
+            f"ratio {row['ratio']:.3f}  extra {row['extra_us']:+.1f} us",
+            flush=True,
+        )
     return out
 
 
@@ -67,8 +70,13 @@ def generation(rounds: int) -> dict:
 
     sqt.register()
     cfg = LlamaConfig(
-        vocab_size=1000, hidden_size=256, intermediate_size=512, num_hidden_layers=8, num_attention_heads=8,
-        num_key_value_heads=2, max_position_embeddings=1024,
+        vocab_size=1000,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
     )
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg).eval()
@@ -76,11 +84,12 @@ def generation(rounds: int) -> dict:
     outputs, rates = {}, {"subquad": [], "sdpa": []}
     with torch.no_grad():
         for r in range(rounds + 1):
-            for impl in (("subquad", "sdpa") if r % 2 else ("sdpa", "subquad")):  # alternate who goes first
+            for impl in ("subquad", "sdpa") if r % 2 else ("sdpa", "subquad"):  # alternate who goes first
                 model.set_attn_implementation(impl)
                 t = time.perf_counter()
-                seq = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=64, do_sample=False,
-                                     min_new_tokens=64)
+                seq = model.generate(
+                    ids, attention_mask=torch.ones_like(ids), max_new_tokens=64, do_sample=False, min_new_tokens=64
+                )
                 dt = time.perf_counter() - t
                 outputs[impl] = seq
                 if r:  # the first round warms up
@@ -88,8 +97,11 @@ def generation(rounds: int) -> dict:
     assert torch.equal(outputs["subquad"], outputs["sdpa"]), "greedy outputs differ"
     row = {n: statistics.median(v) for n, v in rates.items()}
     row["ratio"] = row["subquad"] / row["sdpa"]
-    print(f"{'greedy generation, tiny GQA Llama':40s} subquad {row['subquad']:8.1f} tok/s  "
-          f"sdpa {row['sdpa']:8.1f} tok/s  ratio {row['ratio']:.3f}  (outputs identical)", flush=True)
+    print(
+        f"{'greedy generation, tiny GQA Llama':40s} subquad {row['subquad']:8.1f} tok/s  "
+        f"sdpa {row['sdpa']:8.1f} tok/s  ratio {row['ratio']:.3f}  (outputs identical)",
+        flush=True,
+    )
     return {"greedy generation (tokens/s)": row}
 
 

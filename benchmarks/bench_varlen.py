@@ -5,7 +5,7 @@ Implementations of one case are timed interleaved: each round runs each once, in
 rotates; figures are medians over rounds with the interquartile range. Peak memory is not taken
 here (see the RSS grid in tests/test_planner.py for the packed budget case).
 
-    python benchmarks/bench_varlen.py [--rounds 7] [--threads 1] [--json docs/benchmarks/varlen-cpu.json]
+    python benchmarks/bench_varlen.py [--rounds 7] [--threads 1] [--json docs/benchmarks/data/packed/varlen-cpu.json]
 """
 
 from __future__ import annotations
@@ -39,7 +39,9 @@ def block_diagonal(lengths: List[int], causal: bool) -> torch.Tensor:
     return keep
 
 
-def impls(lengths: List[int], H: int, E: int, causal: bool, backward: bool, dense: bool) -> Dict[str, Callable[[], None]]:
+def impls(
+    lengths: List[int], H: int, E: int, causal: bool, backward: bool, dense: bool
+) -> Dict[str, Callable[[], None]]:
     q, k, v, cu = packed(lengths, H, E, backward)
 
     def step(f: Callable[[], torch.Tensor]) -> Callable[[], None]:
@@ -49,16 +51,20 @@ def impls(lengths: List[int], H: int, E: int, causal: bool, backward: bool, dens
                 out.backward(torch.ones_like(out))
                 for t in (q, k, v):
                     t.grad = None
+
         return run
 
     def loop() -> torch.Tensor:
         # split, not slicing: the backward of a slice writes a gradient of the whole packed tensor
         # per sequence (quadratic in the count), split's backward concatenates once
-        return torch.cat([
-            F.scaled_dot_product_attention(qs.transpose(0, 1), ks.transpose(0, 1), vs.transpose(0, 1),
-                                           is_causal=causal).transpose(0, 1)
-            for qs, ks, vs in zip(q.split(lengths), k.split(lengths), v.split(lengths))
-        ])
+        return torch.cat(
+            [
+                F.scaled_dot_product_attention(
+                    qs.transpose(0, 1), ks.transpose(0, 1), vs.transpose(0, 1), is_causal=causal
+                ).transpose(0, 1)
+                for qs, ks, vs in zip(q.split(lengths), k.split(lengths), v.split(lengths))
+            ]
+        )
 
     out = {
         "subquad.varlen_attention": step(lambda: subquad.varlen_attention(q, k, v, cu, cu, is_causal=causal)),
@@ -67,8 +73,10 @@ def impls(lengths: List[int], H: int, E: int, causal: bool, backward: bool, dens
     if dense:
         mask = block_diagonal(lengths, causal)
         out["SDPA, dense block-diagonal mask"] = step(
-            lambda: F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                                   attn_mask=mask).transpose(0, 1))
+            lambda: F.scaled_dot_product_attention(
+                q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask
+            ).transpose(0, 1)
+        )
     return out
 
 
@@ -85,7 +93,7 @@ def interleaved(fns: Dict[str, Callable[[], None]], rounds: int) -> Dict[str, Di
     names = list(fns)
     times: Dict[str, List[float]] = {n: [] for n in names}
     for r in range(rounds):
-        order = names[r % len(names):] + names[: r % len(names)]
+        order = names[r % len(names) :] + names[: r % len(names)]
         for n in order:
             t0 = time.perf_counter()
             fns[n]()
@@ -100,26 +108,57 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--json")
-    p.add_argument("--threads", type=int, help="torch threads (default: torch's); 1 keeps a shared machine's "
-                   "OpenMP oversubscription out of thousands of tiny kernels")
+    p.add_argument(
+        "--threads",
+        type=int,
+        help="torch threads (default: torch's); 1 keeps a shared machine's "
+        "OpenMP oversubscription out of thousands of tiny kernels",
+    )
     p.add_argument("--only", help="run the cases whose name contains this text; with --json, merged into the file")
-    p.add_argument("--skip-dense", action="store_true", help="leave out SDPA with the dense block-diagonal mask "
-                   "(seconds per call, and its gigabytes thrash the caches of the calls timed beside it)")
+    p.add_argument(
+        "--skip-dense",
+        action="store_true",
+        help="leave out SDPA with the dense block-diagonal mask "
+        "(seconds per call, and its gigabytes thrash the caches of the calls timed beside it)",
+    )
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     rng = torch.Generator().manual_seed(0)
     cases = {
-        "16 x 512 causal, 8x64 fp32, fwd+bwd": dict(lengths=[512] * 16, H=8, E=64, causal=True, backward=True, dense=True),
+        "16 x 512 causal, 8x64 fp32, fwd+bwd": dict(
+            lengths=[512] * 16, H=8, E=64, causal=True, backward=True, dense=True
+        ),
         "1024 sequences of 1-64 tokens, 8x64 fp32, fwd": dict(
-            lengths=torch.randint(1, 65, (1024,), generator=rng).tolist(), H=8, E=64, causal=False, backward=False, dense=True),
+            lengths=torch.randint(1, 65, (1024,), generator=rng).tolist(),
+            H=8,
+            E=64,
+            causal=False,
+            backward=False,
+            dense=True,
+        ),
         "1024 sequences of 1-64 tokens, 1x64 fp32, fwd": dict(
-            lengths=torch.randint(1, 65, (1024,), generator=rng).tolist(), H=1, E=64, causal=False, backward=False, dense=True),
+            lengths=torch.randint(1, 65, (1024,), generator=rng).tolist(),
+            H=1,
+            E=64,
+            causal=False,
+            backward=False,
+            dense=True,
+        ),
         "1024 sequences of 1-64 tokens, causal, 8x64 fp32, fwd+bwd": dict(
-            lengths=torch.randint(1, 65, (1024,), generator=rng).tolist(), H=8, E=64, causal=True, backward=True, dense=False),
+            lengths=torch.randint(1, 65, (1024,), generator=rng).tolist(),
+            H=8,
+            E=64,
+            causal=True,
+            backward=True,
+            dense=False,
+        ),
     }
-    report = {"machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads",
-              "torch": torch.__version__, "cases": {}}
+    report = {
+        "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads",
+        "torch": torch.__version__,
+        "cases": {},
+    }
     if args.only and args.json and os.path.exists(args.json):
         with open(args.json) as f:
             report["cases"] = json.load(f)["cases"]
@@ -137,7 +176,9 @@ def main() -> int:
                 print(f"  {impl:34s} {r['status']}: {r['reason']}")
                 continue
             r["vs_loop"] = r["median_ms"] / base
-            print(f"  {impl:34s} {r['median_ms']:10.1f} ms  IQR [{r['iqr_ms'][0]:.1f}, {r['iqr_ms'][1]:.1f}]  {r['vs_loop']:.2f}x the loop")
+            print(
+                f"  {impl:34s} {r['median_ms']:10.1f} ms  IQR [{r['iqr_ms'][0]:.1f}, {r['iqr_ms'][1]:.1f}]  {r['vs_loop']:.2f}x the loop"
+            )
         report["cases"][name] = res
         if args.json:  # after every case: a long run that is stopped keeps what it measured
             with open(args.json, "w") as f:

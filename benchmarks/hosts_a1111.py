@@ -25,7 +25,7 @@ min-max spread. A run the kernel kills for memory is a result ("killed").
 
 ::
 
-    python benchmarks/hosts_a1111.py                          # the full measurement -> docs/benchmarks/hosts-cpu/
+    python benchmarks/hosts_a1111.py                          # the full measurement -> docs/benchmarks/data/hosts/hosts-cpu/
     python benchmarks/hosts_a1111.py --quick --out /tmp/a1q   # tiny blocks, one round: checks the script
 """
 
@@ -344,7 +344,7 @@ def _key(job: Dict[str, Any]) -> str:
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--webui", help="an A1111 folder with repositories/ laid out (default: extract the snapshots)")
-    p.add_argument("--out", help="folder for a1111.md and a1111.json (default docs/benchmarks/hosts-cpu)")
+    p.add_argument("--out", help="folder for a1111.md and a1111.json (default docs/benchmarks/data/hosts/hosts-cpu)")
     p.add_argument("--rounds", type=int, help="interleaved rounds (default 3; 1 with --quick)")
     p.add_argument("--quick", action="store_true", help="tiny blocks, one round: checks the script")
     p.add_argument("--variants", default=",".join(VARIANTS))
@@ -373,7 +373,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     out_dir = args.out or (
         tempfile.mkdtemp(prefix="hosts-a1111-quick-")
         if args.quick
-        else os.path.join(REPO, "docs", "benchmarks", "hosts-cpu")
+        else os.path.join(REPO, "docs", "benchmarks", "data", "hosts", "hosts-cpu")
     )
     os.makedirs(out_dir, exist_ok=True)
     jobs = [

@@ -24,7 +24,7 @@ so a row shows what really ran. A run the kernel kills for memory is a result ("
 
 ::
 
-    python benchmarks/hosts_comfyui.py                         # the full measurement -> docs/benchmarks/hosts-cpu/
+    python benchmarks/hosts_comfyui.py                         # the full measurement -> docs/benchmarks/data/hosts/hosts-cpu/
     python benchmarks/hosts_comfyui.py --quick --out /tmp/hq   # tiny configs, one round: checks the script
 """
 
@@ -460,7 +460,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--comfyui", help="an extracted ComfyUI folder (default: extract the snapshot to a temp folder)")
     p.add_argument(
         "--out",
-        help="folder for comfyui.md/.json (comfyui-unet.* or comfyui-vae.* with --only); default docs/benchmarks/hosts-cpu",
+        help="folder for comfyui.md/.json (comfyui-unet.* or comfyui-vae.* with --only); default docs/benchmarks/data/hosts/hosts-cpu",
     )
     p.add_argument("--rounds", type=int, help="interleaved rounds (default 3; 1 with --quick)")
     p.add_argument("--quick", action="store_true", help="tiny configs, small sizes, one round: checks the script")
@@ -508,7 +508,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     out_dir = args.out or (
         tempfile.mkdtemp(prefix="hosts-comfyui-quick-")
         if args.quick
-        else os.path.join(REPO, "docs", "benchmarks", "hosts-cpu")
+        else os.path.join(REPO, "docs", "benchmarks", "data", "hosts", "hosts-cpu")
     )
     os.makedirs(out_dir, exist_ok=True)
 

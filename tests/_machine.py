@@ -1,7 +1,7 @@
 """The machine under the suite: held still where a test needs it, shaken on purpose to prove it.
 
 subquad reads the machine it runs on in a few places: the matmul and softmax rates it measures
-once per process (``subquad._planner._measure_rates``: time estimates, the long-call warning and
+once per process (``subquad._time_model._measure_rates``: time estimates, the long-call warning and
 the progress log), torch's thread count (the fused kernels' per-thread scratch in the memory
 model), free memory (the default budget) and the clock (the bench's timings). A test whose verdict
 rests on one of those passes where it was written and fails on a stranger's machine, so tests
@@ -38,7 +38,7 @@ from typing import Any, Callable, Dict, FrozenSet, Iterable, Iterator, List, Nam
 
 import torch
 
-from subquad import _budget, _native, _planner
+from subquad import _budget, _native, _planner, _time_model
 from subquad._backends import products
 from subquad._backends.products import CpuFeatures
 
@@ -50,7 +50,7 @@ FIXED_RATES: Dict[str, Tuple[float, float]] = {
     "mps": (1e13, 1e-11),
 }
 """A rate table for tests that need one: (matmul FLOP/s, seconds of softmax work per score), by
-device type (``subquad._planner`` keeps its measurements per device type and dtype: the row
+device type (``subquad._time_model`` keeps its measurements per device type and dtype: the row
 stands for every dtype). The CPU row is within a few times of a 2-core VM; a test must hold for
 any such table, not for these numbers."""
 
@@ -88,23 +88,23 @@ def install() -> None:
         return
     _installed = True
     factor = rate_factor()
-    _planner._RATES.clear()
+    _time_model._RATES.clear()
     if factor != 1.0:
-        measure = _planner._measure_rates
+        measure = _time_model._measure_rates
 
         def scaled(device: torch.device, dtype: torch.dtype) -> Tuple[float, float]:
             flops, per_score = measure(device, dtype)
             return flops * factor, per_score / factor
 
-        _planner._measure_rates = scaled
-        own = _planner._measure_backend
+        _time_model._measure_rates = scaled
+        own = _time_model._measure_backend
 
         def scaled_own(device: torch.device, dtype: torch.dtype, backend: str) -> Tuple[float, float]:
             per_score, per_row = own(device, dtype, backend)
             return per_score / factor, per_row / factor
 
         scaled_own.__wrapped__ = own  # type: ignore[attr-defined]
-        _planner._measure_backend = scaled_own
+        _time_model._measure_backend = scaled_own
     ambient = os.environ.get("SUBQUAD_TEST_CPU", "").strip()
     if ambient:
         _install_cpu(ambient)
@@ -120,9 +120,11 @@ def inject_rates(
     score and every backend runs at the model's rates (both would otherwise be timed)."""
     for device, rates in table.items():
         for dtype in RATE_DTYPES:
-            monkeypatch.setitem(_planner._RATES, (device, dtype), rates)
-    monkeypatch.setattr(_planner, "score_mod_seconds", lambda inp: 0.0 if inp.score_mod is None else FIXED_SCORE_MOD_S)
-    monkeypatch.setattr(_planner, "backend_seconds", lambda device, dtype, backend: None)
+            monkeypatch.setitem(_time_model._RATES, (device, dtype), rates)
+    monkeypatch.setattr(
+        _time_model, "score_mod_seconds", lambda inp: 0.0 if inp.score_mod is None else FIXED_SCORE_MOD_S
+    )
+    monkeypatch.setattr(_time_model, "backend_seconds", lambda device, dtype, backend: None)
     return table
 
 
@@ -348,8 +350,8 @@ def _install_recorder() -> None:
         fn = getattr(products, name)
         _REPLACED[id(fn)] = wrapper = _reading("cpu-read", fn, only_ours=False)
         setattr(products, name, wrapper)
-    _planner._device_rates = _reading("rates", _planner._device_rates, only_ours=False)
-    _planner.backend_seconds = _reading("rates", _planner.backend_seconds, only_ours=False)
+    _time_model._device_rates = _reading("rates", _time_model._device_rates, only_ours=False)
+    _time_model.backend_seconds = _reading("rates", _time_model.backend_seconds, only_ours=False)
     plan = _planner.make_plan
     _REPLACED[id(plan)] = _planner.make_plan = _planning(plan)
     free = _budget.free_memory_bytes

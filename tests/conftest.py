@@ -12,6 +12,10 @@ os.environ.setdefault("SUBQUAD_COMPILE", "0")
 # The suite runs the eager tile passes whatever `subquad build` left in this machine's cache;
 # tests/test_native.py builds the native kernel in a temporary folder and tests it there.
 os.environ["SUBQUAD_NATIVE"] = "off"
+# Whether the C++ loops run before the fused kernel is measured on the machine (the calibration,
+# subquad/_backends/calibration.py): the suite decides by the fallback thresholds, whatever this
+# CPU's speed; tests/test_calibration.py injects the timings it checks.
+os.environ.setdefault("SUBQUAD_CALIBRATE", "0")
 # `subquad bench` fixes glibc's allocator thresholds in the process that times (bench/meters.py):
 # the suite's process keeps glibc's defaults, which its RSS measurements assume.
 os.environ.setdefault("SUBQUAD_BENCH_STEADY_MALLOC", "0")

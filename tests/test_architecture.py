@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import collections
 import pathlib
+import re
 import sys
 from typing import Dict, List, Set, Tuple
 
@@ -28,7 +29,7 @@ LAYERS: List[Tuple[str, ...]] = [
     ("subquad.__main__", "subquad._cli", "subquad.bench"),
     ("subquad.integrations", "subquad.compat", "subquad.distributed", "subquad.jax"),
     ("subquad",),  # the package face: __init__
-    ("subquad._api", "subquad._api_varlen"),
+    ("subquad._api", "subquad._api_varlen", "subquad._calibrate"),
     ("subquad._compile",),
     ("subquad._call",),
     ("subquad._fast",),
@@ -36,6 +37,7 @@ LAYERS: List[Tuple[str, ...]] = [
     ("subquad._engine",),
     ("subquad._buckets",),
     ("subquad._planner",),
+    ("subquad._time_model",),
     ("subquad._backends",),
     ("subquad._native",),
     ("subquad._traced",),
@@ -46,7 +48,7 @@ LAYERS: List[Tuple[str, ...]] = [
     ("subquad._validate",),
     ("subquad._inputs",),
     ("subquad._budget",),
-    ("subquad._errors", "subquad._requires"),
+    ("subquad._errors", "subquad._requires", "subquad._probes", "subquad._settings"),
 ]
 
 # The one deliberate arrow up: the package face's lazy attributes (``subquad.patch_sdpa``,
@@ -231,3 +233,24 @@ def test_memory_budget_goes_down_the_layers(name):
         summary = budget_trace.summary(budget_trace.trace(fn))
     assert summary["returns"] <= 10, summary
     assert summary["entered"].get("subquad._api", 0) <= 2, summary
+
+
+def test_the_planner_does_not_import_the_loops():
+    # The C++ loops answer the planner through the dispatch layer (which backend goes first, and
+    # what the time model needs to know of them): the planner never reaches into their module.
+    reached = {i.target for i in IMPORTS if i.source == "subquad._planner"}
+    assert "subquad._backends.segments" not in reached and "subquad._backends.calibration" not in reached, reached
+
+
+def test_the_code_says_what_it_does_and_the_docs_what_was_measured():
+    # Figures measured on one machine belong on a docs page with that machine and the command;
+    # the code names no CPU or GPU model and no date (issue 57).
+    pattern = re.compile(r"EPYC|Xeon|Ryzen|Graviton|Sapphire Rapids|\bH100\b|\bH200\b|\bA100\b|\b20\d\d-\d\d-\d\d\b")
+    found = [
+        f"{path.relative_to(ROOT)}:{n}: {line.strip()}"
+        for path in sorted(PACKAGE.rglob("*"))
+        if path.suffix in (".py", ".cpp")
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if pattern.search(line)
+    ]
+    assert not found, "\n".join(found)

@@ -225,7 +225,7 @@ def test_compare_runs_interval_and_reference():
 
 # Per-round times (ms) of naive and subquad-matmul at 1x4x1024x64, forward, from two back-to-back
 # `subquad bench --preset quick` runs of the same code on the idle 2-core VM (2026-12-02,
-# docs/benchmarks/gate-cpu-old-rule.json): naive's raw median moved +12% (a slow phase in the second
+# docs/benchmarks/data/bench/gate-cpu-old-rule.json): naive's raw median moved +12% (a slow phase in the second
 # run) while subquad-matmul, its reference, moved -17%: 1.39x per round, interval 1.10-1.65.
 REAL_OLD = {
     "naive": [

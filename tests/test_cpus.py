@@ -15,7 +15,7 @@ import torch
 
 import subquad
 from _machine import MACHINES, fake_cpu
-from subquad import _planner
+from subquad import _time_model
 from subquad._backends import fused, matmul, products, segments
 from subquad._validate import make_inputs
 
@@ -139,7 +139,7 @@ def test_bfloat16_tiles_multiply_in_bfloat16_where_the_cpu_does(machine, head_di
     assert matmul.Matmul.compute_dtype(inp) == want
     # The time model times the GEMMs the call runs, and the fused kernel's tiles keep bfloat16
     # gradients where the CPU multiplies them natively.
-    assert _planner._rates_dtype(torch.device("cpu"), BF16) == (BF16 if native else F32)
+    assert _time_model._rates_dtype(torch.device("cpu"), BF16) == (BF16 if native else F32)
     assert fused._tiles_in_float32(inp) is (not native)
 
 

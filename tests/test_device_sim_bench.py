@@ -16,7 +16,7 @@ from torch.utils._pytree import tree_leaves
 
 import subquad
 from _devices import as_device, fake_tensors
-from subquad import _call, _fast, _planner
+from subquad import _call, _fast, _time_model
 from subquad._backends import flex
 from subquad._backends.sdpa import Sdpa
 from subquad._tiles import is_device_fatal, is_oom
@@ -121,7 +121,7 @@ def test_synchronize_waits_for_mps_and_cuda(monkeypatch):
     monkeypatch.setattr(torch.mps, "synchronize", lambda: calls.append("mps"), raising=False)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append("cuda"))
     for device in ("mps", "cuda", "cpu"):
-        _planner.synchronize(torch.device(device))
+        _time_model.synchronize(torch.device(device))
     assert calls == ["mps", "cuda"]
 
 
@@ -132,7 +132,7 @@ def test_info_run_times_the_call_between_two_syncs(monkeypatch, capsys, fixed_ra
     from subquad._cli import main
 
     events: List[str] = []
-    monkeypatch.setattr(_planner, "synchronize", lambda device: events.append(f"sync {torch.device(device).type}"))
+    monkeypatch.setattr(_time_model, "synchronize", lambda device: events.append(f"sync {torch.device(device).type}"))
     real = subquad.attention
 
     def attention(*args, **kwargs):
@@ -156,16 +156,16 @@ def test_rates_are_measured_once_per_device_type_and_dtype(monkeypatch):
         measured.append((device.type, dtype))
         return rates[dtype]
 
-    monkeypatch.setattr(_planner, "_RATES", {})
-    monkeypatch.setattr(_planner, "_measure_rates", measure)
-    monkeypatch.setattr(_planner, "_CALL_HOST_S", {})  # the device's work alone (the floor: test_devices.py)
+    monkeypatch.setattr(_time_model, "_RATES", {})
+    monkeypatch.setattr(_time_model, "_measure_rates", measure)
+    monkeypatch.setattr(_time_model, "_CALL_HOST_S", {})  # the device's work alone (the floor: test_devices.py)
     work = {}
     with fake_tensors():
         for dtype in (torch.float32, torch.float16, torch.float32, torch.float16):
             q = torch.empty(1, 8, 1 << 16, 16, dtype=dtype, device="cuda")
             plan = subquad.explain(q, q, q, memory_budget="1MiB")
             assert plan.predicted_seconds is not None
-            work[dtype] = plan.predicted_seconds - plan.tiles * _planner._TILE_OVERHEAD_S["cuda"]
+            work[dtype] = plan.predicted_seconds - plan.tiles * _time_model._TILE_OVERHEAD_S["cuda"]
     assert measured == [("cuda", torch.float32), ("cuda", torch.float16)]  # each once, then kept
     assert work[torch.float16] == pytest.approx(work[torch.float32] / 8)  # half precision at its own rates
     # The CPU computes half precision in float32: its float32 rates serve.
@@ -185,10 +185,12 @@ def test_the_probe_times_queued_calls_not_the_launch():
     def sync() -> None:
         clock[0] += 20e-6
 
-    per_call = _planner.seconds_per_call(fn, sync, min_seconds=2e-3, clock=lambda: clock[0])
+    per_call = _time_model.seconds_per_call(fn, sync, min_seconds=2e-3, clock=lambda: clock[0])
     assert per_call == pytest.approx(10e-6, rel=0.02)
     # The CPU keeps one call per run (its calls do not queue; the probe stays cheap).
-    assert _planner.seconds_per_call(fn, lambda: None, min_seconds=0.0, clock=lambda: clock[0]) == pytest.approx(10e-6)
+    assert _time_model.seconds_per_call(fn, lambda: None, min_seconds=0.0, clock=lambda: clock[0]) == pytest.approx(
+        10e-6
+    )
 
 
 def test_the_gpu_probe_is_large_and_repeated(monkeypatch):
@@ -199,10 +201,10 @@ def test_the_gpu_probe_is_large_and_repeated(monkeypatch):
         asked.append(min_seconds)
         return 1e-3
 
-    monkeypatch.setattr(_planner, "seconds_per_call", timed)
-    monkeypatch.setattr(_planner, "synchronize", lambda device: None)
+    monkeypatch.setattr(_time_model, "seconds_per_call", timed)
+    monkeypatch.setattr(_time_model, "synchronize", lambda device: None)
     with fake_tensors():
-        flops, per_score = _planner._probe(torch.device("cuda"), torch.float16)
+        flops, per_score = _time_model._probe(torch.device("cuda"), torch.float16)
     # At least a GFLOP per call (a launch is microseconds; the old probe's 67 MFLOP took less).
     assert flops * 1e-3 >= 1e9
     assert asked and all(s > 0 for s in asked)
@@ -215,10 +217,10 @@ def test_rates_are_measured_on_real_tensors_under_a_fake_tensor_mode(monkeypatch
     from torch._subclasses.fake_tensor import FakeTensor
 
     probed = []
-    monkeypatch.setattr(_planner, "_RATES", {})
-    monkeypatch.setattr(_planner, "_probe", lambda device, dtype: probed.append(torch.empty(1)) or (1e11, 1e-9))
+    monkeypatch.setattr(_time_model, "_RATES", {})
+    monkeypatch.setattr(_time_model, "_probe", lambda device, dtype: probed.append(torch.empty(1)) or (1e11, 1e-9))
     with fake_tensors():
-        _planner._device_rates(torch.device("cpu"), torch.float32)
+        _time_model._device_rates(torch.device("cpu"), torch.float32)
     assert len(probed) == 1 and not isinstance(probed[0], FakeTensor)
 
 

@@ -359,29 +359,29 @@ def test_a_fatal_device_error_in_a_fused_kernel_is_not_read_as_a_refusal():
 def test_the_gpu_sdpa_probe_times_the_whole_kernel_per_score():
     # On CUDA the planner times torch's SDPA itself (its kernels hold no scores, which the rate
     # probe's softmax passes stream). The probe is device-neutral: here it runs on the CPU.
-    from subquad import _planner
+    from subquad import _time_model
 
-    assert _planner._SDPA_PROBE_SHAPE[3] == _planner._CPU_PROBE_SHAPE[3]  # forward_seconds scales from one E
-    per_score, per_row = _planner._measure_whole(torch.device("cpu"), torch.float32, "sdpa")
+    assert _time_model._SDPA_PROBE_SHAPE[3] == _time_model._CPU_PROBE_SHAPE[3]  # forward_seconds scales from one E
+    per_score, per_row = _time_model._measure_whole(torch.device("cpu"), torch.float32, "sdpa")
     assert per_row == 0.0 and 1e-13 < per_score < 1e-6, per_score
-    assert _planner.backend_seconds(torch.device("cpu"), torch.float32, "sdpa") is None  # the CPU: model + fused
+    assert _time_model.backend_seconds(torch.device("cpu"), torch.float32, "sdpa") is None  # the CPU: model + fused
 
 
 def test_cuda_tile_calls_take_at_least_their_python_time_and_overlap_it(monkeypatch):
     # On the H200 a one-tile call of the tiles spent 1.2 ms (forward) and 3.5 ms (with the
     # backward) in Python while the GPU worked 0.46 and 1.42 ms; explain() predicted the GPU's
     # time alone. A call takes the longer of the two; a large call's GPU time is not lengthened.
-    from subquad import _planner
+    from subquad import _time_model
 
     # The device's work is given (the rates of the machine running this test do not matter).
     q, k, v = (torch.randn(1, 2, 64, 16) for _ in range(3))
     as_device(monkeypatch, "cuda")
-    fwd_s, bwd_s = _planner._CALL_HOST_S["cuda"]
-    monkeypatch.setattr(_planner, "forward_seconds", lambda *a: 1e-6)  # work the device finishes at once
+    fwd_s, bwd_s = _time_model._CALL_HOST_S["cuda"]
+    monkeypatch.setattr(_time_model, "forward_seconds", lambda *a: 1e-6)  # work the device finishes at once
     assert fwd_s <= subquad.explain(q, k, v, backend="matmul").predicted_seconds < fwd_s + 1e-3
     qg = q.clone().requires_grad_()
     assert fwd_s + bwd_s <= subquad.explain(qg, k, v, backend="matmul").predicted_seconds < fwd_s + bwd_s + 1e-3
-    monkeypatch.setattr(_planner, "forward_seconds", lambda *a: 10.0)  # a call the device is busy with
+    monkeypatch.setattr(_time_model, "forward_seconds", lambda *a: 10.0)  # a call the device is busy with
     assert subquad.explain(q, k, v, backend="matmul").predicted_seconds == 10.0
     as_device(monkeypatch, "cpu")  # the CPU runs Python and the work in turn: they add up
     assert subquad.explain(q, k, v, backend="matmul").predicted_seconds > 10.0

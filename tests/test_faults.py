@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 import subquad
 from conftest import assert_close_to_golden, naive_attention
-from subquad import _call, _engine, _planner
+from subquad import _call, _engine, _planner, _time_model
 from subquad._backends import FusedCPU, fused
 from subquad.integrations.patch import ORIGINAL_SDPA
 
@@ -124,15 +124,17 @@ def test_explain_predicts_the_time_of_a_huge_call(fixed_rates):
 
 def test_the_predicted_time_follows_the_measured_rates(monkeypatch):
     q = torch.empty(1, 8, 1 << 16, 16)
-    monkeypatch.setattr(_planner, "backend_seconds", lambda device, dtype, backend: None)  # the model alone
+    monkeypatch.setattr(_time_model, "backend_seconds", lambda device, dtype, backend: None)  # the model alone
     times = []
     for flops, per_score in [(1e11, 1e-9), (1e12, 1e-10)]:
-        monkeypatch.setitem(_planner._RATES, ("cpu", torch.float32), (flops, per_score))
+        monkeypatch.setitem(_time_model._RATES, ("cpu", torch.float32), (flops, per_score))
         times.append(subquad.explain(q, q, q, memory_budget="1MiB").predicted_seconds)
     tiles = subquad.explain(q, q, q, memory_budget="1MiB").tiles
     # Ten times the rates: a tenth of the work, the same per-tile overhead.
     assert times[1] < times[0] / 5
-    assert times[0] - times[1] == pytest.approx(0.9 * (times[0] - tiles * _planner._TILE_OVERHEAD_S["cpu"]), rel=1e-6)
+    assert times[0] - times[1] == pytest.approx(
+        0.9 * (times[0] - tiles * _time_model._TILE_OVERHEAD_S["cpu"]), rel=1e-6
+    )
 
 
 def test_the_predicted_time_counts_the_score_mod(fixed_rates):
@@ -145,7 +147,7 @@ def test_the_predicted_time_counts_the_score_mod(fixed_rates):
         return 30 * torch.tanh(s / 30)
 
     scores = 2 * 4 * 256 * 512
-    for grad, passes in ((False, 1), (True, _planner.CALLBACK_PASSES_WITH_GRAD)):
+    for grad, passes in ((False, 1), (True, _time_model.CALLBACK_PASSES_WITH_GRAD)):
         q = torch.empty(2, 4, 256, 16, requires_grad=grad)
         k = torch.empty(2, 4, 512, 16, requires_grad=grad)
         plain = subquad.explain(q, k, k, backend="matmul", chunk_size=(64, 64))
@@ -158,14 +160,14 @@ def test_the_predicted_time_counts_the_score_mod(fixed_rates):
 
 def test_the_score_mod_is_timed_once_per_callback(monkeypatch):
     timed = []
-    monkeypatch.setattr(_planner, "seconds_per_call", lambda fn, *a, **kw: timed.append(fn()) or 1e-3)
+    monkeypatch.setattr(_time_model, "seconds_per_call", lambda fn, *a, **kw: timed.append(fn()) or 1e-3)
     q = torch.randn(1, 2, 300, 8)
 
     def shifted(s, b, h, q_idx, kv_idx):
         return s + 0.5 * (kv_idx - q_idx)
 
-    first = _planner.score_mod_seconds(_call.prepare(q, q, q, score_mod=shifted).inp)
-    again = _planner.score_mod_seconds(_call.prepare(q[:, :, :200], q, q, score_mod=shifted).inp)
+    first = _time_model.score_mod_seconds(_call.prepare(q, q, q, score_mod=shifted).inp)
+    again = _time_model.score_mod_seconds(_call.prepare(q[:, :, :200], q, q, score_mod=shifted).inp)
     # One probe tile of 2 heads x 128 rows x 256 keys (at most 64k scores), its own index grids.
     assert first == again == pytest.approx(1e-3 / (2 * 128 * 256)) and len(timed) == 1
     assert timed[0].shape == (1, 2, 128, 256)
@@ -175,8 +177,8 @@ def test_the_score_mod_is_timed_once_per_callback(monkeypatch):
 
     # (the call itself says so, before any estimate: here the probe alone meets it)
     inp = dataclasses.replace(_call.prepare(q, q, q, score_mod=shifted).inp, score_mod=broken)
-    assert _planner.score_mod_seconds(inp) == 0.0
-    assert _planner.score_mod_seconds(_call.prepare(q, q, q).inp) == 0.0
+    assert _time_model.score_mod_seconds(inp) == 0.0
+    assert _time_model.score_mod_seconds(_call.prepare(q, q, q).inp) == 0.0
 
 
 def test_long_calls_warn_and_log_progress(monkeypatch, caplog):

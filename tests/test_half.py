@@ -22,7 +22,7 @@ import subquad
 from _devices import OpRecorder
 from _machine import fake_cpu
 from conftest import assert_close_to_golden, float32_scores_reference, naive_attention, to64
-from subquad import _planner
+from subquad import _time_model
 from subquad._backends import matmul
 from subquad._backends import products as cpu_products
 
@@ -287,18 +287,18 @@ def test_tile_buffers_are_allocated_once_per_pass_not_per_tile_or_row_block(prod
 )
 def test_time_model_times_the_products_the_tiles_run(monkeypatch, native, dtype, want):
     fake_cpu(monkeypatch, "avx512-bf16" if native else "avx2")
-    monkeypatch.setattr(_planner, "_RATES", {})
+    monkeypatch.setattr(_time_model, "_RATES", {})
     timed = []
-    monkeypatch.setattr(_planner, "_measure_rates", lambda device, dt: timed.append(dt) or (1e11, 1e-9))
-    _planner._device_rates(torch.device("cpu"), dtype)
+    monkeypatch.setattr(_time_model, "_measure_rates", lambda device, dt: timed.append(dt) or (1e11, 1e-9))
+    _time_model._device_rates(torch.device("cpu"), dtype)
     assert timed == [want]
 
 
 def test_explain_predicts_bf16_from_its_own_rate(monkeypatch):
     # Rates injected: bfloat16 GEMMs 3x float32's; the prediction follows the call's dtype.
     fake_cpu(monkeypatch, "avx512-bf16")
-    monkeypatch.setattr(_planner, "_RATES", {("cpu", torch.float32): (1e11, 1e-9), ("cpu", BF16): (3e11, 1e-9)})
-    monkeypatch.setattr(_planner, "backend_seconds", lambda device, dtype, backend: None)
+    monkeypatch.setattr(_time_model, "_RATES", {("cpu", torch.float32): (1e11, 1e-9), ("cpu", BF16): (3e11, 1e-9)})
+    monkeypatch.setattr(_time_model, "backend_seconds", lambda device, dtype, backend: None)
     q32 = torch.empty(1, 8, 4096, 64)
     t32 = subquad.explain(q32, q32, q32, backend="matmul").predicted_seconds
     qb = q32.to(BF16)

@@ -399,11 +399,11 @@ def test_the_time_model_probes_the_loop_in_blocks_of_its_size(wide, dtype):
     # The loops take whole rows, keys in one call: the probe times blocks of _LOOP_PROBE_SHAPE's
     # rows with all their keys per call (blocks of 256 rows in calls of 512 keys had predicted
     # the float32 forward 1x8x4096x64 at 0.60x its time).
-    from subquad import _planner
+    from subquad import _time_model
 
-    bh, nq, _, e = _planner._LOOP_PROBE_SHAPE
+    bh, nq, _, e = _time_model._LOOP_PROBE_SHAPE
     before = len(wide.calls)
-    per_score, per_row = _planner._measure_backend(torch.device("cpu"), dtype, "matmul")
+    per_score, per_row = _time_model._measure_backend(torch.device("cpu"), dtype, "matmul")
     calls = wide.calls[before:]
     assert calls and all(c == ("forward_segment_f32", (1, bh, nq, e)) for c in calls), calls[:3]
     assert per_score > 0 and per_row >= 0

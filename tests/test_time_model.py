@@ -14,7 +14,7 @@ import torch
 
 import subquad
 from _devices import fake_tensors
-from subquad import _planner
+from subquad import _time_model
 from subquad._backends import fused
 from subquad._validate import make_inputs
 
@@ -42,9 +42,9 @@ def _brute_block_fraction(Lq, Lk, o, bq, bk):
     ],
 )
 def test_block_fraction_counts_every_block_with_a_visible_score(Lq, Lk, o, bq, bk):
-    assert _planner.block_fraction(Lq, Lk, o, (bq, bk)) == pytest.approx(_brute_block_fraction(Lq, Lk, o, bq, bk))
+    assert _time_model.block_fraction(Lq, Lk, o, (bq, bk)) == pytest.approx(_brute_block_fraction(Lq, Lk, o, bq, bk))
     # One-score blocks are the visible fraction itself.
-    assert _planner.block_fraction(Lq, Lk, o, (1, 1)) == pytest.approx(_planner.visible_fraction(Lq, Lk, True, o))
+    assert _time_model.block_fraction(Lq, Lk, o, (1, 1)) == pytest.approx(_time_model.visible_fraction(Lq, Lk, True, o))
 
 
 def test_a_causal_call_costs_the_blocks_its_backend_computes(fixed_rates):
@@ -53,7 +53,7 @@ def test_a_causal_call_costs_the_blocks_its_backend_computes(fixed_rates):
     def work(L, backend, causal, chunk=None):
         q = torch.empty(4, 8, L, 64)
         plan = subquad.explain(q, q, q, is_causal=causal, backend=backend, chunk_size=chunk)
-        return plan.predicted_seconds - plan.tiles * _planner._TILE_OVERHEAD_S["cpu"]
+        return plan.predicted_seconds - plan.tiles * _time_model._TILE_OVERHEAD_S["cpu"]
 
     assert work(256, "fused", True) == pytest.approx(work(256, "fused", False))
     assert work(2048, "fused", True) == pytest.approx(work(2048, "fused", False) * 20 / 32)
@@ -63,18 +63,18 @@ def test_a_causal_call_costs_the_blocks_its_backend_computes(fixed_rates):
 
 def test_each_backend_is_predicted_at_its_own_time(fixed_rates, monkeypatch):
     flops, per_score = fixed_rates["cpu"]
-    e = _planner._CPU_PROBE_SHAPE[3]
+    e = _time_model._CPU_PROBE_SHAPE[3]
     at_probe = 4 * e / flops + per_score  # the model's time per score at the probes' head dim
     factors = {"fused": 2.0, "matmul": 3.0}
     per_row = {"fused": 1e-6, "matmul": 3e-6}
     monkeypatch.setattr(
-        _planner,
+        _time_model,
         "backend_seconds",
         lambda device, dtype, backend: (factors[backend] * at_probe, per_row[backend]) if backend in factors else None,
     )
 
     def work(plan):
-        return plan.predicted_seconds - plan.tiles * _planner._TILE_OVERHEAD_S["cpu"]
+        return plan.predicted_seconds - plan.tiles * _time_model._TILE_OVERHEAD_S["cpu"]
 
     for E in (64, 16, 256):  # the probes' head dim, and others: the model scales the timed scores
         q = torch.empty(1, 4, 512, E)
@@ -90,7 +90,7 @@ def test_each_backend_is_predicted_at_its_own_time(fixed_rates, monkeypatch):
     assert (plan.backend, plan.backward_backend) == ("fused", "matmul")
     fused = 4 * 512 * 512 * at_probe * 2.0 + 4 * 512 * 1e-6
     tiles = 4 * 512 * 512 * at_probe * 3.0 + 4 * 512 * 3e-6
-    assert work(plan) == pytest.approx(fused + _planner.BACKWARD_PER_FORWARD * tiles)
+    assert work(plan) == pytest.approx(fused + _time_model.BACKWARD_PER_FORWARD * tiles)
 
 
 @pytest.mark.parametrize("dtype,factor", [(torch.float32, 2.5), (torch.float16, 2.5), (torch.bfloat16, 2.0)])
@@ -98,7 +98,7 @@ def test_each_backend_is_predicted_at_its_own_time(fixed_rates, monkeypatch):
 def test_a_backward_is_predicted_at_its_dtypes_share_of_the_forward(fixed_rates, monkeypatch, backend, dtype, factor):
     # On a CPU a bfloat16 backward took 1.9-2.0x its forward (fused kernel and tiles), the other
     # dtypes' 2.3-2.8x: fwd+bwd = (1 + factor) x the forward, whatever the forward costs.
-    monkeypatch.setattr(_planner, "backend_seconds", lambda device, dt, b: (1e-9, 1e-6) if b == backend else None)
+    monkeypatch.setattr(_time_model, "backend_seconds", lambda device, dt, b: (1e-9, 1e-6) if b == backend else None)
     q = torch.empty(1, 4, 512, 64, dtype=dtype)
     qg = q.clone().requires_grad_()
     fwd, both = (
@@ -106,7 +106,7 @@ def test_a_backward_is_predicted_at_its_dtypes_share_of_the_forward(fixed_rates,
         for t in (q, qg)
     )
     assert both.backward_backend == backend
-    overhead = _planner._TILE_OVERHEAD_S["cpu"]
+    overhead = _time_model._TILE_OVERHEAD_S["cpu"]
     fwd_work = fwd.predicted_seconds - fwd.tiles * overhead
     assert both.predicted_seconds - both.tiles * overhead == pytest.approx((1 + factor) * fwd_work)
 
@@ -115,13 +115,15 @@ def test_a_backward_is_predicted_at_its_dtypes_share_of_the_forward(fixed_rates,
 def test_a_backends_own_time_is_timed_once_on_real_tensors(monkeypatch, backend):
     from torch._subclasses.fake_tensor import FakeTensor
 
-    monkeypatch.setattr(_planner, "_OWN", {})
+    monkeypatch.setattr(_time_model, "_OWN", {})
     # The measurement itself, not SUBQUAD_TEST_RATE_FACTOR's scaled wrapper of it (tests/_machine.py).
     monkeypatch.setattr(
-        _planner, "_measure_backend", getattr(_planner._measure_backend, "__wrapped__", _planner._measure_backend)
+        _time_model,
+        "_measure_backend",
+        getattr(_time_model._measure_backend, "__wrapped__", _time_model._measure_backend),
     )
-    bh, nq, nk, _ = _planner._FUSED_PROBE_SHAPE if backend == "fused" else _planner._CPU_PROBE_SHAPE
-    lk = nk * _planner._PROBE_ROW_TILES
+    bh, nq, nk, _ = _time_model._FUSED_PROBE_SHAPE if backend == "fused" else _time_model._CPU_PROBE_SHAPE
+    lk = nk * _time_model._PROBE_ROW_TILES
     a, b = 2e-9, 5e-7  # seconds per score and per query row
     runs = [a * bh * nq * nk + b * bh * nq, a * bh * nq * lk + b * bh * nq]  # the short row block, the long
     made = []
@@ -131,38 +133,38 @@ def test_a_backends_own_time_is_timed_once_on_real_tensors(monkeypatch, backend)
         fn()  # the backend's own row block runs
         return runs[(len(made) - 1) % 2]
 
-    monkeypatch.setattr(_planner, "seconds_per_call", timed)
+    monkeypatch.setattr(_time_model, "seconds_per_call", timed)
     cpu = torch.device("cpu")
     with fake_tensors():
-        assert _planner.backend_seconds(cpu, torch.float32, backend) == pytest.approx((a, b))
-        assert _planner.backend_seconds(cpu, torch.float32, backend) == pytest.approx((a, b))  # kept
+        assert _time_model.backend_seconds(cpu, torch.float32, backend) == pytest.approx((a, b))
+        assert _time_model.backend_seconds(cpu, torch.float32, backend) == pytest.approx((a, b))  # kept
     assert len(made) == 2 and not any(isinstance(t, FakeTensor) for t in made)
-    assert _planner.backend_seconds(cpu, torch.bfloat16, backend) == pytest.approx((a, b))
+    assert _time_model.backend_seconds(cpu, torch.bfloat16, backend) == pytest.approx((a, b))
     assert len(made) == 4  # measured once per dtype and backend
     # Other devices and whole-call backends: the model alone (nothing timed).
-    assert _planner.backend_seconds(torch.device("cuda"), torch.float16, backend) is None
-    assert _planner.backend_seconds(cpu, torch.float32, "sdpa") is None
+    assert _time_model.backend_seconds(torch.device("cuda"), torch.float16, backend) is None
+    assert _time_model.backend_seconds(cpu, torch.float32, "sdpa") is None
     assert len(made) == 4
     # Two noisy timings whose difference would make the scores free: held at half the average.
     runs[0] = runs[1]
-    per_score, per_row = _planner.backend_seconds(cpu, torch.float16, backend)
+    per_score, per_row = _time_model.backend_seconds(cpu, torch.float16, backend)
     assert per_score == pytest.approx(runs[1] / (bh * nq * lk) / 2) and per_row > 0
 
     # A backend whose tile cannot run here: the model alone, not an error in explain().
     def failing(fn, sync, *, min_seconds, clock=None):
         raise RuntimeError("no kernel")
 
-    monkeypatch.setattr(_planner, "seconds_per_call", failing)
-    assert _planner.backend_seconds(cpu, torch.float64, backend) is None
+    monkeypatch.setattr(_time_model, "seconds_per_call", failing)
+    assert _time_model.backend_seconds(cpu, torch.float64, backend) is None
 
 
 def test_the_probe_runs_each_backends_own_row_blocks(monkeypatch):
     # For real (the verdict does not depend on the times): the probe runs every backend's
     # forward in every dtype (backend_seconds would turn an error into "not timed" silently).
-    monkeypatch.setattr(_planner, "_BACKEND_PROBE_S", 0.0)
+    monkeypatch.setattr(_time_model, "_BACKEND_PROBE_S", 0.0)
     for backend in ("fused", "matmul"):
         for dtype in (torch.float32, torch.bfloat16, torch.float16):
-            per_score, per_row = _planner._measure_backend(torch.device("cpu"), dtype, backend)
+            per_score, per_row = _time_model._measure_backend(torch.device("cpu"), dtype, backend)
             assert 0 < per_score < 1e-6 and per_row >= 0, (per_score, per_row)  # a microsecond per score: absurd
 
 
@@ -282,3 +284,54 @@ def test_cost_chosen_tiles_give_the_float64_answer_packed_and_dense(monkeypatch)
     torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
     for got, want in zip(grads, ref_grads):
         torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
+
+
+def test_a_probe_made_while_the_machine_was_busy_is_measured_again(monkeypatch):
+    # Before: the rates were measured once per process; a probe that ran while the machine was
+    # busy made every later prediction of the process too long.
+    from subquad import _probes
+
+    clock = [1000.0]
+    monkeypatch.setattr(_probes.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(_time_model, "_RATES", {})
+    measured = [(1e10, 4e-9), (1e11, 1e-9), (5e10, 2e-9), (2e11, 5e-10)]  # busy, quiet, busy, too late
+    monkeypatch.setattr(_time_model, "_measure_rates", lambda device, dtype: measured.pop(0))
+    cpu = torch.device("cpu")
+    assert _time_model._device_rates(cpu, torch.float32) == (1e10, 4e-9)
+    clock[0] += 1.0
+    assert _time_model._device_rates(cpu, torch.float32) == (1e10, 4e-9), "measured again at once"
+    clock[0] += _probes.REPROBE_AFTER_S
+    assert _time_model._device_rates(cpu, torch.float32) == (1e11, 1e-9), "the quiet probe wins"
+    clock[0] += _probes.REPROBE_AFTER_S
+    assert _time_model._device_rates(cpu, torch.float32) == (1e11, 1e-9), "a busy probe later does not undo it"
+    clock[0] += _probes.REPROBE_AFTER_S
+    assert _time_model._device_rates(cpu, torch.float32) == (1e11, 1e-9) and len(measured) == 1, "at most twice again"
+    injected = (3e11, 1e-10)
+    _time_model._RATES[("cpu", torch.float64)] = injected  # a test's injected rates: never measured
+    clock[0] += 10 * _probes.REPROBE_AFTER_S
+    assert _time_model._device_rates(cpu, torch.float64) is injected
+
+
+def test_the_loops_own_callbacks_cost_no_passes_and_a_window_only_its_band(monkeypatch):
+    # The C++ loops evaluate ALiBi and windows themselves: no per-tile callback passes, and a
+    # window computes only its band's blocks, not the causal triangle.
+    from _machine import fake_cpu, inject_rates
+    from subquad import mods
+    from subquad._validate import make_inputs as _make
+
+    fake_cpu(monkeypatch, "avx512-bf16", kernel="stub")
+    inject_rates(monkeypatch)
+    monkeypatch.setattr(_time_model, "backend_seconds", lambda device, dtype, backend: None)
+    q = torch.randn(1, 4, 2048, 64).bfloat16()
+
+    causal = subquad.explain(q, q, q, backend="matmul", is_causal=True)
+    alibi = subquad.explain(q, q, q, backend="matmul", is_causal=True, score_mod=mods.alibi(4))
+    window = subquad.explain(q, q, q, backend="matmul", mask_mod=mods.sliding_window(256, causal=True))
+    inp_c = _make(q, q, q, is_causal=True)
+    inp_w = _make(q, q, q, mask_mod=mods.sliding_window(256, causal=True))
+    full = _time_model.computed_scores(inp_c, "matmul", causal.chunk_size)
+    band = _time_model.computed_scores(inp_w, "matmul", window.chunk_size)
+    assert band < 0.4 * full, (band, full)  # 16 blocks of 128 rows x 384 keys, against the triangle
+    t_causal = _time_model.predict_seconds(inp_c, causal, False)
+    t_alibi = _time_model.predict_seconds(_make(q, q, q, is_causal=True, score_mod=mods.alibi(4)), alibi, False)
+    assert t_alibi == pytest.approx(t_causal, rel=0.05), (t_alibi, t_causal)

@@ -14,6 +14,7 @@ from ._requires import require_torch, torch_face_wanted
 from ._version import __version__
 
 if torch_face_wanted():
+    from . import _calibrate as _calibrate  # the calibration's measurement, installed on import
     from . import mods
     from ._api import attention, explain, sdpa
     from ._api_varlen import varlen_attention, varlen_explain

@@ -107,7 +107,7 @@ def free_memory_bytes(device: torch.device) -> int:
         allocated, reserved = _cuda_allocator_bytes(index)
         # What the driver has free plus what torch's allocator holds does not change as this
         # process allocates and frees through it: read from the driver at most every 0.2 s, as
-        # the CPU's /proc/meminfo (cudaMemGetInfo took ~10 us a call on an H200).
+        # the CPU's /proc/meminfo (cudaMemGetInfo takes microseconds a call).
         now = time.monotonic()
         cached = _CUDA_FREE_CACHE.get(index)
         if cached is None or now - cached[0] >= 0.2:
@@ -135,8 +135,8 @@ def _cuda_allocator_bytes(index: int) -> Tuple[int, int]:
     """``(allocated, reserved)`` bytes of torch's CUDA caching allocator on device ``index``.
 
     ``torch.cuda.memory_allocated`` and ``memory_reserved`` each flatten every allocator
-    statistic into a new dict: about 0.25 ms a call on an H200 host, 8x SDPA's own time on a
-    1x8x4096x64 bfloat16 call; the nested statistics they flatten cost a few microseconds."""
+    statistic into a new dict, several times SDPA's own time on a mid-sized call
+    (docs/benchmarks/gpu.md); the nested statistics they flatten cost a few microseconds."""
     import torch
 
     nested = getattr(torch.cuda, "memory_stats_as_nested_dict", None)

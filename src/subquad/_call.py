@@ -45,9 +45,9 @@ Tiles = Tuple[int, int]
 ChunkSize = Union[int, Tiles, Sequence[int], None]  # a pair as a tuple or a list (parse_chunk_size)
 
 WARN_LONGER_THAN_S = 300.0
+"""A call predicted to take longer than this warns once (with the plan's estimate)."""
 
 NOT_TRIED: Any = object()  # attention(fast_key=...): the caller has not tried the fast path
-"""A call predicted to take longer than this warns once (with the plan's estimate)."""
 
 
 class Prepared(NamedTuple):
@@ -444,7 +444,7 @@ def _run(call: Prepared, requested: str) -> Tuple[Tensor, Optional[Tensor]]:
     inp, opts, budget, plan, captured = call
     if plan.backend == "flex":
         try:
-            return BACKENDS["flex"].run_whole(inp, False)
+            return BACKENDS["flex"].run_whole(inp, need_lse=False)
         except FlexUnavailable as e:
             if requested == "flex":
                 raise
@@ -457,7 +457,7 @@ def _run(call: Prepared, requested: str) -> Tuple[Tensor, Optional[Tensor]]:
             plan = make_plan(inp, opts, budget, requested)
     if plan.backend == "sdpa":
         try:
-            return BACKENDS["sdpa"].run_whole(inp, False)
+            return BACKENDS["sdpa"].run_whole(inp, need_lse=False)
         except RuntimeError as e:
             # No fused kernel took the input after all (their checks are private), or it ran out
             # of memory: the tiles take everything, within the budget. A fault of the device

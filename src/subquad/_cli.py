@@ -38,6 +38,7 @@ def _info(args: argparse.Namespace) -> int:
     print(f"native tile kernel: {_native.status()}")
     if device.type == "cpu":
         print(f"CPU: {describe_cpu()}")
+        print_calibration()
     if device.type == "mps":
         print_mps_defects()
     if device.type == "cuda":
@@ -56,7 +57,7 @@ def _info(args: argparse.Namespace) -> int:
     if args.run:
         import time
 
-        from subquad._planner import synchronize  # optional: needs torch
+        from subquad._time_model import synchronize  # optional: needs torch
 
         g = torch.Generator(device="cpu").manual_seed(0)
         q, k, v = (torch.randn(B, H, L, E, generator=g, dtype=dtype).to(device) for L in (Lq, Lk, Lk))
@@ -70,6 +71,64 @@ def _info(args: argparse.Namespace) -> int:
         print(
             f"\nran {plan.backend}: {dt * 1e3:.1f} ms, output {tuple(out.shape)} {str(out.dtype).replace('torch.', '')}"
         )
+    return 0
+
+
+def print_calibration() -> None:
+    """Whether the loops or torch's fused kernel run which calls here, as measured on this CPU."""
+    from subquad import _native  # optional: needs torch
+    from subquad._backends import calibration  # optional: needs torch
+
+    if _native.tile_kernel() is None:
+        print(
+            "calibration: none (no native kernel here). `subquad build` builds it (a C++ compiler, about 40 s once); "
+            "the first call it could take, or `subquad calibrate`, then measures whether its loops beat torch's "
+            "kernel on this CPU"
+        )
+        return
+    if not calibration.enabled():
+        print("calibration: off (SUBQUAD_CALIBRATE=0): the fallback thresholds decide")
+        return
+    entries = calibration.table()
+    if not entries:
+        print("calibration: not measured yet (on the first call the loops could take, or `subquad calibrate`)")
+        return
+    print(f"calibration (measured on this CPU; {calibration.path()}):")
+    for key in sorted(entries):
+        print(f"  {calibration.describe(entries[key])}")
+
+
+def _calibrate(dtypes: Optional[str], inference: bool, training: bool) -> int:
+    """``subquad calibrate``: measure the loops against the fused kernel again, here."""
+    import torch  # optional dependency, present: main() required it
+
+    from subquad import _native  # optional: needs torch
+    from subquad._backends import calibration  # optional: needs torch
+
+    kernel = _native.tile_kernel()
+    if kernel is None:
+        print("subquad calibrate: no native kernel here (`subquad build` builds it)", file=sys.stderr)
+        return 1
+    has = {
+        torch.bfloat16: hasattr(kernel, "forward_segment_bf16"),
+        torch.float32: hasattr(kernel, "forward_segment_f32"),
+        torch.float16: hasattr(kernel, "forward_segment_f32"),
+    }
+    names = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    wanted = [names[d.strip()] for d in dtypes.split(",")] if dtypes else [d for d, ok in has.items() if ok]
+    directions = [d for d, on in ((False, inference), (True, training)) if on] or [False, True]
+    for dtype in wanted:
+        if not has[dtype]:
+            print(f"subquad calibrate: this build has no {dtype} loops", file=sys.stderr)
+            continue
+        for grad in directions:
+            try:
+                print(calibration.describe(calibration.calibrate(dtype, grad)))
+            except calibration.Unsettled as e:
+                print(
+                    f"subquad calibrate: the rounds disagreed, the machine is busy ({e}); nothing kept", file=sys.stderr
+                )
+                return 1
     return 0
 
 
@@ -121,6 +180,18 @@ def main(argv: Optional[List[str]] = None) -> int:
         "machine (PyTorch's extension builder: a C++ compiler and ninja), or find it built. With "
         "SUBQUAD_NATIVE=auto (the default) the tiles use it once it is built; SUBQUAD_NATIVE=off never does.",
     )
+    p = sub.add_parser(
+        "calibrate",
+        help="measure here whether the native kernel's loops beat torch's fused kernel (about 1-3 s a dtype)",
+        description="Time the native kernel's loops against torch's fused kernel on a few representative "
+        "calls, in interleaved rounds, and keep the result beside the build: `auto` takes the loops only where "
+        "they won by 10%%. Runs by itself on the first call that needs it; SUBQUAD_CALIBRATE=0 turns it off.",
+    )
+    p.add_argument(
+        "--dtype", default=None, help="fp32, bf16, fp16, comma-separated (default: every dtype the build has)"
+    )
+    p.add_argument("--inference", action="store_true", help="only inference (default: inference and training)")
+    p.add_argument("--training", action="store_true", help="only training (forward + backward)")
     sub.add_parser("bench", help="benchmark attention implementations on this machine (see `subquad bench --help`)")
     for verb, what in (("install", "write"), ("uninstall", "remove")):
         p = sub.add_parser(
@@ -155,6 +226,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         return _install(args.command, args.host, args.dir)
     if args.command == "build":
         return _build()
+    if args.command == "calibrate":
+        if args.dtype and any(d.strip() not in ("fp32", "bf16", "fp16") for d in args.dtype.split(",")):
+            parser.exit(2, f"subquad calibrate: error: --dtype {args.dtype}: expected fp32, bf16, fp16\n")
+        return _calibrate(args.dtype, args.inference, args.training)
     return 0
 
 
@@ -187,10 +262,31 @@ def _install(verb: str, host: str, folder: str) -> int:
         print(f"removed {done}" if done is not None else f"nothing to remove: subquad is not installed in {folder}")
         return 0
     print(f"installed subquad {__version__} for {name} in {done}")
+    _build_for_host()
     python = _host_python(folder) or "<the Python that runs it>"
     print(f"{name} imports subquad when it starts; if its Python does not have it: {pip_install(python)}")
     print(f"undo: subquad uninstall {host} {folder}")
     return 0
+
+
+def _build_for_host() -> None:
+    """``subquad install``: build the native kernel for this CPU now, unless ``SUBQUAD_NATIVE=off``
+    or it is built; a failure is said, never fatal (the host runs without the loops)."""
+    from subquad import _native  # optional: needs torch, required by main()
+
+    try:
+        if _native.mode() == "off":
+            print("native kernel: not built (SUBQUAD_NATIVE=off)")
+            return
+        if not _native.compiler_found():
+            print("native kernel: not built (no C++ compiler found); the host runs torch's kernel and the eager tiles")
+            return
+        print("building subquad's native kernel for this CPU (once, about 40 s; SUBQUAD_NATIVE=off skips it) ...")
+        _native.build()
+    except Exception as e:  # the builder's errors, and a mistyped SUBQUAD_NATIVE: said, never fatal
+        print(f"native kernel: not built ({type(e).__name__}: {str(e)[:300]})")
+        return
+    print(f"native kernel: {_native.status()}")
 
 
 def _host_python(folder: str) -> Optional[str]:

@@ -13,7 +13,7 @@ Used by the rest of the package: ``Inputs``, ``Packed``, ``BlockPositions``, ``B
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Callable, Iterator, Optional, Sequence, Tuple
+from typing import Callable, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -330,10 +330,6 @@ class Inputs:
         )
         assert q is not None and k is not None and v is not None
         return replace(self, query=q, key=k, value=v, attn_mask=m, b_offset=g * prod(inner))
-
-    def all_groups(self) -> Iterator["Inputs"]:
-        for g in range(self.n_groups):
-            yield self.group(g)
 
 
 def _at_batch(t: Tensor, B: int) -> Tensor:

@@ -30,19 +30,25 @@ the eager passes run; the two differ by the rounding of the bfloat16 results (on
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.machinery
 import importlib.util
 import os
 import platform
+import shutil
+import subprocess
 import sys
 import threading
+import time
 import warnings
 from pathlib import Path
 from types import ModuleType
 from typing import Dict, List, Optional
 
 import torch
+
+from . import _settings as settings
 
 _SOURCE = Path(__file__).with_name("_native_tiles.cpp")
 _MODES = ("auto", "build", "off")
@@ -54,9 +60,10 @@ def _flags() -> List[str]:
     flags = ["-O3", "-fopenmp"]
     if platform.machine() in ("x86_64", "AMD64"):
         flags.append("-march=native")  # the build is this CPU's: the cache key holds its flags
-    return flags + os.environ.get("SUBQUAD_NATIVE_FLAGS", "").split()
+    return flags + (settings.text("SUBQUAD_NATIVE_FLAGS") or "").split()
 
 
+@functools.lru_cache(maxsize=1)
 def _cpu_signature() -> str:
     """This CPU's model and feature flags (a build for ``-march=native`` runs only on its like)."""
     try:
@@ -67,15 +74,21 @@ def _cpu_signature() -> str:
     return "\n".join(sorted(set(keep)))
 
 
-def _name() -> str:
-    key = "\n".join([_SOURCE.read_text(), torch.__version__, sys.version, " ".join(_flags()), _cpu_signature()])
+def build_name() -> str:
+    """The build's name: a hash of the source, torch, Python, the flags and the CPU."""
+    return _hashed_name(str(torch.__version__), " ".join(_flags()))
+
+
+@functools.lru_cache(maxsize=16)
+def _hashed_name(torch_version: str, flags: str) -> str:
+    key = "\n".join([_SOURCE.read_text(), torch_version, sys.version, flags, _cpu_signature()])
     return "subquad_tiles_" + hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
 def build_directory() -> Path:
     """Where builds are kept: ``$SUBQUAD_NATIVE_DIR``, else ``$XDG_CACHE_HOME/subquad/native``
     (``~/.cache/subquad/native``)."""
-    root = os.environ.get("SUBQUAD_NATIVE_DIR")
+    root = settings.text("SUBQUAD_NATIVE_DIR")
     if root:
         return Path(root)
     cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
@@ -83,7 +96,7 @@ def build_directory() -> Path:
 
 
 def _library() -> Path:
-    name = _name()
+    name = build_name()
     return build_directory() / name / f"{name}.so"
 
 
@@ -119,12 +132,52 @@ def build(verbose: bool = False) -> ModuleType:
         return _import(path)
 
 
+BACKGROUND_LOG = "background-build.log"
+
+
+def compiler_found() -> bool:
+    """Whether a C++ compiler is on the PATH (``$CXX``, else ``c++``), as the builder needs."""
+    return shutil.which(os.environ.get("CXX", "c++")) is not None
+
+
+def build_in_background() -> bool:
+    """Start ``python -m subquad build`` in a child process of low priority where the kernel is not
+    built, ``SUBQUAD_NATIVE`` is not ``off`` and a C++ compiler is found (what a host's node or
+    extension does when the host starts): the build runs once beside the host, and the processes
+    after it use the kernel. Its output goes to ``background-build.log`` in
+    :func:`build_directory`. Returns whether a build was started."""
+    try:
+        if mode() == "off" or _library().exists() or not compiler_found():
+            return False
+    except ValueError:  # a SUBQUAD_NATIVE the host's user mistyped: the calls will say so
+        return False
+    folder = build_directory()
+    marker = folder / f"{build_name()}.building"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        if marker.exists() and time.time() - marker.stat().st_mtime < 900:
+            return False  # another process started it a moment ago
+        marker.write_text(str(os.getpid()))
+        with open(folder / BACKGROUND_LOG, "w") as log:
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-c",
+                    "import os, sys; os.nice(10); from subquad._cli import main; sys.exit(main(['build']))",
+                ],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+    except OSError:  # a read-only cache, no process to start: the eager passes run
+        return False
+    return True
+
+
 def mode() -> str:
     """``SUBQUAD_NATIVE``: ``auto`` (default), ``build`` or ``off``."""
-    value = os.environ.get("SUBQUAD_NATIVE", "auto").strip().lower() or "auto"
-    if value not in _MODES:
-        raise ValueError(f"SUBQUAD_NATIVE must be one of {', '.join(_MODES)}, got {value!r}")
-    return value
+    return settings.choice("SUBQUAD_NATIVE", _MODES)
 
 
 def tile_kernel() -> Optional[ModuleType]:

@@ -13,8 +13,10 @@
 // in the core's own cache, as torch's fused CPU kernel works. backward_segment_bf16 does the same
 // for the backward (FlashAttention-2's five products per block of 128 rows and 128 keys), one
 // task per batch entry and key head so that each gradient has one writer. Both take a soft cap
-// (softcap > 0: each score becomes c · tanh(score / c), Gemma 2's, with its derivative in dS), the
-// one score_mod they run themselves. Where it targets AVX512F, forward_segment_f32 runs the same
+// (softcap > 0: each score becomes c · tanh(score / c), Gemma 2's, with its derivative in dS),
+// ALiBi (subquad.mods.alibi: a bias per head and distance) and a band of diagonals (the causal
+// mask, subquad.mods.sliding_window and local_window: keys outside it skipped), the mods they
+// evaluate themselves (Mods). Where it targets AVX512F, forward_segment_f32 runs the same
 // forward loop for float32 and float16 inputs, its products in float32 on FMA (float16 converted
 // exactly when the rows and keys are copied in), p kept in float32. forward_packed_f32 and
 // forward_packed_bf16 run the forward loop over each of a group of packed sequences in one call.
@@ -571,6 +573,67 @@ void mask_row(const torch::Tensor& m, int64_t kind, int64_t b, int64_t h, int64_
   }
 }
 
+// A bound that no position reaches: a band's open side (kept far from int64's limits, so that
+// positions can be added to it).
+constexpr int64_t kUnbounded = std::numeric_limits<int64_t>::max() / 4;
+
+// What the loops evaluate themselves of subquad.mods' built-ins, in the positions of the call
+// (query i at q0 + i, key j at k0 + j): a band of diagonals, query i seeing key j where
+// lo <= (q0 + i) - (k0 + j) <= hi (the causal mask: lo = -causal_offset; sliding_window,
+// local_window and their intersections), and ALiBi, adding -slope[h] · |(q0 + i) - (k0 + j) +
+// shift| to head h's scaled scores (shift: the callback's query positions minus its keys').
+// slopes: per query head, times log2 e (the scores' units); empty: no ALiBi.
+struct Mods {
+  int64_t lo = -kUnbounded, hi = kUnbounded;
+  std::vector<float> slopes;
+  int64_t shift = 0;
+  bool alibi() const { return !slopes.empty(); }
+  // Keys [first, end) of a block of keys from k0 + j0 on, nb of them, that query q0 + i sees; at
+  // = (q0 + i) - (k0 + j0), the block's key on the row's diagonal.
+  int64_t first(int64_t at, int64_t nb) const { return std::clamp<int64_t>(at - hi, 0, nb); }
+  int64_t end(int64_t at, int64_t nb, int64_t from) const { return std::clamp<int64_t>(at - lo + 1, from, nb); }
+};
+
+// The Mods of an exported loop's arguments: causal (query i sees keys j <= i + causal_offset),
+// window_lo and window_hi (None: that side open), slopes (None, or float32 of one per query head
+// of hq) and alibi_shift.
+Mods mods_of(bool causal, int64_t causal_offset, std::optional<int64_t> window_lo, std::optional<int64_t> window_hi,
+             const std::optional<torch::Tensor>& slopes, int64_t alibi_shift, int64_t hq) {
+  Mods mods;
+  const auto bounded = [](int64_t x) { return std::clamp<int64_t>(x, -kUnbounded, kUnbounded); };
+  if (window_lo.has_value()) mods.lo = bounded(*window_lo);
+  if (window_hi.has_value()) mods.hi = bounded(*window_hi);
+  if (causal) mods.lo = std::max(mods.lo, bounded(-causal_offset));
+  if (slopes.has_value()) {
+    const auto& t = *slopes;
+    TORCH_CHECK(t.dim() == 1 && t.numel() == hq && t.scalar_type() == torch::kFloat && t.is_contiguous() &&
+                    t.device().is_cpu(),
+                "slopes: a contiguous float32 CPU tensor of one slope per query head");
+    const float* sp = t.data_ptr<float>();
+    for (int64_t h = 0; h < hq; ++h) mods.slopes.push_back(sp[h] * static_cast<float>(kLog2e));
+  }
+  TORCH_CHECK(std::abs(alibi_shift) < kUnbounded, "alibi_shift: a position difference");
+  mods.shift = alibi_shift;
+  return mods;
+}
+
+// What the scores of query head h's row get added from key from on, n entries, in log2 units:
+// the mask's row (mask_row) where there is a mask, ALiBi's bias where the call has it. d0 = the
+// row's query position minus key from's, shift included.
+void additive_row(const std::optional<torch::Tensor>& mask, int64_t kind, const Mods& mods, int64_t b, int64_t h,
+                  int64_t i, int64_t from, int64_t n, int64_t d0, float* out) {
+  if (kind != kNoMask) mask_row(*mask, kind, b, h, i, from, n, out);
+  if (!mods.alibi()) return;
+  const float neg = -mods.slopes[static_cast<size_t>(h)], d = static_cast<float>(d0);
+  if (kind != kNoMask) {
+#pragma omp simd
+    for (int64_t j = 0; j < n; ++j) out[j] += neg * std::fabs(d - static_cast<float>(j));
+  } else {
+#pragma omp simd
+    for (int64_t j = 0; j < n; ++j) out[j] = neg * std::fabs(d - static_cast<float>(j));
+  }
+}
+
 // The exponentials of one row of a tile: out[j] = 2^(x[j] · mul - ref) rounded to Op (one FMA and
 // exp2_approx's steps, 16 lanes at a time where the build has AVX512F), j < n; returns the float32
 // sum of the unrounded values.
@@ -761,16 +824,17 @@ struct PairTiles {
 
 // One segment of keys for a block of query rows, the whole tile loop of a forward: per task (up to
 // kSegmentRows rows of one query head), per block of up to kSegmentKeys keys, s = alpha · q·kᵀ in float32 (log2
-// units), the online softmax on it (m, l and acc updated in place; masked entries, causal ones
-// only, are skipped), p rounded to the operands' type and acc = acc · 2^(m_old - m_new) + p·v in float32.
+// units), the online softmax on it (m, l and acc updated in place; keys outside the band of
+// mods are skipped, in whole blocks where no row of the task sees them), p rounded to the
+// operands' type and acc = acc · 2^(m_old - m_new) + p·v in float32.
 // q: (B, Hq, qn, E), k: (B, Hk, kn, E), v: (B, Hk, kn, Ev), last stride 1, any others
 // (a batch broadcast by stride 0 included); query head h reads key head h / (Hq / Hk). m_run, l:
-// (B·Hq·qn) float32, acc: (B·Hq·qn, Ev) float32, contiguous. Causal: query i (q0 + i overall)
-// sees key j (k0 + j) where k0 + j <= q0 + i + causal_offset. mask: None, or the attn_mask's
-// (B, Hq, qn, kn) view of these rows and keys (bool: False hides; float: added to the scaled
-// scores, as SDPA's), read in place. softcap: 0, or c > 0 for scores c · tanh(scale · q·k / c)
-// (before the mask). Keys and values are first copied into the layouts the products read (Tiles):
-// a segment-sized copy.
+// (B·Hq·qn) float32, acc: (B·Hq·qn, Ev) float32, contiguous. mods: the band of keys query i (q0 +
+// i overall) sees among keys j (k0 + j), the causal mask's included, and ALiBi (Mods). mask: None,
+// or the attn_mask's (B, Hq, qn, kn) view of these rows and keys (bool: False hides; float: added
+// to the scaled scores, as SDPA's), read in place. softcap: 0, or c > 0 for scores c · tanh(scale
+// · q·k / c) (before the mask and ALiBi's bias). Keys and values are first copied into the
+// layouts the products read (Tiles): a segment-sized copy.
 // State: row i of head bh (b · Hq + h) is row bh · head + (row0 + i) · row of m_run, l and acc
 // (head < 0: qn, the dense (B, Hq, qn) order; forward_packed passes its (T, Hq) order).
 struct State {
@@ -779,9 +843,8 @@ struct State {
 
 template <class Tiles>
 void forward_segment(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& m_run,
-                     torch::Tensor& l, torch::Tensor& acc, double alpha, int64_t q0, int64_t k0, bool causal,
-                     int64_t causal_offset, const std::optional<torch::Tensor>& mask, double softcap,
-                     State state = State{}) {
+                     torch::Tensor& l, torch::Tensor& acc, double alpha, int64_t q0, int64_t k0, const Mods& mods,
+                     const std::optional<torch::Tensor>& mask, double softcap, State state = State{}) {
   using Op = typename Tiles::Op;
   const int64_t batch = q.size(0), hq = q.size(1), qn = q.size(2), e = q.size(3);
   const int64_t hk = k.size(1), kn = k.size(2), ev = v.size(3);
@@ -797,6 +860,8 @@ void forward_segment(const torch::Tensor& q, const torch::Tensor& k, const torch
                 "acc: a contiguous float32 CPU tensor of (rows, Ev)");
   }
   const int64_t mask_kind = mask.has_value() ? mask_kind_of(*mask, batch, hq, qn, kn) : kNoMask;
+  TORCH_CHECK(!mods.alibi() || static_cast<int64_t>(mods.slopes.size()) == hq, "slopes: one per query head");
+  const bool additive = mask_kind != kNoMask || mods.alibi();  // the scores get a row added (additive_row)
   if (batch * hq * qn == 0 || kn == 0) return;
   const int64_t group = hq / hk, bhq = batch * hq, bhk = batch * hk;
   const int64_t qw = Tiles::q_width(e), npad = round_up(kn, 32), ev16 = (ev + 15) / 16, evp = ev16 * 16;
@@ -828,17 +893,19 @@ void forward_segment(const torch::Tensor& q, const torch::Tensor& k, const torch
     std::vector<Op> p_buf(std::is_same_v<Op, float> ? 0 : static_cast<size_t>(qb * kb));  // float p: over s
     std::vector<float> pv_buf(static_cast<size_t>(qb * evp));
     std::vector<float> c_buf(static_cast<size_t>(qb));
-    std::vector<float> mask_buf(mask_kind == kNoMask ? 0 : static_cast<size_t>(kb));
+    std::vector<float> mask_buf(additive ? static_cast<size_t>(kb) : 0);
     for (int64_t t = next_task++; t < tasks; t = next_task++) {
       const int64_t bh = t / nqb, i0 = (t % nqb) * qb, rows = std::min(qb, qn - i0);
       const int64_t b = bh / hq, h = bh % hq, kvh = b * hk + h / group;
+      // Keys [j_first, j_end) are seen by some row of the task: the products start at the block of
+      // 32 that holds its first row's first key and stop at its last row's last key.
+      const int64_t at0 = q0 + i0 - k0;  // the diagonal's key on the task's first row
+      const int64_t j_first = mods.first(at0, kn) / 32 * 32, j_end = mods.end(at0 + rows - 1, kn, 0);
+      if (j_end <= j_first) continue;
       for (int64_t r = 0; r < rows; ++r)
         Tiles::q_row(q, b * q.stride(0) + h * q.stride(1) + (i0 + r) * q.stride(2), e, q_buf.data() + r * qw);
-      for (int64_t j0 = 0; j0 < kn; j0 += kb) {
-        if (causal && k0 + j0 > q0 + i0 + rows - 1 + causal_offset) break;  // no row sees these keys
-        int64_t nb = std::min(kb, kn - j0);
-        // Causal: the products stop at the last key the block's last row sees (p is 0 beyond it).
-        if (causal) nb = std::min<int64_t>(nb, q0 + i0 + rows - 1 + causal_offset - (k0 + j0) + 1);
+      for (int64_t j0 = j_first; j0 < j_end; j0 += kb) {
+        const int64_t nb = std::min(kb, j_end - j0);  // p is 0 beyond the last key a row sees
         const int64_t nbp = round_up(nb, Tiles::kStep);
         float* s = s_buf.data();
         Tiles::scores(q_buf.data(), e, kd, kvh, npad, j0, nb, rows, s, kb);
@@ -847,36 +914,37 @@ void forward_segment(const torch::Tensor& q, const torch::Tensor& k, const torch
         else p = p_buf.data();
         for (int64_t r = 0; r < rows; ++r) {
           const int64_t row = bh * s_head + (s_row0 + i0 + r) * s_row;
-          float* x = s + r * kb;
-          int64_t vis = nb;  // the row sees keys [0, vis) of the block
-          if (causal) vis = std::max<int64_t>(0, std::min<int64_t>(nb, q0 + i0 + r + causal_offset - (k0 + j0) + 1));
+          const int64_t at = at0 + r - j0;  // the row's diagonal in this block
+          const int64_t from = mods.first(at, nb), vis = mods.end(at, nb, from);  // it sees keys [from, vis)
+          float* x = s + r * kb + from;
+          const int64_t n = vis - from;
           float mx = neg_inf, mul = a;
           if (capped) {  // x = c · tanh(scale · q·k / c) in log2 units
 #pragma omp simd
-            for (int64_t j = 0; j < vis; ++j) x[j] = tanh_approx(x[j] * zc) * yc;
+            for (int64_t j = 0; j < n; ++j) x[j] = tanh_approx(x[j] * zc) * yc;
             mul = 1.0f;
           }
           float p_mul = 1.0f;  // p = 2^(x · p_mul - ref)
-          if (mask_kind == kNoMask && mul > 0.0f) {
+          if (!additive && mul > 0.0f) {
             // x stays as the product gave it: max(mul · x) = mul · max(x) (rounding keeps the
             // order), and mul is the exponentials' FMA.
             float raw = neg_inf;
 #pragma omp simd reduction(max : raw)
-            for (int64_t j = 0; j < vis; ++j) raw = x[j] > raw ? x[j] : raw;
+            for (int64_t j = 0; j < n; ++j) raw = x[j] > raw ? x[j] : raw;
             mx = raw * mul;
             p_mul = mul;
-          } else if (mask_kind == kNoMask) {
+          } else if (!additive) {
 #pragma omp simd reduction(max : mx)
-            for (int64_t j = 0; j < vis; ++j) {
+            for (int64_t j = 0; j < n; ++j) {
               const float y = x[j] * mul;
               x[j] = y;
               mx = y > mx ? y : mx;
             }
           } else {
             float* mb = mask_buf.data();
-            mask_row(*mask, mask_kind, b, h, i0 + r, j0, vis, mb);
+            additive_row(mask, mask_kind, mods, b, h, i0 + r, j0 + from, n, at + mods.shift - from, mb);
 #pragma omp simd reduction(max : mx)
-            for (int64_t j = 0; j < vis; ++j) {
+            for (int64_t j = 0; j < n; ++j) {
               const float y = x[j] * mul + mb[j];
               x[j] = y;
               mx = y > mx ? y : mx;
@@ -888,7 +956,8 @@ void forward_segment(const torch::Tensor& q, const torch::Tensor& k, const torch
           const float ref = m_new == neg_inf ? 0.0f : m_new;  // rows with nothing visible yet stay finite
           c_buf[r] = std::exp2(old - ref);
           Op* pr = p + r * kb;
-          const float sum = exp2_row<Op>(x, vis, p_mul, ref, pr);
+          for (int64_t j = 0; j < from; ++j) pr[j] = Op(0);
+          const float sum = exp2_row<Op>(x, n, p_mul, ref, pr + from);
           for (int64_t j = vis; j < nbp; ++j) pr[j] = Op(0);
           lp[row] = lp[row] * c_buf[r] + sum;
           mp[row] = m_new;
@@ -908,12 +977,15 @@ void forward_segment(const torch::Tensor& q, const torch::Tensor& k, const torch
 
 }  // namespace
 
-// forward_segment for float32 or float16 inputs (all one dtype): float32 products (FMA).
+// forward_segment for float32 or float16 inputs (all one dtype): float32 products (FMA). Its Mods
+// from causal, causal_offset, window_lo, window_hi, slopes and alibi_shift (mods_of).
 void forward_segment_f32(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor m_run, torch::Tensor l,
                          torch::Tensor acc, double alpha, int64_t q0, int64_t k0, bool causal, int64_t causal_offset,
-                         std::optional<torch::Tensor> mask, double softcap) {
+                         std::optional<torch::Tensor> mask, double softcap, std::optional<int64_t> window_lo,
+                         std::optional<int64_t> window_hi, std::optional<torch::Tensor> slopes, int64_t alibi_shift) {
   check_inputs({q, k, v}, "q, k, v", true);
-  forward_segment<WideTiles>(q, k, v, m_run, l, acc, alpha, q0, k0, causal, causal_offset, mask, softcap);
+  const Mods mods = mods_of(causal, causal_offset, window_lo, window_hi, slopes, alibi_shift, q.size(1));
+  forward_segment<WideTiles>(q, k, v, m_run, l, acc, alpha, q0, k0, mods, mask, softcap);
 }
 
 namespace {
@@ -954,7 +1026,8 @@ void forward_packed(const torch::Tensor& q, const torch::Tensor& k, const torch:
     if (r[1] == r[0]) continue;
     const auto qs = q.narrow(2, r[0], r[1] - r[0]);
     const auto ks = k.narrow(2, r[2], r[3] - r[2]), vs = v.narrow(2, r[2], r[3] - r[2]);
-    forward_segment<Tiles>(qs, ks, vs, m_run, l, acc, alpha, 0, 0, causal, off[s], none, softcap, State{1, hq, r[0]});
+    const Mods mods = mods_of(causal, off[s], std::nullopt, std::nullopt, std::nullopt, 0, hq);
+    forward_segment<Tiles>(qs, ks, vs, m_run, l, acc, alpha, 0, 0, mods, none, softcap, State{1, hq, r[0]});
   }
 }
 
@@ -1002,15 +1075,15 @@ void add_rows(torch::Tensor& dst, int64_t b, int64_t h, int64_t i0, int64_t rows
 // q, dout: (B, Hq, qn, E / Ev), k, v: (B, Hk, kn, E / Ev), last stride 1. lse2: the
 // forward's lse in log2 units (+inf for rows that see nothing), dd: rowsum(dO ∘ O) minus the lse's
 // gradient, both (B·Hq·qn) float32, contiguous. dq, dk, dv: float32 (B, Hq, qn, E), (B, Hk, kn, E),
-// (B, Hk, kn, Ev), last stride 1, added into. alpha = scale · log2 e. Causal, mask and softcap as
-// in forward_segment (with a cap, ds also takes the factor 1 - tanh²). Keys and values are
-// first copied into three layouts (keys for q·kᵀ and ds·k, values for dO·vᵀ): segment-sized
-// copies.
+// (B, Hk, kn, Ev), last stride 1, added into. alpha = scale · log2 e. mods, mask and softcap as in
+// forward_segment (with a cap, ds also takes the factor 1 - tanh²; ALiBi's bias and the mask, whose
+// derivatives in the score are 1, are only added to s). Keys and values are first copied into
+// three layouts (keys for q·kᵀ and ds·k, values for dO·vᵀ): segment-sized copies.
 template <class Tiles>
 void backward_segment(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& dout,
                       const torch::Tensor& lse2, const torch::Tensor& dd, torch::Tensor& dq, torch::Tensor& dk,
-                      torch::Tensor& dv, double alpha, double scale, int64_t q0, int64_t k0, bool causal,
-                      int64_t causal_offset, const std::optional<torch::Tensor>& mask, double softcap) {
+                      torch::Tensor& dv, double alpha, double scale, int64_t q0, int64_t k0, const Mods& mods,
+                      const std::optional<torch::Tensor>& mask, double softcap) {
   using Op = typename Tiles::Op;
   constexpr int64_t step = Tiles::kStep;
   const int64_t batch = q.size(0), hq = q.size(1), qn = q.size(2), e = q.size(3);
@@ -1026,6 +1099,8 @@ void backward_segment(const torch::Tensor& q, const torch::Tensor& k, const torc
   const int64_t rows_all = batch * hq * qn;
   for (const auto& t : {lse2, dd}) check_rows(t, rows_all, "lse2, dd");
   const int64_t mask_kind = mask.has_value() ? mask_kind_of(*mask, batch, hq, qn, kn) : kNoMask;
+  TORCH_CHECK(!mods.alibi() || static_cast<int64_t>(mods.slopes.size()) == hq, "slopes: one per query head");
+  const bool additive = mask_kind != kNoMask || mods.alibi();  // s gets a row added (additive_row)
   if (rows_all == 0 || kn == 0) return;
   const int64_t group = hq / hk, qb = kBackRows, kb = kBackKeys;
   const int64_t qw = Tiles::q_width(e), ow = Tiles::q_width(ev), ep = round_up(e, 16), evp = round_up(ev, 16);
@@ -1052,7 +1127,7 @@ void backward_segment(const torch::Tensor& q, const torch::Tensor& k, const torc
     std::vector<Op> pt(static_cast<size_t>(kb * qb)), ds(static_cast<size_t>(qb * kb)), dst(static_cast<size_t>(kb * qb));
     std::vector<float> dq_buf(static_cast<size_t>(qb * ep));
     std::vector<float> dk_acc(static_cast<size_t>(npad * ep)), dv_acc(static_cast<size_t>(npad * evp));
-    std::vector<float> mask_buf(mask_kind == kNoMask ? 0 : static_cast<size_t>(kb));
+    std::vector<float> mask_buf(additive ? static_cast<size_t>(kb) : 0);
     std::vector<float> cap_grad(capped ? static_cast<size_t>(kb) : 0);  // 1 - tanh², the cap's derivative
     for (int64_t t = next_task++; t < tasks; t = next_task++) {
       const int64_t b = t / hk, kh = t % hk, kvh = t;
@@ -1061,59 +1136,60 @@ void backward_segment(const torch::Tensor& q, const torch::Tensor& k, const torc
       for (int64_t h = kh * group; h < (kh + 1) * group; ++h) {
         for (int64_t i0 = 0; i0 < qn; i0 += qb) {
           const int64_t rows = std::min(qb, qn - i0), rows2 = round_up(rows, step);
-          // Keys [0, j_end) of the segment are seen by some row of the block.
-          int64_t j_end = kn;
-          if (causal) j_end = std::min<int64_t>(kn, q0 + i0 + rows - 1 + causal_offset - k0 + 1);
-          if (j_end <= 0) continue;
+          // Keys [j_first, j_end) of the segment are seen by some row of the block (from a block of 32).
+          const int64_t at0 = q0 + i0 - k0;  // the diagonal's key on the block's first row
+          const int64_t j_first = mods.first(at0, kn) / 32 * 32, j_end = mods.end(at0 + rows - 1, kn, 0);
+          if (j_end <= j_first) continue;
           Tiles::pack_rows(q, b, h, i0, rows, q_flat.data(), q_pair.data(), ep);
           Tiles::pack_rows(dout, b, h, i0, rows, o_flat.data(), o_pair.data(), evp);
           std::fill(dq_buf.begin(), dq_buf.end(), 0.0f);
-          for (int64_t j0 = 0; j0 < j_end; j0 += kb) {
-            const int64_t nb = std::min(kb, j_end - j0), nb2 = round_up(nb, step);  // causal: seen keys
+          for (int64_t j0 = j_first; j0 < j_end; j0 += kb) {
+            const int64_t nb = std::min(kb, j_end - j0), nb2 = round_up(nb, step);  // seen keys
             float* s = s_buf.data();
             float* dp = dp_buf.data();
             Tiles::scores(q_flat.data(), e, kpd, kvh, npad, j0, nb, rows, s, kb);
             Tiles::scores(o_flat.data(), ev, vtd, kvh, npad, j0, nb, rows, dp, kb);
             for (int64_t r = 0; r < rows2; ++r) {
               Op* dsr = ds.data() + r * kb;
-              int64_t vis = r < rows ? nb : 0;  // the row sees keys [0, vis) of the block
-              if (causal && r < rows)
-                vis = std::max<int64_t>(0, std::min<int64_t>(nb, q0 + i0 + r + causal_offset - (k0 + j0) + 1));
-              if (vis > 0) {
-                const int64_t row = (b * hq + h) * qn + i0 + r;
+              const int64_t at = at0 + r - j0;  // the row's diagonal in this block
+              const int64_t from = r < rows ? mods.first(at, nb) : 0;
+              const int64_t vis = r < rows ? mods.end(at, nb, from) : 0;  // the row sees keys [from, vis)
+              if (vis > from) {
+                const int64_t row = (b * hq + h) * qn + i0 + r, n = vis - from;
                 const float l2 = l2p[row], d_row = ddp[row];
-                float* x = s + r * kb;
-                const float* y = dp + r * kb;
+                float* x = s + r * kb + from;
+                const float* y = dp + r * kb + from;
                 float mul = a;
                 float* g = cap_grad.data();
                 if (capped) {  // x = c · tanh(scale · q·k / c) in log2 units; g = its derivative's factor
 #pragma omp simd
-                  for (int64_t j = 0; j < vis; ++j) {
+                  for (int64_t j = 0; j < n; ++j) {
                     const float th = tanh_approx(x[j] * zc);
                     g[j] = 1.0f - th * th;
                     x[j] = th * yc;
                   }
                   mul = 1.0f;
                 }
-                if (mask_kind != kNoMask) {
-                  mask_row(*mask, mask_kind, b, h, i0 + r, j0, vis, mask_buf.data());
+                if (additive) {
+                  additive_row(mask, mask_kind, mods, b, h, i0 + r, j0 + from, n, at + mods.shift - from,
+                               mask_buf.data());
                   const float* mb = mask_buf.data();
 #pragma omp simd
-                  for (int64_t j = 0; j < vis; ++j) x[j] = x[j] * mul + mb[j];
+                  for (int64_t j = 0; j < n; ++j) x[j] = x[j] * mul + mb[j];
                 } else {
 #pragma omp simd
-                  for (int64_t j = 0; j < vis; ++j) x[j] = x[j] * mul;
+                  for (int64_t j = 0; j < n; ++j) x[j] = x[j] * mul;
                 }
                 // P and dS (times the cap's derivative, `factor`), in their three layouts. One loop
                 // per factor: a test of `capped` inside it made the plain backward about 1.5x slower.
                 auto p_and_ds = [&](auto factor) {
-                  for (int64_t j = 0; j < vis; ++j) {
+                  for (int64_t j = 0; j < n; ++j) {
                     const float pj = exp2_approx(x[j] - l2);
                     const Op pb = Tiles::round(pj);
                     const Op db = Tiles::round(sc * pj * (y[j] - d_row) * factor(j));
-                    dsr[j] = db;
-                    pt[j * qb + r] = pb;
-                    dst[j * qb + r] = db;
+                    dsr[from + j] = db;
+                    pt[(from + j) * qb + r] = pb;
+                    dst[(from + j) * qb + r] = db;
                   }
                 };
                 if (capped) {
@@ -1122,6 +1198,7 @@ void backward_segment(const torch::Tensor& q, const torch::Tensor& k, const torc
                   p_and_ds([](int64_t) { return 1.0f; });
                 }
               }
+              for (int64_t j = 0; j < from; ++j) dsr[j] = pt[j * qb + r] = dst[j * qb + r] = Op(0);
               for (int64_t j = vis; j < nb2; ++j) dsr[j] = Op(0);
               for (int64_t j = vis; j < nb; ++j) pt[j * qb + r] = dst[j * qb + r] = Op(0);
             }
@@ -1146,19 +1223,22 @@ void backward_segment(const torch::Tensor& q, const torch::Tensor& k, const torc
 void backward_segment_f32(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor dout, torch::Tensor lse2,
                           torch::Tensor dd, torch::Tensor dq, torch::Tensor dk, torch::Tensor dv, double alpha,
                           double scale, int64_t q0, int64_t k0, bool causal, int64_t causal_offset,
-                          std::optional<torch::Tensor> mask, double softcap) {
+                          std::optional<torch::Tensor> mask, double softcap, std::optional<int64_t> window_lo,
+                          std::optional<int64_t> window_hi, std::optional<torch::Tensor> slopes, int64_t alibi_shift) {
   check_inputs({q, k, v, dout}, "q, k, v, dout", true);
-  backward_segment<WideTiles>(q, k, v, dout, lse2, dd, dq, dk, dv, alpha, scale, q0, k0, causal, causal_offset, mask,
-                              softcap);
+  const Mods mods = mods_of(causal, causal_offset, window_lo, window_hi, slopes, alibi_shift, q.size(1));
+  backward_segment<WideTiles>(q, k, v, dout, lse2, dd, dq, dk, dv, alpha, scale, q0, k0, mods, mask, softcap);
 }
 
 #if defined(__AVX512BF16__)
 // forward_segment for bfloat16 inputs: p rounded to bfloat16, products on vdpbf16ps.
 void forward_segment_bf16(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor m_run, torch::Tensor l,
                           torch::Tensor acc, double alpha, int64_t q0, int64_t k0, bool causal, int64_t causal_offset,
-                          std::optional<torch::Tensor> mask, double softcap) {
+                          std::optional<torch::Tensor> mask, double softcap, std::optional<int64_t> window_lo,
+                          std::optional<int64_t> window_hi, std::optional<torch::Tensor> slopes, int64_t alibi_shift) {
   check_bf16({q, k, v}, "q, k, v");
-  forward_segment<PairTiles>(q, k, v, m_run, l, acc, alpha, q0, k0, causal, causal_offset, mask, softcap);
+  const Mods mods = mods_of(causal, causal_offset, window_lo, window_hi, slopes, alibi_shift, q.size(1));
+  forward_segment<PairTiles>(q, k, v, m_run, l, acc, alpha, q0, k0, mods, mask, softcap);
 }
 
 // forward_packed for bfloat16 inputs.
@@ -1173,13 +1253,50 @@ void forward_packed_bf16(torch::Tensor q, torch::Tensor k, torch::Tensor v, torc
 void backward_segment_bf16(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor dout, torch::Tensor lse2,
                            torch::Tensor dd, torch::Tensor dq, torch::Tensor dk, torch::Tensor dv, double alpha,
                            double scale, int64_t q0, int64_t k0, bool causal, int64_t causal_offset,
-                           std::optional<torch::Tensor> mask, double softcap) {
+                           std::optional<torch::Tensor> mask, double softcap, std::optional<int64_t> window_lo,
+                           std::optional<int64_t> window_hi, std::optional<torch::Tensor> slopes,
+                           int64_t alibi_shift) {
   check_bf16({q, k, v, dout}, "q, k, v, dout");
-  backward_segment<PairTiles>(q, k, v, dout, lse2, dd, dq, dk, dv, alpha, scale, q0, k0, causal, causal_offset, mask,
-                              softcap);
+  const Mods mods = mods_of(causal, causal_offset, window_lo, window_hi, slopes, alibi_shift, q.size(1));
+  backward_segment<PairTiles>(q, k, v, dout, lse2, dd, dq, dk, dv, alpha, scale, q0, k0, mods, mask, softcap);
 }
 #endif  // __AVX512BF16__
 #endif  // SUBQUAD_WIDE_LOOPS
+
+#if defined(SUBQUAD_WIDE_LOOPS)
+namespace {
+
+// The built-in mods' arguments of the loops, last and optional (no band, no ALiBi), so that a
+// call without them reads as before.
+auto mods_args() {
+  return std::make_tuple(py::arg("window_lo") = py::none(), py::arg("window_hi") = py::none(),
+                         py::arg("slopes") = py::none(), py::arg("alibi_shift") = 0);
+}
+
+auto forward_args() {
+  return std::tuple_cat(std::make_tuple(py::arg("q"), py::arg("k"), py::arg("v"), py::arg("m_run"), py::arg("l"),
+                                        py::arg("acc"), py::arg("alpha"), py::arg("q0"), py::arg("k0"),
+                                        py::arg("causal"), py::arg("causal_offset"), py::arg("mask"),
+                                        py::arg("softcap")),
+                        mods_args());
+}
+
+auto backward_args() {
+  return std::tuple_cat(std::make_tuple(py::arg("q"), py::arg("k"), py::arg("v"), py::arg("dout"), py::arg("lse2"),
+                                        py::arg("dd"), py::arg("dq"), py::arg("dk"), py::arg("dv"), py::arg("alpha"),
+                                        py::arg("scale"), py::arg("q0"), py::arg("k0"), py::arg("causal"),
+                                        py::arg("causal_offset"), py::arg("mask"), py::arg("softcap")),
+                        mods_args());
+}
+
+// m.def(name, f, doc, the arguments of args).
+template <class F, class Args>
+void def_loop(py::module_& m, const char* name, F f, const char* doc, const Args& args) {
+  std::apply([&](const auto&... a) { m.def(name, f, doc, a...); }, args);
+}
+
+}  // namespace
+#endif
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("exp2_rows_bf16", &exp2_rows_bf16, "one pass of a bfloat16 tile's online softmax (_native_tiles.cpp)");
@@ -1188,13 +1305,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("online_update", &online_update, "the online softmax's state after a tile (_native_tiles.cpp)");
 #if defined(SUBQUAD_WIDE_LOOPS)
   m.attr("float_lanes") = Lanes::kWidth;  // 16: AVX512F; 8: AVX2 (auto leaves those loops to backend="matmul")
-  m.def("forward_segment_f32", &forward_segment_f32, "the same for float32 or float16 inputs (_native_tiles.cpp)");
-  m.def("backward_segment_f32", &backward_segment_f32, "the same for float32 or float16 inputs (_native_tiles.cpp)");
+  const auto forward = forward_args();
+  const auto backward = backward_args();
+  def_loop(m, "forward_segment_f32", &forward_segment_f32, "the same for float32 or float16 inputs (_native_tiles.cpp)",
+           forward);
+  def_loop(m, "backward_segment_f32", &backward_segment_f32,
+           "the same for float32 or float16 inputs (_native_tiles.cpp)", backward);
   m.def("forward_packed_f32", &forward_packed_f32, "packed sequences' forward loops (_native_tiles.cpp)");
 #endif
 #if defined(__AVX512BF16__)
-  m.def("forward_segment_bf16", &forward_segment_bf16, "a segment of keys for a block of rows (_native_tiles.cpp)");
-  m.def("backward_segment_bf16", &backward_segment_bf16, "the backward of a segment for a block of rows (_native_tiles.cpp)");
+  def_loop(m, "forward_segment_bf16", &forward_segment_bf16, "a segment of keys for a block of rows (_native_tiles.cpp)",
+           forward);
+  def_loop(m, "backward_segment_bf16", &backward_segment_bf16,
+           "the backward of a segment for a block of rows (_native_tiles.cpp)", backward);
   m.def("forward_packed_bf16", &forward_packed_bf16, "packed sequences' forward loops (_native_tiles.cpp)");
 #endif
 }

@@ -9,13 +9,13 @@ backend means adding its module and naming it in :mod:`subquad._backends`.
 from __future__ import annotations
 
 import contextlib
-import os
 from dataclasses import dataclass
 from typing import Callable, ContextManager, Iterable, Iterator, List, NamedTuple, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
 
+from .. import _settings as settings
 from .._errors import ArgumentError
 from .._inputs import Inputs
 from .._tiles import Grads, Segment
@@ -26,10 +26,8 @@ TARGET_TILE_BYTES = 16 << 20
 ACCELERATOR_TILE_BYTES = 1 << 30
 """The same ceiling on CUDA and MPS. A GPU streams a tile's elementwise passes from its memory at
 terabytes per second, so what a tile costs there is its kernel launches and Python unless it is
-large. Matmul tiles on an H200 (CUDA, torch 2.11; ms per call at a ceiling of 4 MiB / 64 MiB /
-256 MiB / 1 GiB): 1x8x4096x64 bfloat16 forward 34.2 / 4.30 / 4.04 / 2.21, float32 28.3 / 5.77 /
-3.79 / 2.21, 2x8x16384x40 float16 929 / 87.5 / 60.4 / 54.6, 4x16x4096x64 bfloat16 forward and
-backward 526 / 64.5 / 51.3 / 47.5. The budget still bounds the tiles: this is a preference."""
+large: measured per ceiling on docs/benchmarks/gpu.md. The budget still bounds the tiles: this
+is a preference."""
 
 MIN_KV_CHUNK = 32
 """Key segments shorter than this cost more in per-call overhead than they save in memory."""
@@ -55,7 +53,7 @@ def compile_allowed(allow_compile: Optional[bool]) -> bool:
     """``allow_compile`` if given, else the ``SUBQUAD_COMPILE`` environment variable (default on)."""
     if allow_compile is not None:
         return allow_compile
-    return os.environ.get("SUBQUAD_COMPILE", "1").strip().lower() not in ("0", "false", "no", "off")
+    return settings.switch("SUBQUAD_COMPILE")
 
 
 def _threads() -> int:

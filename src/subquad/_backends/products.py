@@ -62,7 +62,7 @@ def native_bf16_products() -> bool:
 def native_fp16_products() -> bool:
     """Whether this CPU's float16 GEMM runs at its float32 speed or better: where it is emulated
     the CPU flash kernel's float16 backward runs several times slower than its float32 one
-    (docs/benchmarks/README.md, ``half-cpu-fp16-*.json``). On x86 it is read off the CPU's
+    (docs/benchmarks/half.md). On x86 it is read off the CPU's
     flags, as torch's own dispatch decides it (oneDNN's float16 GEMM needs AVX512-FP16 or
     AMX-FP16); elsewhere the two GEMMs are timed once per process, interleaved, and the verdict
     needs a :data:`FP16_EMULATED_SLOWDOWN` gap, far outside timing noise."""

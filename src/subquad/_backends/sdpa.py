@@ -165,7 +165,7 @@ def _fused_choices() -> frozenset:
 def _default_is_fused(q: Tensor, k: Tensor, v: Tensor, kwargs: Dict[str, Any]) -> bool:
     """Whether torch's own choice for this call is a fused kernel (``torch._fused_sdp_choice``, what
     SDPA itself asks): then the call needs neither ``sdpa_kernel`` nor a warnings filter, which
-    cost 60-100 us a call on an H200 host, 1-4x SDPA's own time on small calls. Where torch would
+    cost more than SDPA itself on small calls (docs/benchmarks/gpu.md). Where torch would
     take its math fallback (or the question fails), ``False``: the caller restricts the kernels."""
     choose = getattr(torch, "_fused_sdp_choice", None)
     if choose is None:

@@ -1,12 +1,16 @@
 """The ``matmul`` forward's and backward's tile loops in C++ (:mod:`subquad._native`, a CPU with
-AVX512-BF16): bfloat16 calls without ``mask_mod`` or dropout, without a ``score_mod`` other than a
-soft cap ``c * tanh(score / c)`` (found by tracing; the loops apply it and its derivative), causal
-or not, with or without an ``attn_mask`` (read in place, a row at a time).
+AVX512-BF16): bfloat16 calls without dropout, causal or not, with or without an ``attn_mask`` (read
+in place, a row at a time), whose callbacks are ones the loops evaluate themselves
+(:func:`loop_mods`): a ``score_mod`` that is a soft cap ``c * tanh(score / c)`` (found by tracing;
+the loops apply it and its derivative) or :func:`subquad.mods.alibi` of fixed slopes, and a
+``mask_mod`` that is a band of diagonals (:func:`~subquad.mods.sliding_window`,
+:func:`~subquad.mods.local_window`, the causal masks and their :func:`~subquad.mods.and_masks`):
+keys outside the band are skipped, whole blocks of them where no row of a block sees them.
 
 The eager loop (and the native kernel's per-tile passes) runs each tile over all heads at once:
 an 8 x 512 x 512 tile of products is 4 MiB of bfloat16, written by one GEMM and read by the
 next pass through the cache the cores share, where a neighbour's memory traffic evicts it
-(``bench_neighbour.py``: 1.30-1.40x slower with a neighbour, the fused kernel 1.04-1.11x). Here
+(docs/benchmarks/loops.md). Here
 each thread takes 128 rows of one head at a time and, per 512 keys, computes their scores in
 float32 (vdpbf16ps: bfloat16 operands, float32 accumulation), the online softmax, ``p`` rounded
 to bfloat16 and its product with v, all in its own core's cache (256 KiB of scores). The scores
@@ -48,18 +52,19 @@ Against the per-tile backward (bfloat16 products of offset scores, whose P carri
 
 from __future__ import annotations
 
+import math
 from types import ModuleType
-from typing import Dict, Iterable, List, Optional, Set, Tuple
+from typing import Dict, Iterable, List, NamedTuple, Optional, Set, Tuple
 
 import torch
 from torch import Tensor
 
+from .. import mods
 from .._inputs import Inputs
 from .._native import tile_kernel
 from .._tiles import NEG_INF, Grads, RowState, Segment, add_into, finish_rows
 from .base import unit_stride
 from .offsets import LN2, LOG2E
-from .products import amx_tiles
 
 MASK_DTYPES = (torch.bool, torch.float32, torch.bfloat16, torch.float16)
 """The ``attn_mask`` dtypes the loop reads in place (a float64 mask takes the per-tile path)."""
@@ -75,12 +80,12 @@ converted exactly); bfloat16 runs on ``forward_segment_bf16`` (vdpbf16ps)."""
 
 def segment_kernel(inp: Inputs) -> Optional[ModuleType]:
     """The native kernel where it runs this call's forward loop: a CPU build with AVX512F or AVX2
-    and FMA (float32 and float16 inputs) or AVX512-BF16 (bfloat16), no dropout, no ``mask_mod`` (one
-    that declares itself causal runs as ``is_causal``), no ``score_mod`` but a soft cap
-    (:func:`softcap`), an ``attn_mask`` of :data:`MASK_DTYPES` if any; else None."""
+    and FMA (float32 and float16 inputs) or AVX512-BF16 (bfloat16), no dropout, callbacks the loops
+    evaluate themselves (:func:`loop_mods`; a ``mask_mod`` that declares itself causal runs as
+    ``is_causal``), an ``attn_mask`` of :data:`MASK_DTYPES` if any; else None."""
     if inp.device_type != "cpu" or inp.dropout_p > 0.0:
         return None
-    if inp.mask_mod is not None or (inp.score_mod is not None and not softcap(inp)):
+    if loop_mods(inp) is None:
         return None
     if inp.attn_mask is not None and inp.attn_mask.dtype not in MASK_DTYPES:
         return None
@@ -107,85 +112,92 @@ def softcap(inp: Inputs) -> float:
     return float(cap) if isinstance(cap, float) and cap > 0 else 0.0
 
 
-LOOP_BEFORE_FUSED_SCORES = 1 << 19
-"""``auto`` takes the loop before the fused kernel from this many scores (``B·Hq·Lq·Lk``) on.
-Bfloat16, two threads, 2-core CPU (AVX512-BF16, no AMX), ``bench_loop_sizes.py --dtype bfloat16
---rounds 7`` on the loops of 2026-12-04 21:00 (skewed pairs, the 16-lane softmax, whole rows),
-per-round ratios, median [min-max]: 1x8xLx64 at L = 128 (2^17 scores) 1.28 [1.27-1.34], 256
-(2^19) 0.84 [0.81-0.84], 512 0.58, 1024 0.53, 2048 0.49, 4096 0.47, causal 1024 0.42;
-4x8x4096x40 0.48; 2x10x4096x64 against 77 keys 0.57 (``docs/benchmarks/loop-sizes-bfloat16-fast.json``).
-Before those loops (2^21 then): 1x8xLx64 at L = 256 (2^19 scores) 1.29, 512 (2^21) 0.81,
-1024 0.69, 2048 0.64; 4x8x4096x40 0.71; 2x10x4096x64 against 77 keys (2^22.6) 0.82; a decode
-step and calls of 16 tokens 0.4 and 7.0 (the fused kernel's fast path skips planning). Forward +
-backward with both loops (``bench_loop_sizes.py --backward``, the final kernel): 1x8xLx64 at
-L = 128 0.66, 256 0.72, 512 0.71, 1024 0.88, 2048 0.71, causal 1024 0.73; 4x8x4096x40 0.65;
-2x10x4096x64 against 77 keys 0.67."""
+class LoopMods(NamedTuple):
+    """The built-in callbacks of a call as the loops' last arguments, in their order (``window_lo``,
+    ``window_hi``, ``slopes``, ``alibi_shift`` in ``_native_tiles.cpp``): query ``i`` sees key ``j`` (the call's
+    own positions) where ``window_lo <= i - j <= window_hi`` (None: that side open), and ALiBi adds
+    ``-slopes[h] * |i - j + alibi_shift|`` to query head ``h``'s scaled scores (``slopes``: float32,
+    one per query head of the call, or None)."""
+
+    window_lo: Optional[int] = None
+    window_hi: Optional[int] = None
+    slopes: Optional[Tensor] = None
+    alibi_shift: int = 0
 
 
-WIDE_LOOP_BEFORE_FUSED_SCORES = 1 << 23
-"""The same for float32 calls, inference and training (also needing :data:`WIDE_LOOP_MIN_KEYS`
-keys). The loops' time over the fused kernel's, two threads, the same CPU, ``bench_loop_sizes.py
---dtype`` (per-round ratios, median [min-max]). On the loops of 2026-12-04 21:00 (7 rounds,
-``loop-sizes-float32-fast.json``): 1x8xLx64 at L = 256 1.23, 512 (2^21) 0.97 [0.85-1.02], 1024
-0.98 [0.97-1.00], 2048 0.91, 4096 0.89, causal 1024 0.78, 4x8x4096x40 0.81, 2x10x4096x64 against
-77 keys 0.87. Before them:
-
-- inference, 7 rounds: float32 1x8xLx64 at L = 512 (2^21 scores) 1.08 [0.97-1.15], 1024 0.85,
-  2048 0.96, 4096 0.93, causal 1024 0.91, 4x8x4096x40 0.91, 2x10x4096x64 against 77 keys 0.98
-  [0.87-1.06] (1.12 [0.86-1.25] in an earlier run); float16 1.02, 0.85, 0.92, 0.86, 0.93, 0.90
-  and 0.88 (the fused kernel converts float16 to float32);
-- forward + backward, 3 rounds: float32 at L = 512 0.90, 1024 0.95, 2048 0.94, 4096 0.95, causal
-  1024 0.83, 4x8x4096x40 0.90, 77 keys 1.01; float16 0.90, 0.83, 0.92, 0.93, 0.80, 0.91, 0.95.
-
-Below 2^21 scores the fused kernel is faster (inference 1.2-1.9x from 2^17 to 2^19 scores, 5-12x
-on tiny calls and decode steps)."""
-HALF_LOOP_BEFORE_FUSED_SCORES = 1 << 22
-"""The same for float16 calls (the fused kernel converts float16 to float32). On the loops of
-2026-12-04 21:00 (7 rounds, ``loop-sizes-float16-fast.json``): 1x8xLx64 at L = 256 1.19, 512
-(2^21) 0.95 [0.94-0.98], 1024 0.88, 2048 0.85, 4096 0.86, causal 1024 0.72, 4x8x4096x40 0.85,
-Stable Diffusion 1.5's cross-attention 2x10x4096x64 against 77 keys (2^22.6) 0.77 [0.75-0.77]."""
-WIDE_LOOP_MIN_KEYS = 512
-"""A float32 call with fewer keys than one of the loop's blocks spreads each block's per-row work
-(the accumulator's correction, the row's maximum and sum) over few scores. Set when the fused
-kernel was faster at 77 keys (above); on the loops of 2026-12-04 (5 rounds, the accumulator in
-the output, ``bench_loop_sizes.py --cases hosts``) 77 keys take 0.81-0.97x its time for inference
-and 0.88-0.96x for training, but 128 and 256 keys at 2^22 scores 1.01-1.06x: kept, as the
-cross-attention it leaves to the fused kernel is a few percent of Stable Diffusion's attention."""
-WIDE_LOOP_MAX_HEAD_DIM = 384
-"""A float32 call with a wider head leaves the loops to the fused kernel: both run at the FMA
-units' peak there, the fused kernel's GEMMs a little ahead. The VAE decoder's one-head attention
-(1x1x4096x512) took 1.03x and 1.05x its time in the loop (per-round medians of the two runs on
-file, rounds 0.99-1.07x), head dims 128 to 384 0.92-0.96x (``loop-sizes-hosts-float32.json``,
-``loop-sizes-head-dims-float32.json``)."""
+Band = Tuple[Optional[int], Optional[int]]
+"""``(lo, hi)``: the keys ``j`` a query ``i`` sees are those with ``lo <= i - j <= hi`` (None: open)."""
 
 
-WIDE_LOOP_MIN_LANES = 16
-"""``auto`` takes the float32 loops where the kernel was built for AVX512F (16 float lanes), not
-for AVX2 (8): that build (``SUBQUAD_NATIVE_FLAGS=-mno-avx512f`` on this CPU, torch limited to
-AVX2 by ``ATEN_CPU_CAPABILITY=avx2`` and ``MKL_ENABLE_INSTRUCTIONS=AVX2``) took 1.3-2.0x the fused
-kernel's time from 1x8x2048x64 on (0.98x at 1024, 0.74x causal), though 0.75x the eager tiles'
-(1x8x2048x64: 146 against 194 ms): it serves ``backend="matmul"``."""
+def loop_mods(inp: Inputs) -> Optional[LoopMods]:
+    """The call's ``score_mod`` and ``mask_mod`` as :class:`LoopMods` where the loops evaluate them
+    themselves; else None. A ``score_mod``: none, a soft cap (:func:`softcap`, passed apart) or
+    :func:`subquad.mods.alibi` whose slopes need no gradient (the loops give none) and cover the
+    call's heads. A ``mask_mod``: none or a band (:func:`mask_band`). Positions are the callbacks'
+    (``q_offset + i``, ``kv_offset + j``; heads from ``h_offset``), turned into the call's own."""
+    band: Band = (None, None)
+    if inp.mask_mod is not None:
+        found = mask_band(inp.mask_mod)
+        if found is None:
+            return None
+        band = found
+    slopes = None
+    if inp.score_mod is not None and not softcap(inp):
+        slopes = _alibi_slopes(inp)
+        if slopes is None:
+            return None
+    shift = inp.q_offset - inp.kv_offset  # callback positions: i - j + shift
+    lo, hi = (None if x is None else x - shift for x in band)
+    return LoopMods(lo, hi, slopes, shift)
+
+
+def mask_band(mask_mod: object) -> Optional[Band]:
+    """The band of a built-in ``mask_mod`` (in the callback's positions): :func:`~subquad.mods.causal`,
+    :func:`~subquad.mods.causal_lower_right`, :func:`~subquad.mods.sliding_window`,
+    :func:`~subquad.mods.local_window`, and :func:`~subquad.mods.and_masks` of those (the
+    intersection); None for any other."""
+    if isinstance(mask_mod, mods._AndMasks):
+        lo: Optional[int] = None
+        hi: Optional[int] = None
+        for part in mask_mod.mask_mods:
+            band = mask_band(part)
+            if band is None:
+                return None
+            lo = band[0] if lo is None else lo if band[0] is None else max(lo, band[0])
+            hi = band[1] if hi is None else hi if band[1] is None else min(hi, band[1])
+        return lo, hi
+    if isinstance(mask_mod, mods._Causal):
+        return 0, None
+    if isinstance(mask_mod, mods._CausalLowerRight):
+        return -mask_mod.offset, None
+    if isinstance(mask_mod, mods._SlidingWindow):
+        return mask_mod.lo, mask_mod.window
+    if isinstance(mask_mod, mods._LocalWindow):
+        return _bound(mask_mod.lo), _bound(mask_mod.hi)
+    return None
+
+
+def _bound(x: float) -> Optional[int]:
+    return None if math.isinf(x) else int(x)
+
+
+def _alibi_slopes(inp: Inputs) -> Optional[Tensor]:
+    """The slopes of the call's heads of an ALiBi ``score_mod`` (:func:`subquad.mods.alibi`),
+    float32 as the per-tile path's scores; None for another ``score_mod``, slopes that need a
+    gradient, or too few of them (the per-tile path says so)."""
+    fn = inp.score_mod
+    if not isinstance(fn, mods._Alibi):
+        return None
+    t = fn.slopes
+    if t.requires_grad or t.dim() != 1 or t.shape[0] < inp.h_offset + inp.Hq:
+        return None
+    return t.detach()[inp.h_offset : inp.h_offset + inp.Hq].to(device="cpu", dtype=torch.float32).contiguous()
 
 
 def fast_kernel(inp: Inputs) -> Optional[ModuleType]:
-    """The native kernel where its forward loop takes the call (:func:`segment_kernel`) and was
-    measured faster than torch's fused kernel: a CPU without AMX (where torch's kernel multiplies
-    on AMX tiles; not measured here), and for float32 and float16 a build of
-    :data:`WIDE_LOOP_MIN_LANES` lanes. Else None."""
-    kernel = segment_kernel(inp)
-    if kernel is None or amx_tiles():
-        return None
-    if inp.dtype in WIDE_DTYPES and getattr(kernel, "float_lanes", 0) < WIDE_LOOP_MIN_LANES:
-        return None
-    return kernel
-
-
-PACKED_GAIN = "0.87-0.95x its time (1024 sequences of 1-64 tokens, float32, one thread)"
-"""What :func:`forward_packed` measured against the fused kernel's calls per sequence
-(``bench_before_after.py --only packed``, one thread, 5 rounds, the ratios to a per-sequence SDPA
-loop before and after): 1024 sequences of 1-64 tokens, one head 0.60 -> 0.55, eight heads 0.81
--> 0.74 (0.85 -> 0.74 in the full run), causal fwd+bwd 0.81 -> 0.77; 16 x 512 causal fwd+bwd
-0.67 -> 0.63."""
+    """The native kernel where its forward loop takes the call (:func:`segment_kernel`). Whether
+    it runs before torch's fused kernel is :func:`before_fused`'s question."""
+    return segment_kernel(inp)
 
 
 def packed_kernel(inp: Inputs) -> Optional[ModuleType]:
@@ -193,63 +205,11 @@ def packed_kernel(inp: Inputs) -> Optional[ModuleType]:
     plain packed call (``Inputs.short_sequences_share_tiles``) of :func:`fast_kernel`. Else None."""
     if inp.packed is None or not inp.short_sequences_share_tiles:
         return None
-    return _with_packed(inp, fast_kernel(inp))
+    return with_packed(inp, fast_kernel(inp))
 
 
-def _with_packed(inp: Inputs, kernel: Optional[ModuleType]) -> Optional[ModuleType]:
+def with_packed(inp: Inputs, kernel: Optional[ModuleType]) -> Optional[ModuleType]:
     return kernel if kernel is not None and hasattr(kernel, _PACKED[inp.dtype]) else None
-
-
-def before_fused(inp: Inputs, need_grad: bool, packed: bool = False) -> bool:
-    """Whether ``auto`` takes the loop before the fused kernel.
-
-    ``packed``: ``inp`` is a packed call's planning view (its longest sequences, ``packed=None``):
-    where :func:`packed_kernel` runs its forward (a plain call: no ``score_mod``, ``mask_mod``,
-    window, mask or dropout); in training the planner gives its backward to the fused kernel, a
-    call per sequence as before. Else a call of :func:`fast_kernel` (with ``need_grad``,
-    its backward too: :func:`backward_kernel`) of :data:`LOOP_BEFORE_FUSED_SCORES` scores or more
-    in bfloat16, of :data:`WIDE_LOOP_BEFORE_FUSED_SCORES` in float32 (with
-    :data:`WIDE_LOOP_MIN_KEYS` keys or more and heads of :data:`WIDE_LOOP_MAX_HEAD_DIM` at most)
-    and of :data:`HALF_LOOP_BEFORE_FUSED_SCORES` in float16."""
-    if packed:
-        plain = inp.score_mod is None and inp.mask_mod is None and inp.attn_mask is None and inp.dropout_p == 0.0
-        return plain and _with_packed(inp, fast_kernel(inp)) is not None
-    if inp.packed is not None or fast_kernel(inp) is None:
-        return False
-    if need_grad and backward_kernel(inp) is None:
-        return False
-    scores = inp.n_groups * inp.B * inp.Hq * inp.Lq * inp.Lk
-    if inp.dtype == torch.float32 and (inp.Lk < WIDE_LOOP_MIN_KEYS or max(inp.E, inp.Ev) > WIDE_LOOP_MAX_HEAD_DIM):
-        return False
-    return scores >= _BEFORE_FUSED_SCORES[inp.dtype]
-
-
-_BEFORE_FUSED_SCORES = {
-    torch.bfloat16: LOOP_BEFORE_FUSED_SCORES,
-    torch.float32: WIDE_LOOP_BEFORE_FUSED_SCORES,
-    torch.float16: HALF_LOOP_BEFORE_FUSED_SCORES,
-}
-
-
-def before_fused_note(inp: Inputs, need_grad: bool, packed: bool = False) -> str:
-    """What ``explain()`` says of a plan that takes the loops before the fused kernel."""
-    if packed:
-        return (
-            "a packed call's sequences through the tiles' forward loop in C++ (native kernel), one kernel call per "
-            f"group of sequences, before a fused kernel call per sequence: {PACKED_GAIN} on an AMD EPYC"
-        )
-    loops = "forward and backward loops" if need_grad else "forward loop"
-    if inp.dtype == torch.bfloat16:
-        gain = "0.65-0.88x its time for forward + backward" if need_grad else "0.42-0.84x its time"
-        return (
-            f"the tiles' {loops} in C++ (native kernel, AVX512-BF16, no AMX) before the fused kernel: {gain} "
-            "from 2^19 bfloat16 scores on an AMD EPYC"
-        )
-    gain = "0.80-0.95x its time for forward + backward" if need_grad else "0.72-0.98x its time"
-    return (
-        f"the tiles' {loops} in C++ (native kernel, float32 products on AVX512F, no AMX) before the fused kernel: "
-        f"{gain} from 2^23 float32 or 2^22 float16 scores on an AMD EPYC"
-    )
 
 
 def segment_bytes(inp: Inputs, qc: int, kc: int) -> int:
@@ -289,11 +249,8 @@ TILE_TARGET = 32 << 20
 """The planner's ceiling on :func:`tile_bytes` where the loops run a call (the eager tiles' is
 4 MiB, the scores a tile's passes stream): the accumulator is not streamed, and each call copies
 its keys and values again and ends with its threads waiting on the last task
-(:meth:`Matmul.tile_target <subquad._backends.matmul.Matmul.tile_target>`). Whole rows (one
-call) against row blocks of 1024, bfloat16, two threads, medians of 7 (a 2-core AMD EPYC, the
-loops of issue 29): 1x8x4096x64 105.7 against 117.6 ms (float32 184.4 against 202.8),
-4x8x4096x40 307 against 320, 1x8x8192x64 403 (blocks of 4096) against 426, 1x8x2048x64 28.9
-against 29.8."""
+(:meth:`Matmul.tile_target <subquad._backends.matmul.Matmul.tile_target>`). Whole rows in one
+call ran a few percent faster than row blocks of 1024 (docs/benchmarks/loops.md)."""
 
 
 def forward_rows(inp: Inputs, qs: int, qe: int, segments: Iterable[Segment], out: Tensor, kernel: ModuleType) -> Tensor:
@@ -310,13 +267,14 @@ def forward_rows(inp: Inputs, qs: int, qe: int, segments: Iterable[Segment], out
         acc = torch.zeros((rows, inp.Ev), dtype=torch.float32)
     q = unit_stride(inp.q[:, :, qs:qe])
     alpha = inp.scale * LOG2E  # scores in log2 units: exp2 needs no multiply
-    cap = softcap(inp)
+    cap, in_loop = softcap(inp), loop_mods(inp)
+    assert in_loop is not None, "segment_kernel takes the call"
     run = getattr(kernel, _FORWARD[inp.dtype])
     for seg in segments:
         causal = inp.is_causal and seg.causal != "none"
         k, v = (unit_stride(t[:, :, seg.ks : seg.ke]) for t in (inp.k, inp.v))
         mask = None if inp.attn_mask is None else inp.mask_tile(qs, qe, seg.ks, seg.ke).expand(B, Hq, qn, -1)
-        run(q, k, v, m, l, acc, alpha, qs, seg.ks, causal, inp.causal_offset, mask, cap)
+        run(q, k, v, m, l, acc, alpha, qs, seg.ks, causal, inp.causal_offset, mask, cap, *in_loop)
     return finish_rows(inp, qs, qe, RowState(m, l, acc), out, log2=True)
 
 
@@ -472,7 +430,9 @@ def backward_rows(
     lse2 = lse[:, :, qs:qe].float() * LOG2E
     lse2 = lse2.masked_fill_(lse2 == NEG_INF, float("inf")).reshape(-1)  # rows that see nothing: P = 0
     dd = dd.reshape(-1)
-    alpha, cap = inp.scale * LOG2E, softcap(inp)
+    alpha, cap, in_loop = inp.scale * LOG2E, softcap(inp), loop_mods(inp)
+    assert in_loop is not None, "backward_kernel takes the call"
+    off = inp.causal_offset
     dq = _in_place(grads.dq, slice(qs, qe), (B, Hq, qn, inp.E))
     run = getattr(kernel, _BACKWARD[inp.dtype])
     for seg in segments:
@@ -482,7 +442,7 @@ def backward_rows(
         keys = slice(seg.ks, seg.ke)
         dk = _in_place(grads.dk, keys, (B, Hk, seg.ke - seg.ks, inp.E))
         dv = _in_place(grads.dv, keys, (B, Hk, seg.ke - seg.ks, inp.Ev))
-        run(q, k, v, do, lse2, dd, dq, dk, dv, alpha, inp.scale, qs, seg.ks, causal, inp.causal_offset, mask, cap)
+        run(q, k, v, do, lse2, dd, dq, dk, dv, alpha, inp.scale, qs, seg.ks, causal, off, mask, cap, *in_loop)
         for g, block in ((grads.dk, dk), (grads.dv, dv)):
             if g is not None and not _same(g[:, :, keys], block):
                 add_into(g[:, :, keys], block)

@@ -8,8 +8,8 @@ here reads the scores twice (a row's maximum, then its exponentials; the second 
 the L2 cache; a row of at most one step, 1024 scores, once) and writes ``p`` once in half
 precision: 4 + 4 + 2, and the product's 4 and 2 around it. It also does the row's bookkeeping
 (the running maximum, the sum and the accumulator's correction), about ten small eager ops per
-tile. On an H200 it ran at 1.15x the time of a plain float32-to-half copy of the tile, and the
-backward's kernel at the memory bandwidth (docs/devices.md, "Second session").
+tile. Measured against a plain float32-to-half copy of the tile, and the backward's kernel
+against the memory bandwidth, on docs/benchmarks/gpu.md.
 
 Backward, per tile: ``p = exp(s - lse)`` and ``dS = p ∘ (dP - D)`` in one pass that reads the
 scores and ``dP`` and writes ``p`` and the scaled ``dS`` rounded for their products (or ``dS``
@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import os
 import types
 from typing import Any, Optional
 
@@ -37,6 +36,7 @@ import torch
 from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake
 
+from .. import _settings as settings
 from .._inputs import Inputs
 
 _COLS_BLOCK = 1024
@@ -54,7 +54,7 @@ def enabled(inp: Inputs) -> bool:
 def available() -> bool:
     """Whether the kernels can run: a CUDA device, Triton imports and ``SUBQUAD_TRITON`` is not
     ``0``."""
-    return os.environ.get("SUBQUAD_TRITON", "1") != "0" and torch.cuda.is_available() and _kernels() is not None
+    return settings.switch("SUBQUAD_TRITON") and torch.cuda.is_available() and _kernels() is not None
 
 
 @functools.lru_cache(maxsize=None)
@@ -122,8 +122,8 @@ def _cols_block(n: int) -> int:
 
 
 def _warps(n: int) -> int:
-    # H200, forward: rows of 4096 scores 0.42 ms per 65536 rows with 8 warps against 0.57 with 4;
-    # rows of 2048: 4 warps best (0.44 ms per 131072 rows, 8: 0.49); backward: the same +-1%.
+    # Warps per row length as tuned on a GPU (docs/benchmarks/gpu.md): 8 from rows of 4096 scores,
+    # 4 from 512, forward and backward alike.
     return 8 if n >= 4096 else 4 if n >= 512 else 2
 
 

@@ -15,6 +15,8 @@ from typing import Optional
 
 import torch
 
+from .. import _settings as settings
+
 
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
@@ -63,7 +65,7 @@ def steady_malloc() -> bool:
     identical ``subquad bench`` runs, each in a fresh process, timed ``naive`` and ``sdpa-math`` up
     to 1.4x apart that way, and ``--compare`` called it a regression. Fixed at the threshold a
     long-running process converges to, every run times the steady state."""
-    if os.environ.get("SUBQUAD_BENCH_STEADY_MALLOC") == "0":  # asked not to (the test suite)
+    if not settings.switch("SUBQUAD_BENCH_STEADY_MALLOC"):  # asked not to (the test suite)
         return False
     if os.environ.get("MALLOC_MMAP_THRESHOLD_") or os.environ.get("MALLOC_TRIM_THRESHOLD_"):
         return False

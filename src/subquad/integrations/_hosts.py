@@ -15,11 +15,11 @@ The integrations and the CLI may use :func:`find_host`, :func:`write_folder`, :f
 
 from __future__ import annotations
 
-import os
 import shutil
 from pathlib import Path
 from typing import Dict, Optional, Sequence
 
+from .. import _settings as settings
 from .._budget import Budget, parse_budget
 from .._errors import ArgumentError
 from .._version import __version__
@@ -63,7 +63,7 @@ def checked_budget(text: object, where: str) -> Budget:
 
 def env_budget() -> Budget:
     """The budget of ``SUBQUAD_MEMORY_BUDGET`` (``None`` when unset or empty)."""
-    return checked_budget(os.environ.get(ENV_BUDGET), f"{ENV_BUDGET} (the environment variable)")
+    return checked_budget(settings.text(ENV_BUDGET), f"{ENV_BUDGET} (the environment variable)")
 
 
 class HostNotFound(ArgumentError):

@@ -50,6 +50,7 @@ from torch import Tensor
 
 import subquad
 
+from .. import _native
 from .._budget import Budget
 from .._errors import ArgumentError
 from ._hosts import (
@@ -302,6 +303,13 @@ def list_optimizers(res: List[Any]) -> None:
     res.append(optimization())
 
 
+def prepare_native() -> bool:
+    """Build subquad's native kernel in the background when the web UI starts, where it is not
+    built and a compiler is found (``SUBQUAD_NATIVE=off`` skips it): the next start runs the loops
+    where this CPU's calibration finds them faster. Returns whether a build was started."""
+    return _native.build_in_background()
+
+
 def on_ui_settings() -> None:
     """The ``on_ui_settings`` callback: the setting "subquad memory budget" in Settings → Optimizations."""
     shared = _module("modules.shared")
@@ -339,6 +347,7 @@ except ImportError as error:
 else:
     script_callbacks.on_list_optimizers(subquad_a1111.list_optimizers)
     script_callbacks.on_ui_settings(subquad_a1111.on_ui_settings)
+    subquad_a1111.prepare_native()
 '''
 
 _INSTALL = '''\

@@ -1,7 +1,7 @@
 """ComfyUI's attention signatures over ``subquad.sdpa``, and where their memory budget comes from.
 
 Nothing here imports ComfyUI: these run anywhere torch does. The rest of the package may use
-:func:`attention`, :func:`vae_attention`, :func:`resolve_budget`,
+:func:`attention`, :func:`vae_attention`, :func:`call_budget`,
 :func:`set_memory_budget` and the callables ComfyUI's hooks take
 (:class:`Override`, :class:`Replace`, :class:`VaeAttention`).
 """
@@ -37,7 +37,7 @@ def set_memory_budget(memory_budget: Budget) -> None:
         _SETTING.append(memory_budget)
 
 
-def resolve_budget(memory_budget: Budget) -> Budget:
+def call_budget(memory_budget: Budget) -> Budget:
     """The budget of one call: the given one, else :func:`set_memory_budget`'s, else ``SUBQUAD_MEMORY_BUDGET``."""
     if memory_budget is not None:
         return memory_budget
@@ -79,14 +79,14 @@ def attention(
     rounds the scores to the inputs' dtype, it casts the inputs to float32; a wider one (float64)
     casts the inputs. A row whose keys are all masked gives 0.
 
-    Keyword arguments: ``memory_budget`` (else :func:`resolve_budget`'s order); every other one ComfyUI
+    Keyword arguments: ``memory_budget`` (else :func:`call_budget`'s order); every other one ComfyUI
     passes (``transformer_options``, ...) is accepted and ignored.
 
     Raises:
         ValueError: shapes that do not fit the layout (naming them).
         MemoryBudgetError: the budget cannot hold even the smallest tiles.
     """
-    budget = resolve_budget(kwargs.get("memory_budget"))
+    budget = call_budget(kwargs.get("memory_budget"))
     dtype = q.dtype
     if skip_reshape:
         if q.ndim != 4:
@@ -157,7 +157,7 @@ def vae_attention(q: Tensor, k: Tensor, v: Tensor, **kwargs: Any) -> Tensor:
     shape = q.shape
     b, c = shape[0], shape[1]
     q, k, v = (t.reshape(b, 1, c, -1).transpose(2, 3) for t in (q, k, v))
-    out = subquad.sdpa(q, k, v, memory_budget=resolve_budget(kwargs.get("memory_budget")))
+    out = subquad.sdpa(q, k, v, memory_budget=call_budget(kwargs.get("memory_budget")))
     return out.transpose(2, 3).reshape(shape)
 
 

@@ -7,12 +7,13 @@ The rest of the package may use :func:`register` (what the installed node runs),
 from __future__ import annotations
 
 import logging
-import os
 import sys
 from typing import Any, Callable, Dict, List, Tuple
 
 from torch import Tensor
 
+from ... import _native
+from ... import _settings as settings
 from ..._budget import Budget
 from ._attention import VaeAttention, set_memory_budget
 from ._hooks import ATTENTION, VAE, Hooks, hooks, host, host_attention, unsupported
@@ -28,8 +29,9 @@ def register() -> Hooks:
     """What the installed custom node runs when ComfyUI loads it.
 
     Adds ``"subquad"`` to ComfyUI's attention registry (where it has one; once), and turns on
-    default mode (:func:`enable_default`) if ``SUBQUAD_COMFYUI_DEFAULT`` is ``1``/``true``/``yes``/``on``.
-    Returns the hooks found.
+    default mode (:func:`enable_default`) if ``SUBQUAD_COMFYUI_DEFAULT`` is ``1``/``true``/``yes``/``on``,
+    and builds the native kernel in the background where it is not built and a compiler is found
+    (:func:`subquad._native.build_in_background`; ``SUBQUAD_NATIVE=off`` skips it). Returns the hooks found.
     """
     found = hooks()
     if found.registry:
@@ -37,8 +39,9 @@ def register() -> Hooks:
         known = getattr(attn, "REGISTERED_ATTENTION_FUNCTIONS", None)
         if not isinstance(known, dict) or NAME not in known:
             attn.register_attention_function(NAME, host_attention())
-    if os.environ.get(ENV_DEFAULT, "").strip().lower() in ("1", "true", "yes", "on"):
+    if settings.switch(ENV_DEFAULT):
         enable_default()
+    _native.build_in_background()  # once per machine: the next start runs the loops where they are faster
     return found
 
 

@@ -18,8 +18,8 @@ measured with ``MALLOC_MMAP_THRESHOLD_=131072`` so that freed tensors leave the 
 ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``. A forward that dies of
 memory is recorded as ``oom``.
 
-    python benchmarks/diffusers_unet_memory.py --latent 96 --budget 256MiB
-    python benchmarks/diffusers_unet_memory.py --latent 128 --device cuda --dtype float16
+    python docs/examples/diffusers_unet_memory.py --latent 96 --budget 256MiB
+    python docs/examples/diffusers_unet_memory.py --latent 128 --device cuda --dtype float16
 """
 
 from __future__ import annotations

@@ -1,0 +1,259 @@
+"""Whether the tiles' C++ loops beat torch's fused kernel on this CPU, measured on this CPU.
+
+The loops (:mod:`subquad._backends.segments`) and torch's fused flash kernel trade places from
+one CPU to the next: the kernel multiplies on AMX tiles where the CPU has them, the loops on
+AVX512/AVX2 dot products. So ``auto`` decides from a calibration made here, once per native
+build (the build's key holds the source, torch, Python and the CPU), dtype, direction (inference,
+or training: forward and backward) and thread count:
+
+- both candidates run the same calls, in interleaved rounds, on a few representative shapes
+  (:data:`SHAPES`): self-attention at three sizes, cross-attention against 77 keys, one head of
+  512 channels; about a second per dtype and direction;
+- per shape the median of the per-round ratios (loops / fused) is kept;
+- the loops take a call only where they won by a clear margin (:data:`MARGIN`) at its size and
+  kind, so a near tie stays on torch's kernel and the choice does not flip between processes.
+
+The table is written beside the native build (``calibration.json``) and read back by every later
+process: the same call takes the same path each time. ``subquad calibrate`` measures again,
+``subquad info`` prints it, ``SUBQUAD_CALIBRATE=0`` turns it off (then the fallback thresholds in
+:mod:`~subquad._backends.segments` decide, and with AMX the fused kernel). The measuring itself is
+installed by :mod:`subquad._calibrate` (it runs whole calls, a layer above the planner).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import statistics
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from .. import _native
+from .. import _settings as settings
+
+Shape = Tuple[int, int, int, int]  # (B*H, Lq, Lk, E)
+
+SHAPES: Dict[str, List[Shape]] = {
+    "self": [(8, 256, 256, 64), (8, 512, 512, 64), (8, 1024, 1024, 64)],
+    "few-keys": [(16, 1024, 77, 64)],
+    "wide": [(1, 1024, 1024, 512)],
+    "mods": [(8, 512, 512, 64)],
+}
+"""The calls timed, per kind: self-attention (2^19, 2^21, 2^23 scores), cross-attention against a
+text encoder's 77 keys, a VAE's one head of 512 channels, and causal ALiBi (the loops evaluate it
+themselves; the fused kernel adds it as a bias tile)."""
+SMALLEST = 1 << 19
+"""Calls of fewer scores stay with the fused kernel whatever was measured (none was timed)."""
+
+FEW_KEYS = 512
+"""Calls with fewer keys are of the ``few-keys`` kind."""
+WIDE_HEAD = 256
+"""Calls with a wider head (query or value) are of the ``wide`` kind."""
+MARGIN = 0.9
+"""The loops take a kind of call only where their time was at most this fraction of the fused
+kernel's: a near tie stays with torch's kernel."""
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class Entry:
+    """One dtype and direction, as measured: per kind, ``[(shape, ratio)]`` (loops / fused)."""
+
+    dtype: str
+    training: bool
+    threads: int
+    measured: str
+    ratios: Dict[str, List[Tuple[Shape, float]]] = field(default_factory=dict)
+
+    @property
+    def threshold(self) -> Optional[int]:
+        """The fewest scores from which the loops won every larger self-attention call measured."""
+        best: Optional[int] = None
+        for shape, ratio in sorted(self.ratios.get("self", []), key=lambda r: _scores(r[0]), reverse=True):
+            if ratio > MARGIN:
+                break
+            best = _scores(shape)
+        return best
+
+    def wins(self, kind: str) -> bool:
+        """Whether the loops won the calls of ``kind`` measured (``self``: the largest)."""
+        measured = self.ratios.get(kind, [])
+        if kind == "self":
+            return self.threshold is not None
+        return bool(measured) and all(r <= MARGIN for _, r in measured)
+
+    def ratio(self, kind: str, scores: int) -> Optional[float]:
+        """The measured ratio nearest below ``scores`` of ``kind`` (for explain)."""
+        measured = sorted(self.ratios.get(kind, []), key=lambda r: _scores(r[0]))
+        below = [r for s, r in measured if _scores(s) <= scores]
+        return below[-1] if below else (measured[0][1] if measured else None)
+
+
+def _scores(shape: Shape) -> int:
+    bh, lq, lk, _ = shape
+    return bh * lq * lk
+
+
+def kind(E: int, Ev: int, Lk: int) -> str:
+    if max(E, Ev) > WIDE_HEAD:
+        return "wide"
+    if Lk < FEW_KEYS:
+        return "few-keys"
+    return "self"
+
+
+def enabled() -> bool:
+    """``SUBQUAD_CALIBRATE`` (a switch, default on)."""
+    return settings.switch("SUBQUAD_CALIBRATE")
+
+
+# ------------------------------------------------------------------ the table
+Measure = Callable[[torch.dtype, bool, Shape, str], Tuple[float, float]]
+"""``(loops seconds, fused seconds)`` of one round of a shape of a kind (installed by
+:mod:`subquad._calibrate`)."""
+
+MEASURE: Optional[Measure] = None
+ROUNDS = 3
+_LOCK = threading.RLock()
+_TABLE: Dict[str, Entry] = {}
+_LOADED: List[str] = []  # the path the table was read from
+_BUSY = threading.local()
+_FAILED: Dict[str, Tuple[float, int, str]] = {}  # key -> (when, tries, why) its measurement failed here
+
+
+def _key(dtype: torch.dtype, training: bool, threads: int) -> str:
+    return f"{str(dtype).replace('torch.', '')}/{'training' if training else 'inference'}/{threads}t"
+
+
+def path() -> str:
+    """The table's file: beside this CPU's native build."""
+    return str(_native.build_directory() / _native.build_name() / "calibration.json")
+
+
+def _load() -> None:
+    where = path()
+    if _LOADED == [where]:
+        return
+    _TABLE.clear()
+    _LOADED[:] = [where]
+    try:
+        with open(where) as f:
+            raw = json.load(f)
+    except (OSError, ValueError):
+        return
+    for k, e in raw.items():
+        try:
+            ratios = {kd: [(tuple(s), float(r)) for s, r in rows] for kd, rows in e["ratios"].items()}
+            _TABLE[k] = Entry(e["dtype"], bool(e["training"]), int(e["threads"]), str(e["measured"]), ratios)
+        except (KeyError, TypeError, ValueError):
+            continue  # an entry of another layout is measured again
+
+
+def _save() -> None:
+    where = path()
+    os.makedirs(os.path.dirname(where), exist_ok=True)
+    tmp = f"{where}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump({k: asdict(e) for k, e in _TABLE.items()}, f, indent=1)
+    os.replace(tmp, where)
+
+
+def table() -> Dict[str, Entry]:
+    """The entries measured for this build (read from disk once)."""
+    with _LOCK:
+        _load()
+        return dict(_TABLE)
+
+
+class Unsettled(RuntimeError):
+    """The rounds disagreed (another process was busy on the cores): nothing is kept."""
+
+
+def calibrate(dtype: torch.dtype, training: bool, rounds: int = ROUNDS) -> Entry:
+    """Measure one dtype and direction now (``subquad calibrate``) and keep the result.
+
+    Raises:
+        Unsettled: a shape's rounds disagreed by more than :data:`SPREAD` (the machine was busy);
+            nothing is kept, and the next need measures again after :data:`RETRY_AFTER_S`.
+    """
+    if MEASURE is None:
+        raise RuntimeError("subquad's calibration runs whole calls: import subquad first")
+    with _LOCK:
+        _load()
+        _BUSY.on = True
+        try:
+            ratios: Dict[str, List[Tuple[Shape, float]]] = {}
+            for kd, shapes in SHAPES.items():
+                ratios[kd] = []
+                for shape in shapes:
+                    per_round = []
+                    MEASURE(dtype, training, shape, kd)  # warm: first calls allocate and load
+                    for _ in range(rounds):
+                        loops, fused = MEASURE(dtype, training, shape, kd)
+                        per_round.append(loops / fused)
+                    if max(per_round) > SPREAD * min(per_round):
+                        raise Unsettled(f"{kd} {shape}: loops/fused {', '.join(f'{r:.2f}' for r in per_round)}")
+                    ratios[kd].append((shape, round(statistics.median(per_round), 3)))
+        finally:
+            _BUSY.on = False
+        threads = torch.get_num_threads()
+        entry = Entry(str(dtype).replace("torch.", ""), training, threads, time.strftime("%Y-%m-%d %H:%M"), ratios)
+        _TABLE[_key(dtype, training, threads)] = entry
+        with contextlib.suppress(OSError):  # a read-only cache: kept for this process
+            _save()
+        return entry
+
+
+SPREAD = 1.5
+"""A shape's rounds must agree within this factor (loops/fused), or nothing is kept."""
+RETRY_AFTER_S = 60.0
+"""An unsettled or failed calibration is tried again on a need this long after it."""
+
+
+def entry(dtype: torch.dtype, training: bool) -> Optional[Entry]:
+    """This dtype and direction's measurement: read, or made now on first need (about a second),
+    or ``None`` where calibration is off, cannot run, or is running."""
+    if not enabled() or getattr(_BUSY, "on", False):
+        return None
+    with _LOCK:
+        _load()
+        key = _key(dtype, training, torch.get_num_threads())
+        found = _TABLE.get(key)
+        if found is not None or MEASURE is None:
+            return found
+        failed = _FAILED.get(key)
+        if failed is not None and (failed[1] >= 3 or time.monotonic() - failed[0] < RETRY_AFTER_S):
+            return None
+        try:
+            return calibrate(dtype, training)
+        except Exception as e:  # unsettled or unable to run: the fallback thresholds, for now
+            _FAILED[key] = (time.monotonic(), (failed[1] if failed else 0) + 1, f"{type(e).__name__}: {e}")
+            return None
+
+
+def forget() -> None:
+    """Drop what this process read (the file stays): the next question reads it again."""
+    with _LOCK:
+        _TABLE.clear()
+        _LOADED.clear()
+        _FAILED.clear()
+
+
+def describe(e: Entry) -> str:
+    """One line of the table: the decision and the ratios it came from."""
+    direction = "training (forward + backward)" if e.training else "inference"
+    t = e.threshold
+    verdict = (
+        f"loops from 2^{t.bit_length() - 1} scores" if t is not None else "fused kernel (the loops never won by 10%)"
+    )
+    parts = []
+    for kd, rows in e.ratios.items():
+        label = {"self": "self", "few-keys": "77 keys", "wide": "head 512", "mods": "ALiBi"}.get(kd, kd)
+        parts.append(f"{label} " + "/".join(f"{r:.2f}" for _, r in rows))
+    return f"{e.dtype} {direction}, {e.threads} threads ({e.measured}): {verdict}; loops/fused {', '.join(parts)}"
