@@ -9,7 +9,9 @@ transformers or JAX is installed, so that a mistyped argument is never hidden be
 diffusers" and a wrong ``--compare`` file never costs a whole run.
 
 What the rest of the package uses: ``JAX_PRESETS``, ``build_parser``, ``Parser``,
-``UsageError``, ``Checked``, ``check``, ``default_device``, ``load_compare``.
+``UsageError``, ``Checked``, ``check``, ``default_device``, ``load_compare``. ``--host comfyui PATH``
+is checked here too (the folder, the checkpoint, one resolution); ComfyUI itself is imported only
+by the child process that measures (``host_comfyui``).
 """
 
 from __future__ import annotations
@@ -21,12 +23,15 @@ import json
 import math
 import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, NoReturn, Optional, Sequence
 
 import torch
 
 from subquad._budget import parse_budget
 
+from ..integrations._hosts import HostNotFound, find_host
+from ..integrations.comfyui import MARKERS as COMFYUI_MARKERS
 from . import cases as cases_mod
 from . import impls as impls_mod
 from . import jax_bench, model_impls, model_report, models, report
@@ -45,7 +50,8 @@ per-round ratios lies beyond 3%; TFLOP/s = 4·B·H·Lq·Lk·E (÷2 causal, ×3.5
 time; peak extra memory above the inputs, output included (CUDA allocator peak, or on CPU the
 RSS high-water mark in a worker process); relative error against a float64 reference on sampled
 query rows. --model NAME runs a whole model (SD 1.5 UNet, SD VAE decoder, Llama) with each
-attention implementation.
+attention implementation. --host comfyui PATH times every attention that ComfyUI offers on this
+machine, and subquad, on one denoising step of a model loaded by that ComfyUI.
 Exit status: 0; 1 when --fail-if-regression finds a regression or compares nothing; 2 for a
 usage error (one line, before anything runs); 130 after Ctrl-C. See docs/bench.md.
 """
@@ -203,6 +209,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "step plus weights passes it (enforced on CUDA); the largest size under "
         "it is reported",
     )
+    _add_host_arguments(parser)
     out = parser.add_argument_group("output")
     out.add_argument("--out", metavar="DIR", help="write results.json, results.csv, time.png and memory.png here")
     out.add_argument(
@@ -228,6 +235,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="list presets, implementations and models, with which of them can run here, and exit",
     )
+
+
+def _add_host_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--host comfyui PATH`` and what goes with it."""
+    hosts = parser.add_argument_group("inside a host application (--host)")
+    hosts.add_argument(
+        "--host",
+        nargs=2,
+        metavar=("HOST", "PATH"),
+        help="comfyui PATH: load the ComfyUI at PATH (read-only, in a child process) and time one denoising "
+        "step with every attention it offers here and with subquad (the node 'Which attention? (subquad)')",
+    )
+    hosts.add_argument(
+        "--checkpoint",
+        metavar="NAME",
+        help="with --host: a checkpoint in PATH/models/checkpoints (or a file); default: a small "
+        "SD1.5-config UNet with random weights",
+    )
+    hosts.add_argument("--vae", action="store_true", help="with --host: also time a VAE decode")
 
 
 def build_parser() -> Parser:
@@ -261,6 +287,8 @@ class Checked:
     cap: Optional[int] = None  # --max-memory in bytes
     impls: tuple[Any, ...] = ()  # bench Impl, ModelImpl, or the JAX implementations' names
     old: Optional[list] = None  # the --compare records
+    host: Optional[str] = None  # --host: the host's folder, resolved
+    checkpoint: Optional[str] = None  # --host --checkpoint: the file, resolved
 
 
 def check(args: argparse.Namespace) -> Checked:
@@ -271,12 +299,15 @@ def check(args: argparse.Namespace) -> Checked:
         return Checked("torch", device=_device(args.device))
     if args.framework == "jax" or args.preset in JAX_PRESETS:
         checked = _check_jax(args)
+    elif args.host is not None:
+        checked = _check_host(args, cap)
     elif args.model is not None:
         checked = _check_model(args, cap)
     else:
         checked = _check_attention(args)
     if args.compare:
-        old = load_compare(args.compare, model=checked.spec is not None, fail_pct=args.fail_if_regression)
+        model = checked.spec is not None or checked.host is not None
+        old = load_compare(args.compare, model=model, fail_pct=args.fail_if_regression)
         checked = dataclasses.replace(checked, old=old)
     if checked.spec is not None:
         try:
@@ -368,7 +399,7 @@ def _check_model(args: argparse.Namespace, cap: Optional[int]) -> Checked:
         spec = models.spec(args.model)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    unsupported = _not_with(args, ("--preset", "--shape", "--mask", "--backward"))
+    unsupported = _not_with(args, ("--preset", "--shape", "--mask", "--backward", "--checkpoint", "--vae"))
     if unsupported:
         raise UsageError(f"{', '.join(unsupported)} not supported with --model")
     size_flag, other = ("--seq-len", "--resolution") if spec.family == "llama" else ("--resolution", "--seq-len")
@@ -387,11 +418,49 @@ def _check_model(args: argparse.Namespace, cap: Optional[int]) -> Checked:
     return Checked("torch", device=device, spec=spec, sizes=tuple(sizes), cap=cap, impls=tuple(impls))
 
 
+def _check_host(args: argparse.Namespace, cap: Optional[int]) -> Checked:
+    """``--host comfyui PATH``: the folder is ComfyUI's, the checkpoint is there, one resolution."""
+    name, path = args.host
+    if name.lower() != "comfyui":
+        raise UsageError(f"--host {name}: the host that can be benchmarked is comfyui (--host comfyui PATH)")
+    unsupported = _not_with(
+        args, ("--model", "--preset", "--shape", "--mask", "--backward", "--seq-len", "--impl", "--device", "--dtype")
+    )
+    if unsupported or args.task != "infer":
+        raise UsageError(
+            f"{', '.join(unsupported) or '--task train'} not supported with --host (ComfyUI's own device, dtype "
+            "and attentions are timed)"
+        )
+    if args.resolution and len(args.resolution) > 1:
+        raise UsageError(f"--host takes one --resolution, got {' '.join(map(str, args.resolution))}")
+    size = args.resolution[0] if args.resolution else 512
+    if size < 64 or size % 8:
+        raise UsageError(f"--resolution {size}: a multiple of 8 of at least 64 pixels")
+    try:
+        root = find_host(path, "ComfyUI", COMFYUI_MARKERS)
+    except HostNotFound as exc:
+        raise UsageError(f"--host comfyui {path}: {exc}") from None
+    checkpoint = None
+    if args.checkpoint:
+        folder = root / "models" / "checkpoints"
+        found = [p for p in (folder / args.checkpoint, Path(args.checkpoint).expanduser()) if p.is_file()]
+        if not found:
+            have = sorted(p.name for p in folder.glob("*") if p.is_file() and not p.name.startswith("put_"))
+            raise UsageError(
+                f"--checkpoint {args.checkpoint}: not in {folder} (there: {', '.join(have) or 'nothing'}) nor a file"
+            )
+        checkpoint = str(found[0].resolve())
+    return Checked("torch", sizes=(size,), cap=cap, host=str(root), checkpoint=checkpoint)
+
+
 def _check_attention(args: argparse.Namespace) -> Checked:
     """Single attention calls: a preset, or --shape."""
     model_only = _not_with(args, ("--resolution", "--seq-len", "--batch", "--rounds", "--max-memory"))
     if model_only:
         raise UsageError(f"{', '.join(model_only)} needs --model NAME")
+    host_only = _not_with(args, ("--checkpoint", "--vae"))
+    if host_only:
+        raise UsageError(f"{', '.join(host_only)} needs --host comfyui PATH")
     if args.preset and args.shape:
         raise UsageError("give either --preset or --shape, not both")
     device = _device(args.device)

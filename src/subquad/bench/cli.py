@@ -9,6 +9,7 @@ Examples::
     subquad bench --model sd15-unet-small --task infer --out runs/unet
     subquad bench --model sd-vae-decoder --resolution 256 512 1024 2048 --max-memory 4GiB
     subquad bench --model llama-small --task train --seq-len 2048 8192
+    subquad bench --host comfyui ~/ComfyUI --checkpoint v1-5-pruned-emaonly.safetensors --vae
 
 The options and their checks are in ``args``: every argument is checked, then the dependencies,
 before anything is measured.
@@ -26,8 +27,8 @@ import torch
 
 from . import args as args_mod
 from . import cases as cases_mod
+from . import host_comfyui, jax_bench, measure, model_measure, model_report, models, report
 from . import impls as impls_mod
-from . import jax_bench, measure, model_measure, model_report, models, report
 from .args import Checked, build_parser, default_device
 from .timing import ROUNDS_TO_NAME as MODEL_ROUNDS
 
@@ -102,6 +103,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 0
     if checked.framework == "jax":
         return _main_jax(args, checked)
+    if checked.host is not None:
+        return _main_host(args, checked)
     if checked.spec is not None:
         return _main_model(args, checked)
     return _main_attention(args, checked)
@@ -192,6 +195,19 @@ def _main_jax(args: argparse.Namespace, checked: Checked) -> int:
     """``--framework jax``: presets of ``(B, T, N, H)`` shapes in fp32 on JAX's default device."""
     seconds = 3.0 if args.seconds is None else args.seconds
     jax_bench.main(checked.preset or "jax-quick", list(checked.impls), seconds, args.budget, args.out)
+    return 0
+
+
+def _main_host(args: argparse.Namespace, checked: Checked) -> int:
+    """``--host comfyui PATH``: the node "Which attention? (subquad)" in a child process (``host_comfyui``)."""
+    results = host_comfyui.run(args, checked)
+    if results is None:
+        return 1
+    if checked.old is not None:
+        text, regressions = model_report.compare(results, checked.old, args.fail_if_regression)
+        both = _ok_in_both(results, checked.old, lambda r: (r.model, r.impl, r.mode, r.size))
+        if _print_comparison(args, text, regressions, both, "(model, impl, mode, size)"):
+            return 1
     return 0
 
 

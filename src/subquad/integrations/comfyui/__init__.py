@@ -9,6 +9,9 @@ Inside ComfyUI this gives:
 - the node **Subquad attention (model)**: ``MODEL`` in, a patched clone out (SD1.x, SDXL and the
   DiT families); the model that came in is untouched;
 - the node **Subquad attention (VAE)**: ``VAE`` in, a clone out whose attention blocks run in subquad;
+- the node **Which attention? (subquad)**: ``MODEL`` (and optionally ``VAE``) in; every attention this
+  ComfyUI offers here and subquad timed on one step of that model, with peak memory: a chart
+  (``IMAGE``), the table (``STRING``) and a clone running the fastest that fits (``MODEL``);
 - ``"subquad"`` in ComfyUI's attention registry (``register_attention_function``), where it has one;
 - default mode: with ``SUBQUAD_COMFYUI_DEFAULT=1`` in the environment when ComfyUI starts, subquad is
   the attention of every model (diffusion models, VAEs, text encoders) without a node in any
@@ -25,7 +28,8 @@ run inside it (``import subquad`` never imports this package; this package impor
 subquad). Which of ComfyUI's hooks exist is decided in one place, :func:`hooks`.
 
 Modules: ``_attention`` (ComfyUI's attention signatures over ``subquad.sdpa``; the budget),
-``_hooks`` (what the running ComfyUI has), ``_nodes`` (MODEL and VAE), ``_default`` (the registry,
+``_hooks`` (what the running ComfyUI has), ``_nodes`` (the nodes), ``_which`` (what "Which attention?"
+measures and shows), ``_default`` (the registry,
 default mode), ``_install`` (``subquad install comfyui``).
 """
 
@@ -41,6 +45,7 @@ from ._nodes import (
     NODE_DISPLAY_NAME_MAPPINGS,
     SubquadModelAttention,
     SubquadVAEAttention,
+    SubquadWhichAttention,
     patch_model,
     patch_vae,
 )
@@ -59,6 +64,7 @@ __all__ = [
     "HostUnsupported",
     "SubquadModelAttention",
     "SubquadVAEAttention",
+    "SubquadWhichAttention",
     "NODE_CLASS_MAPPINGS",
     "NODE_DISPLAY_NAME_MAPPINGS",
     "install",

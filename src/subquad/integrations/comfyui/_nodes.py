@@ -1,8 +1,9 @@
-"""Per model: the MODEL and VAE nodes and the functions behind them.
+"""Per model: the MODEL and VAE nodes and the functions behind them, and the node that asks which attention.
 
 The nodes read like ComfyUI's own (``INPUT_TYPES``, ``RETURN_TYPES``, ``FUNCTION``, a patch on a
 clone) and hand every call to :mod:`._attention`. The rest of the package may use
-:func:`patch_model`, :func:`patch_vae`, the node classes and the two mappings.
+:func:`patch_model`, :func:`patch_vae`, the node classes and the two mappings. The measuring of
+**Which attention? (subquad)** is in :mod:`._which`.
 """
 
 from __future__ import annotations
@@ -13,11 +14,13 @@ import sys
 from typing import Any, Dict, List, Tuple
 
 import torch
+from torch import Tensor
 
 from ..._budget import Budget, parse_budget
 from .._hosts import ENV_BUDGET, checked_budget
 from ._attention import Override, Replace, VaeAttention, vae_attention
-from ._hooks import VAE, hooks, unsupported
+from ._hooks import VAE, hooks, host, unsupported
+from ._which import Setting, chart, measure, patched, table
 
 _log = logging.getLogger(__name__)
 
@@ -195,11 +198,76 @@ class SubquadVAEAttention:
         return (patch_vae(vae, _node_budget(memory_budget)),)
 
 
+class SubquadWhichAttention:
+    """ComfyUI node: which attention is fastest for this model, at this size, on this machine, and
+    fits in memory: a chart, a table, and the model patched with the recommended one."""
+
+    DESCRIPTION = (
+        "Times one denoising step of your model (and a VAE decode, if given) with every attention this "
+        "ComfyUI offers here and with subquad, in fair interleaved rounds, and measures peak memory. "
+        "Returns a chart, the same table as text, and a copy of the model running the fastest that fits."
+    )
+    CATEGORY = "advanced/model"
+    RETURN_TYPES = ("IMAGE", "STRING", "MODEL")
+    RETURN_NAMES = ("chart", "table", "model")
+    FUNCTION = "measure"
+
+    @classmethod
+    def INPUT_TYPES(cls) -> Dict[str, Any]:
+        size = {"default": 512, "min": 64, "max": 8192, "step": 8}
+        return {
+            "required": {
+                "model": ("MODEL", {"tooltip": "The diffusion model to time (it is not changed)."}),
+                "width": ("INT", dict(size, tooltip="Image width in pixels.")),
+                "height": ("INT", dict(size, tooltip="Image height in pixels.")),
+                "batch_size": ("INT", {"default": 1, "min": 1, "max": 64}),
+                "steps": ("INT", {"default": 1, "min": 1, "max": 100, "tooltip": "Denoising steps per timed call."}),
+                "rounds": (
+                    "INT",
+                    {"default": 6, "min": 1, "max": 100, "tooltip": "Timed rounds; under 6 no winner can be named."},
+                ),
+            },
+            "optional": {
+                "vae": ("VAE", {"tooltip": "Also time a VAE decode at this size with each VAE attention."}),
+                "memory_cap": ("STRING", {"default": "", "tooltip": "Peak memory a step may use, e.g. 4GiB."}),
+            },
+        }
+
+    def measure(
+        self,
+        model: Any,
+        width: int = 512,
+        height: int = 512,
+        batch_size: int = 1,
+        steps: int = 1,
+        rounds: int = 6,
+        vae: Any = None,
+        memory_cap: str = "",
+    ) -> Tuple[Tensor, str, Any]:
+        cap = checked_budget(memory_cap, "memory_cap")
+        bar = host("comfy.utils").ProgressBar(1)
+        setting = Setting(
+            width,
+            height,
+            batch_size,
+            steps,
+            rounds,
+            cap,
+            progress=lambda done, total: bar.update_absolute(done, total),
+            interrupted=host("comfy.model_management").throw_exception_if_processing_interrupted,
+        )
+        which = measure(model, vae, setting)
+        out = patched(model, which.chosen) if which.chosen is not None else model.clone()
+        return chart(which), table(which), out
+
+
 NODE_CLASS_MAPPINGS: Dict[str, type] = {
     "SubquadModelAttention": SubquadModelAttention,
     "SubquadVAEAttention": SubquadVAEAttention,
+    "SubquadWhichAttention": SubquadWhichAttention,
 }
 NODE_DISPLAY_NAME_MAPPINGS: Dict[str, str] = {
     "SubquadModelAttention": "Subquad attention (model)",
     "SubquadVAEAttention": "Subquad attention (VAE)",
+    "SubquadWhichAttention": "Which attention? (subquad)",
 }
