@@ -4,8 +4,9 @@ the table and asks for this on first need)."""
 
 from __future__ import annotations
 
+import statistics
 import time
-from typing import Any, Callable, Dict, Tuple
+from typing import Any, Callable, Dict, List, Tuple
 
 import torch
 
@@ -13,36 +14,45 @@ from . import mods
 from ._api import attention
 from ._backends import calibration
 
-MIN_SECONDS = 0.01
-"""Each candidate's time in a round is the mean of as many calls as take this long together."""
+MIN_SECONDS = 0.02
+"""Each candidate's time in a round is the median of its calls over at least this long."""
+MIN_CALLS = 3
+"""And of at least this many calls."""
+
+_INPUTS: Dict[Tuple[Any, ...], Tuple[torch.Tensor, ...]] = {}
+_ROUND: List[int] = [0]
 
 
 def _seconds(run: Callable[[], object]) -> float:
-    t0 = time.perf_counter()
-    run()
-    once = time.perf_counter() - t0
-    n = max(1, int(MIN_SECONDS / max(once, 1e-6)))
-    if n == 1:
-        return once
-    t0 = time.perf_counter()
-    for _ in range(n):
+    times: List[float] = []
+    while len(times) < MIN_CALLS or sum(times) < MIN_SECONDS:
+        t0 = time.perf_counter()
         run()
-    return (time.perf_counter() - t0) / n
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _inputs(dtype: torch.dtype, training: bool, shape: calibration.Shape) -> Tuple[torch.Tensor, ...]:
+    """The shape's query, key and value (made once: a round times the calls, not new memory)."""
+    key = (dtype, training, shape)
+    if key not in _INPUTS:
+        _INPUTS.clear()  # one shape's tensors at a time
+        bh, lq, lk, e = shape
+        g = torch.Generator().manual_seed(0)
+        q = torch.randn(1, bh, lq, e, generator=g).to(dtype)
+        k, v = (torch.randn(1, bh, lk, e, generator=g).to(dtype) for _ in range(2))
+        _INPUTS[key] = tuple(t.requires_grad_(training) for t in (q, k, v))
+    return _INPUTS[key]
 
 
 def measure(dtype: torch.dtype, training: bool, shape: calibration.Shape, kind: str) -> Tuple[float, float]:
     """``(loops seconds, fused seconds)`` of one round on ``shape`` = ``(B·H, Lq, Lk, E)``; the
-    ``mods`` kind is causal with ALiBi (:func:`subquad.mods.alibi`)."""
-    bh, lq, lk, e = shape
-    g = torch.Generator().manual_seed(0)
-    q = torch.randn(1, bh, lq, e, generator=g).to(dtype)
-    k, v = (torch.randn(1, bh, lk, e, generator=g).to(dtype) for _ in range(2))
-    if training:
-        q, k, v = (t.requires_grad_() for t in (q, k, v))
-
+    ``mods`` kind is causal with ALiBi (:func:`subquad.mods.alibi`). The two alternate which
+    goes first from round to round."""
+    q, k, v = _inputs(dtype, training, shape)
     extra: Dict[str, Any] = {}
     if kind == "mods":
-        extra = dict(is_causal=True, score_mod=mods.alibi(bh))
+        extra = dict(is_causal=True, score_mod=mods.alibi(shape[0]))
 
     def run(backend: str) -> Callable[[], object]:
         def call() -> object:
@@ -51,12 +61,19 @@ def measure(dtype: torch.dtype, training: bool, shape: calibration.Shape, kind: 
                 assert isinstance(out, torch.Tensor)  # no return_lse
                 if training:
                     out.backward(torch.ones_like(out))
+                    for t in (q, k, v):
+                        t.grad = None
             return out
 
         return call
 
-    loops = _seconds(run("matmul"))
-    fused = _seconds(run("fused"))
+    _ROUND[0] += 1
+    if _ROUND[0] % 2:
+        loops = _seconds(run("matmul"))
+        fused = _seconds(run("fused"))
+    else:
+        fused = _seconds(run("fused"))
+        loops = _seconds(run("matmul"))
     return loops, fused
 
 

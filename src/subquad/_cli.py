@@ -185,7 +185,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         help="measure here whether the native kernel's loops beat torch's fused kernel (about 1-3 s a dtype)",
         description="Time the native kernel's loops against torch's fused kernel on a few representative "
         "calls, in interleaved rounds, and keep the result beside the build: `auto` takes the loops only where "
-        "they won by 10%%. Runs by itself on the first call that needs it; SUBQUAD_CALIBRATE=0 turns it off.",
+        "they won by 5%%. Runs by itself on the first call that needs it; SUBQUAD_CALIBRATE=0 turns it off.",
     )
     p.add_argument(
         "--dtype", default=None, help="fp32, bf16, fp16, comma-separated (default: every dtype the build has)"

@@ -10,8 +10,8 @@ or training: forward and backward) and thread count:
   (:data:`SHAPES`): self-attention at three sizes, cross-attention against 77 keys, one head of
   512 channels; about a second per dtype and direction;
 - per shape the median of the per-round ratios (loops / fused) is kept;
-- the loops take a call only where they won by a clear margin (:data:`MARGIN`) at its size and
-  kind, so a near tie stays on torch's kernel and the choice does not flip between processes.
+- the loops take a call only where they won by a clear margin (:data:`MARGIN`) for its kind
+  (self-attention: at its size or below), so a near tie stays on torch's kernel.
 
 The table is written beside the native build (``calibration.json``) and read back by every later
 process: the same call takes the same path each time. ``subquad calibrate`` measures again,
@@ -39,22 +39,22 @@ from .. import _settings as settings
 Shape = Tuple[int, int, int, int]  # (B*H, Lq, Lk, E)
 
 SHAPES: Dict[str, List[Shape]] = {
-    "self": [(8, 256, 256, 64), (8, 512, 512, 64), (8, 1024, 1024, 64)],
-    "few-keys": [(16, 1024, 77, 64)],
+    "self": [(8, 256, 256, 64), (8, 512, 512, 64), (8, 1024, 1024, 64), (4, 2048, 2048, 64)],
+    "few-keys": [(20, 4096, 77, 64)],
     "wide": [(1, 1024, 1024, 512)],
     "mods": [(8, 512, 512, 64)],
 }
-"""The calls timed, per kind: self-attention (2^19, 2^21, 2^23 scores), cross-attention against a
+"""The calls timed, per kind: self-attention (2^19, 2^21, 2^23, 2^24 scores), cross-attention against a
 text encoder's 77 keys, a VAE's one head of 512 channels, and causal ALiBi (the loops evaluate it
 themselves; the fused kernel adds it as a bias tile)."""
-SMALLEST = 1 << 19
+SMALLEST = 1 << 18
 """Calls of fewer scores stay with the fused kernel whatever was measured (none was timed)."""
 
-FEW_KEYS = 512
+FEW_KEYS = 128
 """Calls with fewer keys are of the ``few-keys`` kind."""
 WIDE_HEAD = 256
 """Calls with a wider head (query or value) are of the ``wide`` kind."""
-MARGIN = 0.9
+MARGIN = 0.95
 """The loops take a kind of call only where their time was at most this fraction of the fused
 kernel's: a near tie stays with torch's kernel."""
 
@@ -179,7 +179,7 @@ def calibrate(dtype: torch.dtype, training: bool, rounds: int = ROUNDS) -> Entry
     """Measure one dtype and direction now (``subquad calibrate``) and keep the result.
 
     Raises:
-        Unsettled: a shape's rounds disagreed by more than :data:`SPREAD` (the machine was busy);
+        Unsettled: no majority of a shape's rounds agreed within :data:`SPREAD` (the machine was busy);
             nothing is kept, and the next need measures again after :data:`RETRY_AFTER_S`.
     """
     if MEASURE is None:
@@ -192,12 +192,12 @@ def calibrate(dtype: torch.dtype, training: bool, rounds: int = ROUNDS) -> Entry
             for kd, shapes in SHAPES.items():
                 ratios[kd] = []
                 for shape in shapes:
-                    per_round = []
+                    per_round: List[float] = []
                     MEASURE(dtype, training, shape, kd)  # warm: first calls allocate and load
-                    for _ in range(rounds):
+                    while len(per_round) < rounds or (not _settled(per_round) and len(per_round) < MAX_ROUNDS):
                         loops, fused = MEASURE(dtype, training, shape, kd)
                         per_round.append(loops / fused)
-                    if max(per_round) > SPREAD * min(per_round):
+                    if not _settled(per_round):
                         raise Unsettled(f"{kd} {shape}: loops/fused {', '.join(f'{r:.2f}' for r in per_round)}")
                     ratios[kd].append((shape, round(statistics.median(per_round), 3)))
         finally:
@@ -210,8 +210,19 @@ def calibrate(dtype: torch.dtype, training: bool, rounds: int = ROUNDS) -> Entry
         return entry
 
 
-SPREAD = 1.5
-"""A shape's rounds must agree within this factor (loops/fused), or nothing is kept."""
+SPREAD = 1.25
+"""A majority of a shape's rounds must agree within this factor (loops/fused), or more rounds
+run (up to :data:`MAX_ROUNDS`), and then nothing is kept: a round apart (a first call's warm-up,
+a moment's load) is outvoted by the median."""
+MAX_ROUNDS = 7
+
+
+def _settled(per_round: List[float]) -> bool:
+    r = sorted(per_round)
+    m = len(r) // 2 + 1
+    return len(r) < 2 or any(r[i + m - 1] <= SPREAD * r[i] for i in range(len(r) - m + 1))
+
+
 RETRY_AFTER_S = 60.0
 """An unsettled or failed calibration is tried again on a need this long after it."""
 
@@ -250,7 +261,7 @@ def describe(e: Entry) -> str:
     direction = "training (forward + backward)" if e.training else "inference"
     t = e.threshold
     verdict = (
-        f"loops from 2^{t.bit_length() - 1} scores" if t is not None else "fused kernel (the loops never won by 10%)"
+        f"loops from 2^{t.bit_length() - 1} scores" if t is not None else "fused kernel (the loops never won by 5%)"
     )
     parts = []
     for kd, rows in e.ratios.items():

@@ -84,10 +84,10 @@ def before_fused(inp: Inputs, need_grad: bool, packed: bool = False) -> bool:
     measured = calibration.entry(inp.dtype, need_grad)
     if measured is not None:
         kind = _kind(inp)
-        if kind == "mods":
-            return measured.wins("mods") and _scores(inp) >= calibration.SMALLEST
+        if kind != "self":  # cross-attention, wide heads, ALiBi and windows: their own measurement
+            return measured.wins(kind) and _scores(inp) >= calibration.SMALLEST
         threshold = measured.threshold
-        return threshold is not None and _scores(inp) >= threshold and measured.wins(kind)
+        return threshold is not None and _scores(inp) >= threshold
     if not _fallback_allows(inp, kernel):
         return False
     if inp.dtype == torch.float32 and (inp.Lk < WIDE_LOOP_MIN_KEYS or max(inp.E, inp.Ev) > WIDE_LOOP_MAX_HEAD_DIM):
