@@ -288,3 +288,33 @@ def test_a_calibration_made_while_the_machine_was_busy_is_not_kept(calibrated, m
     monkeypatch.setattr(calibration, "MEASURE", lambda d, t, s, k: (next(noisy) * 1e-3, 1e-3))
     assert _cli.main(["calibrate", "--dtype", "bf16", "--inference"]) == 1
     assert "the machine is busy" in capsys.readouterr().err
+
+
+def test_no_calibration_while_tracing_or_under_a_dispatch_mode(calibrated, monkeypatch):
+    # Under fake tensors or torch.compile's tracing the calls would time nothing real: the
+    # fallback decides, and nothing is measured or kept.
+    from _devices import OpRecorder
+
+    fake_cpu(monkeypatch, "avx512-bf16", kernel="stub")
+    m = calibrated(LOSE)
+    with OpRecorder():
+        assert calibration.entry(torch.bfloat16, False) is None
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert calibration.entry(torch.bfloat16, False) is None
+    assert m.rounds == 0 and not os.path.exists(calibration.path())
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: False)
+    assert calibration.entry(torch.bfloat16, False) is not None and m.rounds > 0
+
+
+def test_the_measurement_runs_inside_the_callers_inference_mode(monkeypatch):
+    # A first need inside torch.inference_mode(): the training rounds still record gradients.
+    from subquad import _calibrate
+
+    calls = []
+    monkeypatch.setattr(
+        _calibrate, "attention", lambda q, k, v, backend, **kw: calls.append(torch.is_grad_enabled()) or (q * k.sum())
+    )
+    _calibrate._INPUTS.clear()
+    with torch.inference_mode():
+        loops, fused = _calibrate.measure(torch.float32, True, (2, 8, 8, 4), "self")
+    assert loops > 0 and fused > 0 and calls and all(calls)

@@ -35,13 +35,14 @@ def _seconds(run: Callable[[], object]) -> float:
 def _inputs(dtype: torch.dtype, training: bool, shape: calibration.Shape) -> Tuple[torch.Tensor, ...]:
     """The shape's query, key and value (made once: a round times the calls, not new memory)."""
     key = (dtype, training, shape)
-    if key not in _INPUTS:
+    if key not in _INPUTS or _INPUTS[key][0].is_inference():
         _INPUTS.clear()  # one shape's tensors at a time
         bh, lq, lk, e = shape
         g = torch.Generator().manual_seed(0)
-        q = torch.randn(1, bh, lq, e, generator=g).to(dtype)
-        k, v = (torch.randn(1, bh, lk, e, generator=g).to(dtype) for _ in range(2))
-        _INPUTS[key] = tuple(t.requires_grad_(training) for t in (q, k, v))
+        with torch.inference_mode(False):  # a first need inside the caller's inference_mode
+            q = torch.randn(1, bh, lq, e, generator=g).to(dtype)
+            k, v = (torch.randn(1, bh, lk, e, generator=g).to(dtype) for _ in range(2))
+            _INPUTS[key] = tuple(t.requires_grad_(training) for t in (q, k, v))
     return _INPUTS[key]
 
 
@@ -56,7 +57,7 @@ def measure(dtype: torch.dtype, training: bool, shape: calibration.Shape, kind: 
 
     def run(backend: str) -> Callable[[], object]:
         def call() -> object:
-            with torch.enable_grad() if training else torch.no_grad():
+            with torch.inference_mode(False), torch.enable_grad() if training else torch.no_grad():
                 out = attention(q, k, v, backend=backend, **extra)
                 assert isinstance(out, torch.Tensor)  # no return_lse
                 if training:

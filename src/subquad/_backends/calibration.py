@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
+from torch.utils import _python_dispatch
 
 from .. import _native
 from .. import _settings as settings
@@ -228,8 +229,10 @@ RETRY_AFTER_S = 60.0
 
 
 def entry(dtype: torch.dtype, training: bool) -> Optional[Entry]:
-    """This dtype and direction's measurement: read, or made now on first need (about a second),
-    or ``None`` where calibration is off, cannot run, or is running."""
+    """This dtype and direction's measurement: read, or made now on first need (a few seconds),
+    or ``None`` where calibration is off, cannot run, or is running. Never made while
+    ``torch.compile`` traces or a dispatch mode (fake tensors, a profiler's recorder) is active:
+    what would be timed there is not the kernels."""
     if not enabled() or getattr(_BUSY, "on", False):
         return None
     with _LOCK:
@@ -240,6 +243,8 @@ def entry(dtype: torch.dtype, training: bool) -> Optional[Entry]:
             return found
         failed = _FAILED.get(key)
         if failed is not None and (failed[1] >= 3 or time.monotonic() - failed[0] < RETRY_AFTER_S):
+            return None
+        if torch.compiler.is_compiling() or _python_dispatch._get_current_dispatch_mode() is not None:
             return None
         try:
             return calibrate(dtype, training)
