@@ -13,7 +13,7 @@ from subquad._backends import base, calibration
 from subquad._errors import ArgumentError
 
 SRC = pathlib.Path(_settings.__file__).parent
-DOCS = SRC.parent.parent / "docs" / "settings.md"
+DOCS = pathlib.Path(__file__).resolve().parent.parent / "docs" / "settings.md"
 
 
 def test_every_variable_the_code_reads_is_in_the_table():

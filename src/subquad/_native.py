@@ -121,7 +121,7 @@ def build(verbose: bool = False) -> ModuleType:
         path = _library()
         if not path.exists():
             path.parent.mkdir(parents=True, exist_ok=True)
-            cpp_extension.load(
+            built: ModuleType = cpp_extension.load(
                 name=path.stem,
                 sources=[str(_SOURCE)],
                 extra_cflags=_flags(),
@@ -129,6 +129,8 @@ def build(verbose: bool = False) -> ModuleType:
                 build_directory=str(path.parent),
                 verbose=verbose,
             )
+            if not path.exists():  # the builder versioned the name (built elsewhere in this process): its module
+                return built
         return _import(path)
 
 
