@@ -115,23 +115,31 @@ def build(verbose: bool = False) -> ModuleType:
 
     Raises whatever PyTorch's extension builder raises where it cannot (no compiler, no ninja).
     """
-    from torch.utils import cpp_extension  # 0.1 s and setuptools: imported only to build
-
     with _LOCK:
         path = _library()
         if not path.exists():
             path.parent.mkdir(parents=True, exist_ok=True)
-            built: ModuleType = cpp_extension.load(
-                name=path.stem,
-                sources=[str(_SOURCE)],
-                extra_cflags=_flags(),
-                extra_ldflags=["-fopenmp"],
-                build_directory=str(path.parent),
-                verbose=verbose,
-            )
-            if not path.exists():  # the builder versioned the name (built elsewhere in this process): its module
-                return built
+            _compile(path, verbose)
         return _import(path)
+
+
+_COMPILE = (
+    "import sys; from torch.utils import cpp_extension; "
+    "cpp_extension.load(name=sys.argv[1], sources=[sys.argv[2]], extra_cflags=sys.argv[3].split(), "
+    "extra_ldflags=['-fopenmp'], build_directory=sys.argv[4], verbose=sys.argv[5] == '1')"
+)
+
+
+def _compile(path: Path, verbose: bool) -> None:
+    """PyTorch's extension builder, in a child process: in this one it would name a second build of
+    the same name (another folder, an earlier failure) ``<name>_v1``, which no later process finds."""
+    args = [path.stem, str(_SOURCE), " ".join(_flags()), str(path.parent), "1" if verbose else "0"]
+    proc = subprocess.run(
+        [sys.executable, "-c", _COMPILE, *args], stdin=subprocess.DEVNULL, capture_output=not verbose, text=True
+    )
+    if proc.returncode != 0 or not path.exists():
+        said = (proc.stderr or proc.stdout or "").strip().splitlines()
+        raise RuntimeError(said[-1] if said else f"the builder ended with status {proc.returncode}")
 
 
 BACKGROUND_LOG = "background-build.log"
