@@ -22,6 +22,7 @@ import os
 import sys
 import types
 
+from _comfyui_models import TINY_UNET, TINY_VAE
 from _host_snapshots import Worker, close
 
 ROOT = os.path.abspath(sys.argv[1])
@@ -283,23 +284,6 @@ def registry():
 # ---------------------------------------------------------------------------------------------
 # The nodes, loaded by ComfyUI's own loader, sampling through its own common_ksampler
 
-TINY_UNET = {  # SD1.5's config (comfy.supported_models.SD15) with tiny widths: 8 heads of 4 and 8 dims
-    "model_channels": 32,
-    "context_dim": 32,
-    "in_channels": 4,
-    "out_channels": 4,
-    "num_res_blocks": [1, 1],
-    "channel_mult": [1, 2],
-    "transformer_depth": [1, 1],
-    "transformer_depth_output": [1, 1, 1, 1],
-    "transformer_depth_middle": 1,
-    "use_spatial_transformer": True,
-    "legacy": False,
-    "image_size": 32,
-    "use_linear_in_transformer": False,
-    "adm_in_channels": None,
-    "use_temporal_attention": False,
-}
 _LOADED = {}
 
 
@@ -435,20 +419,6 @@ def unsupported_host():
     for part in ("0.3.64", "optimized_attention_override", "set_model_attn1_replace"):
         check(part in message, f"the message lacks {part!r}: {message}")
     return {"message": message}
-
-
-TINY_VAE = {  # SD's AutoencoderKL config (comfy.sd.VAE) with tiny widths; one AttnBlock in each mid block
-    "double_z": True,
-    "z_channels": 4,
-    "resolution": 64,
-    "in_channels": 3,
-    "out_ch": 3,
-    "ch": 32,
-    "ch_mult": [1, 2],
-    "num_res_blocks": 1,
-    "attn_resolutions": [],
-    "dropout": 0.0,
-}
 
 
 def tiny_vae():

@@ -17,6 +17,7 @@ import logging
 import sys
 import types
 
+from _comfyui_models import TINY_UNET, TINY_VAE
 from _host_snapshots import Worker
 
 ROOT = sys.argv[1]
@@ -61,35 +62,6 @@ import subquad.integrations.comfyui as sqc  # noqa: E402
 
 logging.getLogger().setLevel(logging.ERROR)
 CPU = torch.device("cpu")
-TINY_UNET = {  # = tests/_comfyui_cases.py's: SD1.5's config (comfy.supported_models.SD15) with tiny widths
-    "model_channels": 32,
-    "context_dim": 32,
-    "in_channels": 4,
-    "out_channels": 4,
-    "num_res_blocks": [1, 1],
-    "channel_mult": [1, 2],
-    "transformer_depth": [1, 1],
-    "transformer_depth_output": [1, 1, 1, 1],
-    "transformer_depth_middle": 1,
-    "use_spatial_transformer": True,
-    "legacy": False,
-    "image_size": 32,
-    "use_linear_in_transformer": False,
-    "adm_in_channels": None,
-    "use_temporal_attention": False,
-}
-TINY_VAE = {
-    "double_z": True,
-    "z_channels": 4,
-    "resolution": 64,
-    "in_channels": 3,
-    "out_ch": 3,
-    "ch": 32,
-    "ch_mult": [1, 2],
-    "num_res_blocks": 1,
-    "attn_resolutions": [],
-    "dropout": 0.0,
-}
 _LOADED = {}
 
 
