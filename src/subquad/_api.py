@@ -1,7 +1,9 @@
 """The public face: ``attention``, ``sdpa`` and ``explain`` -- signatures, docstrings, hand-off.
 
-Each hands its call to the eager call (:mod:`subquad._call`), or, while ``torch.compile``
-traces, to subquad's operator (:mod:`subquad._compile`).
+Each writes its options into one :class:`~subquad._options.CallOptions` and hands it to the
+eager call (:mod:`subquad._call`), or, while ``torch.compile`` traces, to subquad's operator
+(:mod:`subquad._compile`). ``attention`` first tries the per-call fast path (:mod:`subquad._fast`)
+on its loose arguments, and builds the record only when that misses.
 """
 
 from __future__ import annotations
@@ -11,10 +13,11 @@ from typing import Optional, Tuple, Union
 import torch
 from torch import Tensor
 
-from . import _call, _compile
+from . import _call, _compile, _fast
 from ._budget import Budget
 from ._errors import ArgumentTypeError
 from ._inputs import MaskMod, ScoreMod
+from ._options import CallOptions
 from ._planner import Plan
 
 
@@ -99,38 +102,20 @@ def attention(
 
     Whatever ``score_mod`` / ``mask_mod`` raise propagates unchanged (never retried or hidden).
     """
-    if (
-        torch.compiler.is_compiling()
-        and _compile.supports(score_mod=score_mod, mask_mod=mask_mod, dropout_p=dropout_p)
-        and not getattr(query, "is_nested", False)
-    ):
-        # Under torch.compile subquad is one opaque operator (fake + autograd registrations); the
-        # planner and tile loop run eagerly inside it when the compiled graph executes.
-        return _compile.compiled_attention(
-            query,
-            key,
-            value,
-            attn_mask=attn_mask,
-            is_causal=is_causal,
-            scale=scale,
-            enable_gqa=enable_gqa,
-            memory_budget=memory_budget,
-            chunk_size=chunk_size,
-            backend=backend,
-            return_lse=return_lse,
-        )
-    # The per-call fast path here, not one call deeper: each layer of keyword arguments costs a
-    # decode step a microsecond.
-    fast_key, result = _call.fast(
-        query, key, value, attn_mask, is_causal, score_mod, mask_mod, scale, enable_gqa, dropout_p, memory_budget,
-        chunk_size, backend, return_lse, allow_compile
-    )  # fmt: skip
-    if result is not None:
-        return result
-    return _call.attention(
-        query,
-        key,
-        value,
+    compiling = torch.compiler.is_compiling()
+    fast_key = None  # while compiling no call is keyed: the operator or a graph break runs it
+    if not compiling:
+        # The per-call fast path here, on the loose arguments: a decode step on a remembered plan
+        # pays for no record and no further layer of calls.
+        fast_key = _fast.key(
+            query, key, value, attn_mask, is_causal, score_mod, mask_mod, scale, enable_gqa, dropout_p,
+            memory_budget, chunk_size, backend, return_lse, allow_compile,
+        )  # fmt: skip
+        if fast_key is not None:
+            result = _fast.run(fast_key, query, key, value, attn_mask, is_causal, scale, return_lse)
+            if result is not None:
+                return result
+    options = CallOptions(
         attn_mask=attn_mask,
         is_causal=is_causal,
         score_mod=score_mod,
@@ -143,8 +128,16 @@ def attention(
         backend=backend,
         return_lse=return_lse,
         allow_compile=allow_compile,
-        fast_key=fast_key,
     )
+    if (
+        compiling
+        and _compile.supports(score_mod=score_mod, mask_mod=mask_mod, dropout_p=dropout_p)
+        and not getattr(query, "is_nested", False)
+    ):
+        # Under torch.compile subquad is one opaque operator (fake + autograd registrations); the
+        # planner and tile loop run eagerly inside it when the compiled graph executes.
+        return _compile.attention(query, key, value, options)
+    return _call.attention(query, key, value, options, fast_key)
 
 
 def sdpa(
@@ -213,10 +206,7 @@ def explain(
     ``budget_bytes``, ``rejected``: the reasons of every path not taken); ``print(plan)`` reads well.
     Raises like :func:`attention` (e.g. :class:`MemoryBudgetError`).
     """
-    return _call.explain(
-        query,
-        key,
-        value,
+    options = CallOptions(
         attn_mask=attn_mask,
         is_causal=is_causal,
         score_mod=score_mod,
@@ -230,3 +220,4 @@ def explain(
         return_lse=return_lse,
         allow_compile=allow_compile,
     )
+    return _call.explain(query, key, value, options)

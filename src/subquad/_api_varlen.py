@@ -1,6 +1,8 @@
 """The public face for packed sequences: ``varlen_attention`` and ``varlen_explain``.
 
-Signatures and docstrings; each hands its call to the eager call (:mod:`subquad._call`).
+Signatures and docstrings; each hands its call to the eager call (:mod:`subquad._call`), the
+options as one :class:`~subquad._options.CallOptions` and the packed arguments as one
+:class:`~subquad._options.Varlen`.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from torch import Tensor
 from . import _call
 from ._budget import Budget
 from ._inputs import MaskMod, ScoreMod
+from ._options import CallOptions, Varlen
 from ._planner import Plan
 
 Window = Optional[Tuple[Optional[int], Optional[int]]]
@@ -80,18 +83,8 @@ def varlen_attention(
             do not start at 0, decrease or end elsewhere than ``total``, a ``max_seqlen`` shorter
             than a sequence, an unknown ``alignment``; as :func:`subquad.attention` otherwise.
     """
-    return _call.varlen_attention(
-        query,
-        key,
-        value,
-        cu_seqlens_q,
-        cu_seqlens_k,
-        max_seqlen_q=max_seqlen_q,
-        max_seqlen_k=max_seqlen_k,
-        seqused_k=seqused_k,
+    options = CallOptions(
         is_causal=is_causal,
-        alignment=alignment,
-        window=window,
         score_mod=score_mod,
         mask_mod=mask_mod,
         scale=scale,
@@ -102,6 +95,16 @@ def varlen_attention(
         backend=backend,
         return_lse=return_lse,
     )
+    varlen = Varlen(
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k,
+        alignment=alignment,
+        window=window,
+        seqused_k=seqused_k,
+    )
+    return _call.varlen_attention(query, key, value, options, varlen)
 
 
 def varlen_explain(

@@ -2,9 +2,11 @@
 
 The layer below the public face (:mod:`subquad._api`), used by the face, by the compiled
 operator's eager half (:mod:`subquad._compile`) and by ``subquad.distributed`` (one block of a
-longer sequence per call, :func:`attention_block`). Arguments are the face's, keyword-only after
-``query, key, value``. The budget is resolved once per call, in :func:`prepare`, and handed on
-as bytes.
+longer sequence per call, :func:`attention_block`). The call's options arrive as the one
+:class:`~subquad._options.CallOptions` the face built; :func:`prepare`, :func:`explain` and
+:func:`attention_block` also take them as keywords, for callers that hold loose values (a ring
+step, torch's varlen operator). The budget is resolved once per call, in :func:`prepare`, and
+handed on as bytes.
 
 A call runs as:
 
@@ -32,17 +34,17 @@ from ._autograd import Meta, attention_with_grad, is_transformed
 from ._backends import BACKEND_NAMES, BACKENDS, FlexUnavailable, Options, compile_allowed
 from ._backends.fused import grouped_attention
 from ._buckets import BATCH_BYTES
-from ._budget import Budget, format_seconds, resolve_budget
+from ._budget import format_seconds, resolve_budget
 from ._callbacks import captured_tensors, from_callback
 from ._errors import ArgumentError, ArgumentTypeError
-from ._inputs import BlockPositions, Inputs, MaskMod, ScoreMod, describe
+from ._inputs import BlockPositions, Inputs, describe
+from ._options import CallOptions, Varlen, given
 from ._planner import ESTIMATE_TIME_FROM_TILES, Plan, count_tiles, make_plan, predict_seconds
 from ._tiles import KernelRefused, halve, is_device_fatal, is_oom
 from ._traced import normalize
-from ._validate import check_bool, make_inputs, make_packed_inputs, parse_chunk_size
+from ._validate import call_inputs, check_bool, make_packed_inputs, parse_chunk_size
 
 Tiles = Tuple[int, int]
-ChunkSize = Union[int, Tiles, Sequence[int], None]  # a pair as a tuple or a list (parse_chunk_size)
 
 WARN_LONGER_THAN_S = 300.0
 """A call predicted to take longer than this warns once (with the plan's estimate)."""
@@ -60,18 +62,6 @@ class Prepared(NamedTuple):
     captured: Sequence[Tensor]  # tensors score_mod reads that require grad
 
 
-class Varlen(NamedTuple):
-    """What makes a call one of packed sequences (:func:`subquad.varlen_attention`'s arguments)."""
-
-    cu_seqlens_q: Any
-    cu_seqlens_k: Any
-    max_seqlen_q: Any = None
-    max_seqlen_k: Any = None
-    alignment: str = "top_left"
-    window: Any = None
-    seqused_k: Any = None
-
-
 class _Jagged(Protocol):
     """What subquad reads of a jagged nested tensor (torch types them as plain tensors)."""
 
@@ -84,68 +74,34 @@ def prepare(
     query: Tensor,
     key: Tensor,
     value: Tensor,
+    options: Optional[CallOptions] = None,
     *,
-    attn_mask: Optional[Tensor] = None,
-    is_causal: bool = False,
-    score_mod: Optional[ScoreMod] = None,
-    mask_mod: Optional[MaskMod] = None,
-    scale: Optional[float] = None,
-    enable_gqa: bool = False,
-    dropout_p: float = 0.0,
-    memory_budget: Budget = None,
-    chunk_size: ChunkSize = None,
-    backend: str = "auto",
-    return_lse: bool = False,
-    allow_compile: Optional[bool] = None,
     estimate_time: bool = False,
     block: Optional[BlockPositions] = None,
     varlen: Optional[Varlen] = None,
+    **keywords: Any,
 ) -> Prepared:
     """Validate, normalize and plan a call (raises as :func:`subquad.attention` does).
 
-    ``block`` places the call inside a longer sequence (callbacks see its positions); ``varlen``
-    makes it a call of packed sequences (``(total, H, E)`` tensors; no ``attn_mask``), planned
-    by its longest sequences.
+    ``options``: the call's record, or ``None`` and the options as ``keywords``. ``block``
+    places the call inside a longer sequence (callbacks see its positions); ``varlen`` makes it
+    a call of packed sequences (``(total, H, E)`` tensors; no ``attn_mask``), planned by its
+    longest sequences.
     """
+    options = given(options, keywords)
+    backend = options.backend
     if not isinstance(backend, str) or (backend != "auto" and backend not in BACKEND_NAMES):
         raise ArgumentError(
             f"Unknown backend={backend!r}; expected 'auto' or one of {', '.join(map(repr, BACKEND_NAMES))}."
         )
-    check_bool("return_lse", return_lse)
-    if allow_compile is not None:
-        check_bool("allow_compile", allow_compile)
-    tiles = parse_chunk_size(chunk_size)
+    check_bool("return_lse", options.return_lse)
+    if options.allow_compile is not None:
+        check_bool("allow_compile", options.allow_compile)
+    tiles = parse_chunk_size(options.chunk_size)
     if varlen is None:
-        inp = make_inputs(
-            query,
-            key,
-            value,
-            attn_mask=attn_mask,
-            is_causal=is_causal,
-            scale=scale,
-            enable_gqa=enable_gqa,
-            dropout_p=dropout_p,
-            score_mod=score_mod,
-            mask_mod=mask_mod,
-        )
+        inp = call_inputs(query, key, value, options)
     else:
-        inp = make_packed_inputs(
-            query,
-            key,
-            value,
-            *varlen[:2],
-            max_seqlen_q=varlen.max_seqlen_q,
-            max_seqlen_k=varlen.max_seqlen_k,
-            seqused_k=varlen.seqused_k,
-            is_causal=is_causal,
-            alignment=varlen.alignment,
-            window=varlen.window,
-            scale=scale,
-            enable_gqa=enable_gqa,
-            dropout_p=dropout_p,
-            score_mod=score_mod,
-            mask_mod=mask_mod,
-        )
+        inp = make_packed_inputs(query, key, value, options, varlen)
     if block is not None:
         inp = block.apply(inp)
     inp, notes = normalize(inp)
@@ -153,13 +109,13 @@ def prepare(
     sized = inp if inp.packed is None else _engine.planning_view(inp)
     captured = captured_tensors(sized)
     opts = Options(
-        return_lse=return_lse,
+        return_lse=options.return_lse,
         chunk_size=tiles,
         captured_requires_grad=bool(captured),
-        allow_compile=compile_allowed(allow_compile),
+        allow_compile=compile_allowed(options.allow_compile),
         packed=inp.packed is not None,
     )
-    budget = resolve_budget(memory_budget, inp.device)
+    budget = resolve_budget(options.memory_budget, inp.device)
     plan = make_plan(
         sized, opts, budget, backend, estimate_time=estimate_time, shape=None if sized is inp else describe(inp)
     )
@@ -174,128 +130,24 @@ def prepare(
     return Prepared(inp, opts, budget, plan, captured)
 
 
-def fast(
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    attn_mask: Optional[Tensor],
-    is_causal: bool,
-    score_mod: Optional[ScoreMod],
-    mask_mod: Optional[MaskMod],
-    scale: Optional[float],
-    enable_gqa: bool,
-    dropout_p: float,
-    memory_budget: Budget,
-    chunk_size: ChunkSize,
-    backend: str,
-    return_lse: bool,
-    allow_compile: Optional[bool],
-) -> Tuple[Any, Optional[Union[Tensor, Tuple[Tensor, Tensor]]]]:
-    """``(key, result)`` of the per-call fast path (:mod:`subquad._fast`); ``result`` is ``None``
-    when the call must take the full path (pass ``key`` on to :func:`attention`)."""
-    fast_key = _fast.key(
-        query,
-        key,
-        value,
-        attn_mask,
-        is_causal,
-        score_mod,
-        mask_mod,
-        scale,
-        enable_gqa,
-        dropout_p,
-        memory_budget,
-        chunk_size,
-        backend,
-        return_lse,
-        allow_compile,
-    )
-    if fast_key is None:
-        return None, None
-    return fast_key, _fast.run(fast_key, query, key, value, attn_mask, is_causal, scale, enable_gqa, return_lse)
-
-
 def attention(
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    *,
-    attn_mask: Optional[Tensor] = None,
-    is_causal: bool = False,
-    score_mod: Optional[ScoreMod] = None,
-    mask_mod: Optional[MaskMod] = None,
-    scale: Optional[float] = None,
-    enable_gqa: bool = False,
-    dropout_p: float = 0.0,
-    memory_budget: Budget = None,
-    chunk_size: ChunkSize = None,
-    backend: str = "auto",
-    return_lse: bool = False,
-    allow_compile: Optional[bool] = None,
-    fast_key: Any = NOT_TRIED,
+    query: Tensor, key: Tensor, value: Tensor, options: CallOptions, fast_key: Any = NOT_TRIED
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """:func:`subquad.attention`, eagerly (see its docstring). ``fast_key``: the call's
     :func:`subquad._fast.key` when the caller already tried the fast path with it."""
     if fast_key is NOT_TRIED:
-        fast_key, result = fast(
-            query,
-            key,
-            value,
-            attn_mask,
-            is_causal,
-            score_mod,
-            mask_mod,
-            scale,
-            enable_gqa,
-            dropout_p,
-            memory_budget,
-            chunk_size,
-            backend,
-            return_lse,
-            allow_compile,
-        )
+        fast_key, result = _fast.lookup(query, key, value, options)
         if result is not None:
             return result
     if any(getattr(t, "is_nested", False) for t in (query, key, value)):
-        return _nested(
-            query,
-            key,
-            value,
-            attn_mask=attn_mask,
-            is_causal=is_causal,
-            score_mod=score_mod,
-            mask_mod=mask_mod,
-            scale=scale,
-            enable_gqa=enable_gqa,
-            dropout_p=dropout_p,
-            memory_budget=memory_budget,
-            chunk_size=chunk_size,
-            backend=backend,
-            return_lse=return_lse,
-        )
-    call = prepare(
-        query,
-        key,
-        value,
-        attn_mask=attn_mask,
-        is_causal=is_causal,
-        score_mod=score_mod,
-        mask_mod=mask_mod,
-        scale=scale,
-        enable_gqa=enable_gqa,
-        dropout_p=dropout_p,
-        memory_budget=memory_budget,
-        chunk_size=chunk_size,
-        backend=backend,
-        return_lse=return_lse,
-        allow_compile=allow_compile,
-    )
-    _fast.remember(fast_key, call.inp, call.plan, memory_budget)
+        return _nested(query, key, value, options)
+    call = prepare(query, key, value, options)
+    _fast.remember(fast_key, call.inp, call.plan, options.memory_budget)
     _warn_if_long(call.plan)
-    out, lse = _run(call, backend)
+    out, lse = _run(call, options.backend)
     inp = call.inp
     out = out.reshape(inp.output_shape)
-    if not return_lse:
+    if not options.return_lse:
         return out
     assert lse is not None
     lse = lse.reshape(inp.output_shape[:-1])
@@ -303,15 +155,12 @@ def attention(
 
 
 def varlen_attention(
-    query: Tensor, key: Tensor, value: Tensor, cu_seqlens_q: Any, cu_seqlens_k: Any, **options: Any
+    query: Tensor, key: Tensor, value: Tensor, options: CallOptions, varlen: Varlen
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """:func:`subquad.varlen_attention`, eagerly: ``out (total_q, Hq, Ev)`` (and ``lse (total_q, Hq)``)."""
-    varlen = _varlen(cu_seqlens_q, cu_seqlens_k, options)
-    call = prepare(query, key, value, **options, varlen=varlen)
+    call = prepare(query, key, value, options, varlen=varlen)
     _warn_if_long(call.plan)
-    out, lse = _run_tiles_per_group(
-        call.inp, call.plan, call.opts, call.budget, options.get("backend", "auto"), call.captured
-    )
+    out, lse = _run_tiles_per_group(call.inp, call.plan, call.opts, call.budget, options.backend, call.captured)
     # The engine wrote (total, Hq, Ev) rows: this is that tensor. (squeeze, not out[0]: the
     # backward of a select allocates the whole input, that of a squeeze is a view.)
     out = out.squeeze(0).transpose(0, 1)
@@ -321,9 +170,7 @@ def varlen_attention(
     return out, lse.squeeze(0).t()
 
 
-def _nested(
-    query: Tensor, key: Tensor, value: Tensor, *, attn_mask: Optional[Tensor], **options: Any
-) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+def _nested(query: Tensor, key: Tensor, value: Tensor, options: CallOptions) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """Jagged nested tensors ``(B, H, j, E)`` (SDPA's layout for them) as packed sequences.
 
     The result is a nested tensor ``(B, H, j, Ev)`` (and the lse ``(B, H, j)``); gradients flow
@@ -348,7 +195,7 @@ def _nested(
             raise NotImplementedError(
                 f"{name} is a nested tensor with holes (lengths); subquad takes contiguous sequences."
             )
-    if attn_mask is not None:
+    if options.attn_mask is not None:
         raise NotImplementedError(
             "attn_mask with nested tensors: pass the mask as a mask_mod (b is the sequence index, q_idx/kv_idx "
             "positions within it)."
@@ -359,7 +206,10 @@ def _nested(
         )
     offsets_q = cast(_Jagged, query).offsets()
     q, k, v = (t.transpose(1, 2).values() for t in (query, key, value))  # (total, H, E) views
-    result = varlen_attention(q, k, v, offsets_q, cast(_Jagged, key).offsets(), **options)
+    varlen = Varlen(offsets_q, cast(_Jagged, key).offsets())
+    # A packed call takes no allow_compile (as subquad.varlen_attention): the environment's default.
+    packed = dataclasses.replace(options, allow_compile=None)
+    result = varlen_attention(q, k, v, packed, varlen)
     out, lse = result if isinstance(result, tuple) else (result, None)
     out = torch.nested.nested_tensor_from_jagged(out, offsets=offsets_q).transpose(1, 2)
     if lse is None:
@@ -372,7 +222,7 @@ def varlen_explain(
 ) -> Plan:
     """:func:`subquad.varlen_explain` (``options``: :func:`subquad.varlen_attention`'s keywords)."""
     varlen = _varlen(cu_seqlens_q, cu_seqlens_k, options)
-    return prepare(query, key, value, estimate_time=True, **options, varlen=varlen).plan
+    return prepare(query, key, value, estimate_time=True, varlen=varlen, **options).plan
 
 
 def _varlen(cu_seqlens_q: Any, cu_seqlens_k: Any, options: Dict[str, Any]) -> Varlen:
@@ -381,15 +231,26 @@ def _varlen(cu_seqlens_q: Any, cu_seqlens_k: Any, options: Dict[str, Any]) -> Va
     return Varlen(cu_seqlens_q, cu_seqlens_k, **{n: options.pop(n) for n in names if n in options})
 
 
-def explain(query: Tensor, key: Tensor, value: Tensor, **options: Any) -> Plan:
-    """:func:`subquad.explain` (``options``: :func:`prepare`'s keywords)."""
+def explain(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    options: Optional[CallOptions] = None,
+    *,
+    block: Optional[BlockPositions] = None,
+    **keywords: Any,
+) -> Plan:
+    """:func:`subquad.explain` (``options``: the call's record, or ``None`` and the options as
+    ``keywords``; ``block`` as in :func:`prepare`)."""
+    options = given(options, keywords)
     if all(getattr(t, "is_nested", False) and getattr(t, "_ragged_idx", None) == 2 for t in (query, key, value)):
-        options.pop("allow_compile", None)
-        if options.pop("attn_mask", None) is not None:
+        if options.attn_mask is not None:
             raise NotImplementedError("attn_mask with nested tensors: pass the mask as a mask_mod.")
         q, k, v = (t.transpose(1, 2).values() for t in (query, key, value))
-        return varlen_explain(q, k, v, cast(_Jagged, query).offsets(), cast(_Jagged, key).offsets(), **options)
-    return prepare(query, key, value, estimate_time=True, **options).plan
+        varlen = Varlen(cast(_Jagged, query).offsets(), cast(_Jagged, key).offsets())
+        packed = dataclasses.replace(options, allow_compile=None)  # as _nested
+        return prepare(q, k, v, packed, estimate_time=True, varlen=varlen).plan
+    return prepare(query, key, value, options, estimate_time=True, block=block).plan
 
 
 def attention_block(
@@ -398,39 +259,20 @@ def attention_block(
     value: Tensor,
     block: BlockPositions,
     *,
-    attn_mask: Optional[Tensor],
-    is_causal: bool,
-    score_mod: Optional[ScoreMod],
-    mask_mod: Optional[MaskMod],
-    scale: Optional[float],
-    enable_gqa: bool,
-    memory_budget: Budget,
     captured: Optional[Sequence[Tensor]] = None,
+    **options: Any,
 ) -> Tuple[Tensor, Tensor, Plan]:
     """One block of a longer attention (context parallelism): ``(out, lse, plan)`` on 4-D inputs.
 
     ``query (B, Hq, Lq, E)``, ``key``/``value (B, Hk, Lk, E/Ev)`` -> ``out (B, Hq, Lq, Ev)``,
-    ``lse (B, Hq, Lq)`` in the stats dtype. Callbacks see the block's positions (``block``), and
-    the call runs on the tiles (never a whole-input kernel: the lse is always returned).
+    ``lse (B, Hq, Lq)`` in the stats dtype. ``options``: the ring step's :class:`CallOptions`
+    fields as keywords (the lse is always returned, nothing is compiled). Callbacks see the
+    block's positions (``block``), and the call runs on the tiles (never a whole-input kernel).
     Differentiable like :func:`attention` when the inputs require grad; ``captured`` overrides
     the probe of the tensors ``score_mod`` reads.
     """
-    call = prepare(
-        query,
-        key,
-        value,
-        attn_mask=attn_mask,
-        is_causal=is_causal,
-        score_mod=score_mod,
-        mask_mod=mask_mod,
-        scale=scale,
-        enable_gqa=enable_gqa,
-        memory_budget=memory_budget,
-        return_lse=True,
-        allow_compile=False,
-        block=block,
-    )
-    inp, opts, budget, plan, probed = call
+    step = CallOptions(**options, return_lse=True, allow_compile=False)
+    inp, opts, budget, plan, probed = prepare(query, key, value, step, block=block)
     if plan.backend not in ("fused", "matmul"):
         plan = make_plan(inp, opts, budget, _tiles_backend(inp, plan))
     out, lse = _run_tiles_per_group(inp, plan, opts, budget, "auto", probed if captured is None else captured)

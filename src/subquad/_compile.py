@@ -1,8 +1,10 @@
 """``subquad::attention``: subquad as one opaque operator for ``torch.compile``.
 
 The operator sits below the public function (as torch's compiled FlexAttention operator sits
-below ``flex_attention``): :func:`subquad.attention` switches to :func:`compiled_attention`
-while compiling, and the operator's eager half runs the eager call (:mod:`subquad._call`).
+below ``flex_attention``): :func:`subquad.attention` switches to it while compiling, handing
+:func:`attention` the call's :class:`~subquad._options.CallOptions` (:func:`compiled_attention`
+is the same call with keywords), and the operator's eager half runs the eager call
+(:mod:`subquad._call`) on the record it makes of the operator's schema values.
 ``subquad.integrations.compile`` re-exports the documented names.
 
 
@@ -29,6 +31,7 @@ from torch import Tensor
 from . import _call, mods
 from ._autograd import backward_grads
 from ._backends import BACKEND_NAMES
+from ._options import CallOptions
 from ._planner import make_plan
 from ._validate import causal_bias_offset, make_inputs, parse_chunk_size
 
@@ -69,10 +72,9 @@ def _backend_arg(backend: str) -> str:
     return backend
 
 
-def _eager(
+def _record(
     query: Tensor,
     key: Tensor,
-    value: Tensor,
     attn_mask: Optional[Tensor],
     is_causal: bool,
     scale: Optional[float],
@@ -81,12 +83,10 @@ def _eager(
     chunk_size: Optional[List[int]],
     backend: str,
     lower_right: bool,
-) -> Tuple[Tensor, Tensor]:
-    # Runs when the compiled graph executes (not while tracing): the eager call.
-    out, lse = _call.attention(
-        query,
-        key,
-        value,
+) -> CallOptions:
+    """The call's record from the operator's schema values (the budget as a string, torch's
+    lower-right causal mask as a flag); the operator always returns the lse."""
+    return CallOptions(
         attn_mask=attn_mask,
         is_causal=is_causal,
         mask_mod=_lower_right(query, key, lower_right),
@@ -97,7 +97,6 @@ def _eager(
         backend=backend,
         return_lse=True,
     )
-    return out, lse
 
 
 def _lower_right(query: Tensor, key: Tensor, lower_right: bool) -> Any:
@@ -144,20 +143,11 @@ def attention_op(
     lower_right: bool = False,
 ) -> Tuple[Tensor, Tensor]:
     """``(out, lse)`` of ``subquad.attention``: out ``(..., Hq, Lq, Ev)``, lse ``(..., Hq, Lq)``."""
-    with torch.no_grad():
-        out, lse = _eager(
-            query,
-            key,
-            value,
-            attn_mask,
-            is_causal,
-            scale,
-            enable_gqa,
-            memory_budget,
-            chunk_size,
-            backend,
-            lower_right,
-        )
+    options = _record(
+        query, key, attn_mask, is_causal, scale, enable_gqa, memory_budget, chunk_size, backend, lower_right
+    )
+    with torch.no_grad():  # runs when the compiled graph executes (not while tracing): the eager call
+        out, lse = _call.attention(query, key, value, options)
     inputs = (query, key, value, attn_mask)
     return _fresh(out, inputs), _fresh(lse, inputs)
 
@@ -188,36 +178,16 @@ def _engine_grads(
     query: Tensor,
     key: Tensor,
     value: Tensor,
-    attn_mask: Optional[Tensor],
     out: Tensor,
     lse: Tensor,
-    is_causal: bool,
-    scale: Optional[float],
-    enable_gqa: bool,
-    memory_budget: Optional[str],
-    chunk_size: Optional[List[int]],
-    backend: str,
-    lower_right: bool,
+    options: CallOptions,
     mask_grad: bool,
     grad_lse: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
     # subquad's chunked backward (FlashAttention-2 from the saved lse), planned for this call.
     # A custom op runs below autograd, so this drives the engine directly, as subquad's own
     # autograd Function does.
-    inp, opts, budget, _plan, _ = _call.prepare(
-        query,
-        key,
-        value,
-        attn_mask=attn_mask,
-        is_causal=is_causal,
-        mask_mod=_lower_right(query, key, lower_right),
-        scale=scale,
-        enable_gqa=enable_gqa,
-        memory_budget=_budget_value(memory_budget),
-        chunk_size=tuple(chunk_size) if chunk_size is not None else None,
-        backend=backend,
-        return_lse=True,
-    )
+    inp, opts, budget, _plan, _ = _call.prepare(query, key, value, options)
     # Inputs that require grad make the planner plan (and budget) a backward.
     wants = dataclasses.replace(
         inp,
@@ -227,9 +197,9 @@ def _engine_grads(
         attn_mask=inp.attn_mask.detach().requires_grad_() if mask_grad and inp.attn_mask is not None else inp.attn_mask,
     )
     with torch.enable_grad():
-        plan = make_plan(wants, opts, budget, backend)
+        plan = make_plan(wants, opts, budget, options.backend)
     if plan.backward_backend is None:
-        raise NotImplementedError(f"subquad planned no backward for {plan.shape} with backend={backend!r}.")
+        raise NotImplementedError(f"subquad planned no backward for {plan.shape} with backend={options.backend!r}.")
     chunk = plan.backward_chunk_size or plan.chunk_size or (max(inp.Lq, 1), max(inp.Lk, 1))
     rows = (inp.B, inp.Hq, inp.Lq)
     dq, dk, dv, dmask, _ = backward_grads(
@@ -246,8 +216,8 @@ def _engine_grads(
     )
     assert dq is not None and dk is not None and dv is not None  # wanted: all three
     dq, dk, dv = (g.reshape(t.shape) for g, t in zip((dq, dk, dv), (query, key, value)))
-    if dmask is not None and attn_mask is not None:
-        dmask = dmask.reshape(attn_mask.shape)
+    if dmask is not None and options.attn_mask is not None:
+        dmask = dmask.reshape(options.attn_mask.shape)
     return dq, dk, dv, dmask
 
 
@@ -272,24 +242,10 @@ def attention_backward_op(
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """``(dq, dk, dv, dmask)`` from the saved ``out`` and ``lse`` (and the lse's own gradient, if
     any); ``dmask`` is empty unless ``mask_grad``."""
-    dq, dk, dv, dmask = _engine_grads(
-        grad_out,
-        query,
-        key,
-        value,
-        attn_mask,
-        out,
-        lse,
-        is_causal,
-        scale,
-        enable_gqa,
-        memory_budget,
-        chunk_size,
-        backend,
-        lower_right,
-        mask_grad,
-        grad_lse,
+    options = _record(
+        query, key, attn_mask, is_causal, scale, enable_gqa, memory_budget, chunk_size, backend, lower_right
     )
+    dq, dk, dv, dmask = _engine_grads(grad_out, query, key, value, out, lse, options, mask_grad, grad_lse)
     if dmask is None:
         dmask = query.new_empty(0)
     inputs = (grad_out, query, key, value, attn_mask, out, lse)
@@ -320,10 +276,10 @@ def _attention_backward_fake(
 
 
 def _setup_context(ctx: Any, inputs: Tuple[Any, ...], output: Tuple[Tensor, Tensor]) -> None:
-    query, key, value, attn_mask, *options = inputs
+    query, key, value, attn_mask, *schema_values = inputs
     out, lse = output
     ctx.save_for_backward(query, key, value, attn_mask, out, lse)
-    ctx.options = options
+    ctx.schema_values = schema_values
 
 
 def _backward(ctx: Any, grad_out: Tensor, grad_lse: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:
@@ -331,7 +287,7 @@ def _backward(ctx: Any, grad_out: Tensor, grad_lse: Optional[Tensor]) -> Tuple[O
     query, key, value, attn_mask, out, lse = ctx.saved_tensors
     mask_grad = bool(attn_mask is not None and attn_mask.is_floating_point() and ctx.needs_input_grad[3])
     dq, dk, dv, dmask = attention_backward_op(
-        grad_out, query, key, value, attn_mask, out, lse, *ctx.options, mask_grad, grad_lse
+        grad_out, query, key, value, attn_mask, out, lse, *ctx.schema_values, mask_grad, grad_lse
     )
     return dq, dk, dv, (dmask if mask_grad else None), None, None, None, None, None, None, None
 
@@ -370,18 +326,34 @@ def compiled_attention(
     Raises:
         TypeError / ValueError: as ``subquad.attention``; under ``torch.compile`` while tracing.
     """
-    attn_mask, is_causal, lower_right = _causal_kind(attn_mask, is_causal, query, key)
+    options = CallOptions(
+        attn_mask=attn_mask,
+        is_causal=is_causal,
+        scale=scale,
+        enable_gqa=enable_gqa,
+        memory_budget=memory_budget,
+        chunk_size=chunk_size,
+        backend=backend,
+        return_lse=return_lse,
+    )
+    return attention(query, key, value, options)
+
+
+def attention(query: Tensor, key: Tensor, value: Tensor, options: CallOptions) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+    """:func:`compiled_attention` of a call given as its record (what :func:`subquad.attention`
+    hands over while compiling); ``score_mod``, ``mask_mod`` and ``dropout_p`` are not read."""
+    attn_mask, is_causal, lower_right = _causal_kind(options.attn_mask, options.is_causal, query, key)
     out, lse = attention_op(
         query,
         key,
         value,
         attn_mask,
         bool(is_causal),
-        None if scale is None else float(scale),
-        bool(enable_gqa),
-        _budget_arg(memory_budget),
-        _chunk_arg(chunk_size),
-        _backend_arg(backend),
+        None if options.scale is None else float(options.scale),
+        bool(options.enable_gqa),
+        _budget_arg(options.memory_budget),
+        _chunk_arg(options.chunk_size),
+        _backend_arg(options.backend),
         lower_right,
     )
-    return (out, lse) if return_lse else out
+    return (out, lse) if options.return_lse else out

@@ -9,6 +9,10 @@ lengths (a decode step's key length grows by one each step):
 * the mask's rank, leading dims, which of its last two dims broadcast, dtype and device;
 * ``is_causal``, ``scale``, ``enable_gqa``, ``memory_budget``, ``backend``, ``return_lse``.
 
+The face keys a call from its loose arguments (building a record would add to every decode
+step) and builds its :class:`~subquad._options.CallOptions` only on a miss; a caller that
+already holds the record looks it up with :func:`lookup`.
+
 The first call of a key runs the full path; if its plan is one whole-input call on a backend chosen
 for what the call *is* (no backend was passed over for lack of memory), the key remembers the backend.
 Later calls of the key check only what the lengths decide: the key/value lengths agree, the mask
@@ -33,6 +37,7 @@ from ._backends.fused import groupable, grouped_attention, grouped_bytes
 from ._backends.products import native_fp16_products
 from ._budget import resolve_budget
 from ._inputs import Inputs
+from ._options import CallOptions
 from ._planner import Plan
 
 SMALL_SCORES = 1 << 16
@@ -201,6 +206,20 @@ def key(
     )
 
 
+def lookup(
+    query: Any, key_: Any, value: Any, o: CallOptions
+) -> Tuple[Optional[Tuple[Any, ...]], Optional[Union[Tensor, Tuple[Tensor, Tensor]]]]:
+    """``(key, result)`` of a call given as its record (the compiled operator's eager half, a
+    distributed group of one); ``result`` is ``None`` when the call must take the full path."""
+    k = key(
+        query, key_, value, o.attn_mask, o.is_causal, o.score_mod, o.mask_mod, o.scale, o.enable_gqa, o.dropout_p,
+        o.memory_budget, o.chunk_size, o.backend, o.return_lse, o.allow_compile,
+    )  # fmt: skip
+    if k is None:
+        return None, None
+    return k, run(k, query, key_, value, o.attn_mask, o.is_causal, o.scale, o.return_lse)
+
+
 def remember(k: Optional[Tuple[Any, ...]], inp: Inputs, plan: Plan, memory_budget: Any) -> None:
     """Remember the plan of a key after the full path made it, if later calls may reuse it."""
     if k is None or plan.backend not in ("fused", "sdpa") or inp.n_groups > 1 or inp.has_callbacks:
@@ -236,7 +255,6 @@ def run(
     attn_mask: Optional[Tensor],
     is_causal: bool,
     scale: Optional[float],
-    enable_gqa: bool,
     return_lse: bool,
 ) -> Optional[Union[Tensor, Tuple[Tensor, Tensor]]]:
     """The call's result through its remembered plan, or ``None`` to take the full path."""

@@ -1,11 +1,12 @@
 """User input checked once, into an :class:`~subquad._inputs.Inputs`: errors name the argument.
 
-:func:`make_inputs` validates a call and brings it to the canonical 4-D layout (views, never
-copies); :func:`make_packed_inputs` does the same for packed sequences described by
+:func:`call_inputs` validates a call (its tensors and its :class:`~subquad._options.CallOptions`)
+and brings it to the canonical 4-D layout (views, never copies), in named steps; :func:`make_inputs`
+is the same from keywords; :func:`make_packed_inputs` does it for packed sequences described by
 ``cu_seqlens``. Invalid input raises ``ArgumentError``/``ArgumentTypeError`` (``ValueError``/
 ``TypeError`` that are also ``RuntimeError``, what SDPA raises) showing the values.
 
-Used by the rest of the package: ``make_inputs``, ``make_packed_inputs``, ``check_bool``,
+Used by the rest of the package: ``call_inputs``, ``make_inputs``, ``make_packed_inputs``, ``check_bool``,
 ``parse_chunk_size``, ``causal_bias_offset``.
 """
 
@@ -20,6 +21,7 @@ from torch import Tensor
 
 from ._errors import ArgumentError, ArgumentTypeError
 from ._inputs import FLOAT_DTYPES, BatchGroups, Inputs, MaskMod, Packed, ScoreMod, fold_batch, prod
+from ._options import CallOptions, Varlen
 
 
 def _shape(t: Tensor) -> str:
@@ -128,13 +130,63 @@ def make_inputs(
     score_mod: Optional[ScoreMod] = None,
     mask_mod: Optional[MaskMod] = None,
 ) -> Inputs:
-    """Validate a call and bring it to the canonical 4-D layout (views, never copies)."""
+    """Validate a call and bring it to the canonical 4-D layout (views, never copies).
+
+    The keyword form of :func:`call_inputs`, for callers that hold no :class:`CallOptions`.
+    """
+    options = CallOptions(
+        attn_mask=attn_mask,
+        is_causal=is_causal,
+        scale=scale,
+        enable_gqa=enable_gqa,
+        dropout_p=dropout_p,
+        score_mod=score_mod,
+        mask_mod=mask_mod,
+    )
+    return call_inputs(query, key, value, options)
+
+
+def call_inputs(query: Tensor, key: Tensor, value: Tensor, options: CallOptions) -> Inputs:
+    """Validate a call (the tensors and the options :class:`Inputs` holds) and bring it to the
+    canonical 4-D layout: views, never copies."""
+    q, k, v = _matching_tensors(query, key, value, options)
+    q, k, v, squeeze_head, batch_shape = _heads(q, k, v, options.enable_gqa)
+    p, scale = _numbers(options, q.shape[-1])
+    Lq, Lk = q.shape[-2], k.shape[-2]
+    attn_mask, is_causal, causal_offset = options.attn_mask, options.is_causal, 0
+    offset = causal_bias_offset(attn_mask, Lq, Lk, is_causal)
+    if offset is not None:
+        attn_mask, is_causal, causal_offset = None, True, offset
+    mask = None
+    if attn_mask is not None:
+        mask = _check_mask(attn_mask, q, is_causal, squeeze_head, (*batch_shape, q.shape[-3], Lq, Lk))
+    q4, k4, v4, m4, groups = _canonical((q, k, v, mask), batch_shape)
+    return Inputs(
+        query=q4,
+        key=k4,
+        value=v4,
+        batch_shape=() if squeeze_head else batch_shape,
+        attn_mask=m4,
+        is_causal=is_causal,
+        scale=scale,
+        dropout_p=p,
+        score_mod=options.score_mod,
+        mask_mod=options.mask_mod,
+        causal_offset=causal_offset,
+        batch=prod(batch_shape if groups is None else batch_shape[groups.split :]),
+        squeeze_head=squeeze_head,
+        groups=groups,
+    )
+
+
+def _matching_tensors(query: object, key: object, value: object, options: CallOptions) -> Tuple[Tensor, Tensor, Tensor]:
+    """query, key and value, each a dense float tensor, agreeing on rank, dtype, device, ``E`` and ``Lk``
+    (and the two flags, checked before their agreement as always)."""
     q = _check_tensor("query", query)
     k = _check_tensor("key", key)
     v = _check_tensor("value", value)
-    check_bool("is_causal", is_causal)
-    check_bool("enable_gqa", enable_gqa)
-
+    check_bool("is_causal", options.is_causal)
+    check_bool("enable_gqa", options.enable_gqa)
     if not (q.dim() == k.dim() == v.dim()):
         raise ArgumentError(
             "Expected query, key and value to have the same number of dims, got "
@@ -158,8 +210,12 @@ def make_inputs(
         raise ArgumentError(
             f"Expected key.shape[-2] == value.shape[-2] (Lk), got key {_shape(k)} and value {_shape(v)}."
         )
+    return q, k, v
 
-    # (L, E) inputs have one implicit head.
+
+def _heads(q: Tensor, k: Tensor, v: Tensor, enable_gqa: bool) -> Tuple[Tensor, Tensor, Tensor, bool, Tuple[int, ...]]:
+    """``(q, k, v, squeeze_head, batch_shape)``: ``(L, E)`` inputs get their one implicit head; the
+    batch dims broadcast, and the heads agree (or group, with ``enable_gqa``)."""
     squeeze_head = q.dim() == 2
     if squeeze_head:
         q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
@@ -186,64 +242,54 @@ def make_inputs(
                 f"With enable_gqa=True the query heads must be a multiple of the key/value heads, got "
                 f"Hq={Hq} (query {_shape(q)}) and Hk={Hk} (key {_shape(k)})."
             )
+    return q, k, v, squeeze_head, batch_shape
 
+
+def _numbers(options: CallOptions, E: int) -> Tuple[float, float]:
+    """``(dropout_p, scale)`` as floats (the scale defaults to ``1/sqrt(E)``); the callbacks callable."""
+    dropout_p, scale = options.dropout_p, options.scale
     if dropout_p is None:
         raise ArgumentTypeError("Expected dropout_p to be a number in [0, 1], got None.")
     p = _real("dropout_p", dropout_p)
     if not (0.0 <= p <= 1.0):
         raise ArgumentError(f"Expected dropout_p in [0, 1], got {dropout_p!r}.")
     if scale is None:
-        scale_f = 1.0 / math.sqrt(q.shape[-1]) if q.shape[-1] > 0 else 1.0
+        scale_f = 1.0 / math.sqrt(E) if E > 0 else 1.0
     else:
         scale_f = _real("scale", scale)
         if not math.isfinite(scale_f):
             raise ArgumentError(f"Expected scale to be None or a finite number, got {scale!r}.")
-    for name, fn in (("score_mod", score_mod), ("mask_mod", mask_mod)):
+    for name, fn in (("score_mod", options.score_mod), ("mask_mod", options.mask_mod)):
         if fn is not None and not callable(fn):
             raise ArgumentTypeError(f"Expected {name} to be None or a callable, got {type(fn).__name__}.")
+    return p, scale_f
 
-    Lq, Lk = q.shape[-2], k.shape[-2]
-    causal_offset = 0
-    offset = causal_bias_offset(attn_mask, Lq, Lk, is_causal)
-    if offset is not None:
-        attn_mask, is_causal, causal_offset = None, True, offset
-    full_shape = (*batch_shape, Hq, Lq, Lk)
-    mask = None
-    if attn_mask is not None:
-        mask = _check_mask(attn_mask, q, is_causal, squeeze_head, full_shape)
 
+def _canonical(
+    tensors: Tuple[Tensor, Tensor, Tensor, Optional[Tensor]], batch_shape: Tuple[int, ...]
+) -> Tuple[Tensor, Tensor, Tensor, Optional[Tensor], Optional[BatchGroups]]:
+    """``(q4, k4, v4, mask4, groups)``: the tensors with their batch dims folded into one, as views.
+
+    Batch dims that do not fold as views (a broadcast middle dim) are cut into groups: the
+    first split whose inner batch dims fold is kept, and the outer dims index the groups.
+    """
     nb = len(batch_shape)
-    tensors = tuple(None if t is None else _pad_rank(t, nb + 3) for t in (q, k, v, mask))
+    padded = tuple(None if t is None else _pad_rank(t, nb + 3) for t in tensors)
     groups = None
     if nb <= 1:  # one batch dim (or none): each tensor is already its own canonical view
-        q4, k4, v4, m4 = (None if t is None else t if nb else t.unsqueeze(0) for t in tensors)
+        q4, k4, v4, m4 = (None if t is None else t if nb else t.unsqueeze(0) for t in padded)
     else:
         # The first split whose inner batch dims fold into one as views (the last one always does).
         split = next(
             j
             for j in range(nb + 1)
-            if all(t is None or fold_batch(t[(0,) * j] if j else t, batch_shape[j:]) is not None for t in tensors)
+            if all(t is None or fold_batch(t[(0,) * j] if j else t, batch_shape[j:]) is not None for t in padded)
         )
-        groups = BatchGroups(tensors, batch_shape, split) if split else None
-        first = tuple(None if t is None else t[(0,) * split] if split else t for t in tensors)
+        groups = BatchGroups(padded, batch_shape, split) if split else None
+        first = tuple(None if t is None else t[(0,) * split] if split else t for t in padded)
         q4, k4, v4, m4 = (None if t is None else fold_batch(t, batch_shape[split:]) for t in first)
     assert q4 is not None and k4 is not None and v4 is not None
-    return Inputs(
-        query=q4,
-        key=k4,
-        value=v4,
-        batch_shape=() if squeeze_head else batch_shape,
-        attn_mask=m4,
-        is_causal=is_causal,
-        scale=scale_f,
-        dropout_p=p,
-        score_mod=score_mod,
-        mask_mod=mask_mod,
-        causal_offset=causal_offset,
-        batch=prod(batch_shape if groups is None else batch_shape[groups.split :]),
-        squeeze_head=squeeze_head,
-        groups=groups,
-    )
+    return q4, k4, v4, m4, groups
 
 
 def _pad_rank(t: Tensor, rank: int) -> Tensor:
@@ -360,57 +406,35 @@ def _window_arg(window: object) -> Optional[Tuple[Optional[int], Optional[int]]]
     return (window[0], window[1])
 
 
-def make_packed_inputs(
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    cu_seqlens_q: object,
-    cu_seqlens_k: object,
-    *,
-    max_seqlen_q: object = None,
-    max_seqlen_k: object = None,
-    seqused_k: object = None,
-    is_causal: bool = False,
-    alignment: str = "top_left",
-    window: object = None,
-    scale: Optional[float] = None,
-    enable_gqa: bool = False,
-    dropout_p: float = 0.0,
-    score_mod: Optional[ScoreMod] = None,
-    mask_mod: Optional[MaskMod] = None,
-) -> Inputs:
-    """Validate packed sequences ``(total, H, E)`` described by ``cu_seqlens``: one batch entry
-    ``(1, H, total, E)`` (a view) with :class:`~subquad._inputs.Packed` on it."""
+def make_packed_inputs(query: Tensor, key: Tensor, value: Tensor, options: CallOptions, varlen: Varlen) -> Inputs:
+    """Validate packed sequences ``(total, H, E)`` described by ``varlen``'s ``cu_seqlens``: one
+    batch entry ``(1, H, total, E)`` (a view) with :class:`~subquad._inputs.Packed` on it."""
     for name, t in (("query", query), ("key", key), ("value", value)):
         _check_tensor(name, t)
         if t.dim() != 3:
             raise ArgumentError(
                 f"Expected {name} of packed sequences to be (total, H, E): 3 dims, got shape {_shape(t)}."
             )
+    if options.attn_mask is not None:
+        raise NotImplementedError(
+            "attn_mask with packed sequences: pass the mask as a mask_mod (b is the sequence index, q_idx/kv_idx "
+            "positions within it)."
+        )
+    alignment = varlen.alignment
     if not isinstance(alignment, str) or alignment not in ALIGNMENTS:
         raise ArgumentError(f"Unknown alignment={alignment!r}; expected one of {', '.join(map(repr, ALIGNMENTS))}.")
-    win = _window_arg(window)
-    cu_q = _cu_seqlens("cu_seqlens_q", cu_seqlens_q, query.shape[0])
-    cu_k = _cu_seqlens("cu_seqlens_k", cu_seqlens_k, key.shape[0])
+    win = _window_arg(varlen.window)
+    cu_q = _cu_seqlens("cu_seqlens_q", varlen.cu_seqlens_q, query.shape[0])
+    cu_k = _cu_seqlens("cu_seqlens_k", varlen.cu_seqlens_k, key.shape[0])
     if len(cu_q) != len(cu_k):
         raise ArgumentError(
             f"Expected cu_seqlens_q and cu_seqlens_k to describe the same number of sequences, got "
             f"{len(cu_q) - 1} and {len(cu_k) - 1}."
         )
-    _max_seqlen("max_seqlen_q", max_seqlen_q, cu_q)
-    _max_seqlen("max_seqlen_k", max_seqlen_k, cu_k)
-    k_end = None if seqused_k is None else _seqused("seqused_k", seqused_k, cu_k)
-    inp = make_inputs(
-        query.transpose(0, 1),
-        key.transpose(0, 1),
-        value.transpose(0, 1),
-        is_causal=is_causal,
-        scale=scale,
-        enable_gqa=enable_gqa,
-        dropout_p=dropout_p,
-        score_mod=score_mod,
-        mask_mod=mask_mod,
-    )
+    _max_seqlen("max_seqlen_q", varlen.max_seqlen_q, cu_q)
+    _max_seqlen("max_seqlen_k", varlen.max_seqlen_k, cu_k)
+    k_end = None if varlen.seqused_k is None else _seqused("seqused_k", varlen.seqused_k, cu_k)
+    inp = call_inputs(query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1), options)
     inp.packed = Packed(cu_q, cu_k, bottom_right=alignment == "bottom_right", window=win, k_end=k_end)
     return inp
 

@@ -2,60 +2,15 @@
 
 ``bmm`` for the scores, online softmax with float32 statistics, ``baddbmm`` into the accumulator;
 any dtype, head dim, dropout, ``score_mod`` and ``mask_mod``, and the gradients of a float mask
-and of tensors captured by ``score_mod``.
+and of tensors captured by ``score_mod``. The products (:meth:`Matmul.compute_dtype`):
 
-What one tile costs, per score (``s`` = the float32 scores buffer, reused by every tile of a
-forward or a backward, :class:`~subquad._backends.scratch.Scratch`, as are the bfloat16 tiles, the
-tiles of keys and values cast or copied for a GEMM and the products with them):
+- float32 or float64; half-precision inputs converted once per row block or tile;
+- on CUDA, half operands with float32 results, the passes in Triton (:mod:`~subquad._backends.triton_passes`);
+- on a CPU that multiplies bfloat16 natively, bfloat16 offset per row (:class:`OffsetOperand`), the
+  passes in the native kernel (:mod:`subquad._native`) where it is built;
+- none: the native kernel's C++ loops take the whole call (:mod:`subquad._backends.segments`).
 
-- float32/float64 (and float16 on a CPU off the loop, bfloat16 on a CPU without AVX512-BF16/AMX, and half
-  precision on MPS and on CUDA before torch 2.8, all with float32 products; q, k and v are
-  converted once per row block or tile, ``qn x E`` and ``kn x E``, not per score): the product
-  written into ``s``; ``amax``; ``s - m`` and ``exp2`` in place; ``sum``; the product with v
-  accumulated in place (``baddbmm_``). No conversion of a tile. The forward keeps raw scores in
-  log2 units (the scale carries log2 e: no pass multiplies them); with a ``score_mod`` or a float
-  mask, which need the scores themselves, and in the backward, ``· log2 e`` is one more pass
-  before ``exp2``.
-- half precision on CUDA (torch 2.8 on, :func:`~subquad._backends.products.widening_products`):
-  the products take q, k, v and dO as they are and write float32 (``out_dtype``; the scale in
-  ``alpha``): no copies, no offsets. A tile's softmax passes run in one Triton kernel
-  (:mod:`~subquad._backends.triton_passes`; without dropout, where Triton imports; else the passes
-  above), which writes ``p`` (and ``dS``) rounded once for their products.
-- bfloat16 with bfloat16 products (a CPU with AVX512-BF16 or AMX, :func:`native_bf16_products`,
-  head dims of :data:`HALF_PRODUCTS_MIN_HEAD_DIM` or more): the keys copied into a ``kn x (E+1)``
-  bfloat16 operand with a column of ones (not tile-sized), whose product with the query rows
-  and their offset column writes each score minus its row's offset into a bfloat16 buffer ``r``
-  (:class:`OffsetOperand`; the GEMM rounds once); one conversion of ``r`` into ``s``; the float32
-  passes above, with the offsets subtracted together with the row maximum (no extra pass); and one
-  conversion of ``p`` back into ``r`` (read by then) for its product with v (the fused kernels
-  round ``p`` likewise). Two tile-sized conversions, one bfloat16 tile buffer besides ``s``. When
-  a row's maximum moves more than :data:`OFFSET_DRIFT` from its offset (a row block's first tile,
-  mostly), that row's product is computed again with a new offset and replaces the old in ``s``
-  (the whole tile's when many rows or heads moved: :data:`PARTIAL_REDO_SHARE`). In 1x8x4096x64
-  (two threads, 128 tiles) that is 37-49 single rows and no whole tile, depending on the inputs
-  (seeds 0-4; 108-158 before the first offsets took :data:`FIRST_OFFSET_MARGIN`; where the time
-  goes: docs/architecture.md). Backward, per tile: S's product offset by the lse and ``dP``'s by D
-  (each one conversion to float32; ``dP`` gets D added back in one more pass, as ``dP - D``
-  cancels), and ``p`` and the scaled ``dS`` each converted once to bfloat16 for the other three
-  products: four tile-sized conversions and one addition, all four bfloat16 tiles in one buffer
-  (each is read before the next is written). With a ``score_mod`` or a float mask S's product
-  stays in float32.
-- the same with the native kernel (:mod:`subquad._native`, built by ``subquad build``; calls
-  without dropout whose softmax sees the raw scores): after the offset product, one pass per tile
-  in C++. Forward: ``p`` written over ``r`` in bfloat16, the rows' sums and maxima returned (no
-  ``s``, conversion, ``amax``, subtraction, ``exp2``, ``sum`` or cast over the tile), and two more
-  calls for the rows' bookkeeping (far rows and next offsets; m, l and acc), each in place of
-  about ten small eager ops. Backward: S's and ``dP``'s offset products in two bfloat16 buffers,
-  turned into ``p`` and the scaled ``dS`` in place. Far rows are redone as above.
-- CPU forwards with no ``score_mod`` (but a soft cap), ``mask_mod`` or dropout, where the native
-  kernel is built (:mod:`subquad._backends.segments`; AVX512-BF16 for bfloat16, AVX512F for
-  float32 and float16): no tile at all. The whole loop runs in C++, each thread on 128 rows of one
-  head at a time, with float32 scores (bfloat16 or float32 operands, float32 accumulation), no
-  offsets, no conversion of a tile and nothing computed twice.
-
-On MPS (no Mac here, nothing of this measured): half-precision inputs take the first path, one
-code path with the CPU's float32 products, so what is measured here is what a Mac runs, at its
-own rates. Metal's half GEMMs with float32 results would allow CUDA's path; unchecked, it is off.
+What each path costs per tile, and what MPS runs: docs/benchmarks/half.md.
 """
 
 from __future__ import annotations
@@ -89,8 +44,7 @@ class Matmul(Backend):
 
     name = "matmul"
     # A tile's elementwise passes (about ten) run from the caches below ~4 MiB of float32 scores,
-    # and the GEMMs run fastest on squarish tiles: forward 1x8x4096x64 on the 2-core CPU, float32
-    # (bfloat16): 128x4096 tiles (16 MiB) 365-400 ms (387-408), 256x512 (4 MiB) 322-324 (309-430).
+    # and the GEMMs run fastest on squarish tiles (docs/planner.md).
     target_tile_bytes = 4 << 20
     square_tiles = True
 
@@ -108,8 +62,7 @@ class Matmul(Backend):
 
     def tile_bytes_of(self, inp: Inputs) -> Callable[[int, int], int]:
         # What a tile's elementwise work streams: its float32 scores, or, where the native kernel
-        # does an inference forward's, the bfloat16 product alone (512 x 512 tiles of 1x8x4096x64
-        # bf16 then took 0.86x the time of 256 x 512; fresh processes alternating, 6 rounds).
+        # does an inference forward's, the bfloat16 product alone (docs/benchmarks/loops.md).
         lq, lk, grad = max(inp.Lq, 1), max(inp.Lk, 1), inp.requires_grad
         if not grad and segment_kernel(inp) is not None:  # no tile of scores
             return lambda qc, kc: loop_tile_bytes(inp, min(qc, lq), min(kc, lk))
@@ -174,26 +127,18 @@ class Matmul(Backend):
 
     @staticmethod
     def compute_dtype(inp: Inputs) -> torch.dtype:
-        """The dtype a tile's matmuls take their operands in.
+        """The dtype a tile's matmuls take their operands in (the row statistics and the
+        accumulator are float32 whatever it is: ``Inputs.stats_dtype``).
 
-        - bfloat16 inputs on a CPU that multiplies bfloat16 natively (AVX512-BF16 or AMX,
-          :func:`native_bf16_products`), head dims of :data:`HALF_PRODUCTS_MIN_HEAD_DIM` or more:
-          bfloat16. The GEMM accumulates in float32 and rounds its result once; every product is
-          given a per-row offset so that what it rounds is small where the softmax looks
-          (:class:`OffsetOperand`). Below that head dim the products are a small share of a
-          tile's time and float32 ones keep the lse exact (see the constant).
-        - half-precision inputs on a device whose GEMMs write float32 results from half
-          operands (CUDA, :func:`widening_products`): the inputs' dtype. The scores and every
-          other product come out in float32 with float32 accumulation (no offsets needed); only
-          ``p`` and ``dS`` are rounded to the inputs' dtype for their products, as the fused
-          kernels round them.
-        - other half-precision inputs: float32. A float16 GEMM is emulated on CPUs without
-          AVX512-FP16 (about 100x slower than float32 on the project's CPU); MPS keeps float32
-          products until a Mac can check its half-precision GEMMs' rounding.
+        - bfloat16 on a CPU that multiplies bfloat16 natively (:func:`native_bf16_products`), head
+          dims of :data:`HALF_PRODUCTS_MIN_HEAD_DIM` or more: bfloat16, each product offset per
+          row so that what its one rounding loses is small where the softmax looks
+          (:class:`OffsetOperand`).
+        - half precision where GEMMs write float32 results from half operands (CUDA,
+          :func:`widening_products`): the inputs' dtype; only ``p`` and ``dS`` are rounded to it.
+        - other half precision: float32 (a float16 GEMM is emulated on CPUs without AVX512-FP16;
+          MPS until a Mac checks its half-precision GEMMs' rounding).
         - float32 and float64: the inputs' dtype.
-
-        The row statistics and the accumulator are float32 whatever this returns
-        (``Inputs.stats_dtype``).
         """
         wide = min(inp.E, inp.Ev) >= HALF_PRODUCTS_MIN_HEAD_DIM
         if inp.dtype == torch.bfloat16 and inp.device_type == "cpu" and wide and native_bf16_products():
@@ -263,13 +208,10 @@ class Matmul(Backend):
     ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
         """A tile's scores from half-precision products: ``(s - used, rows' max, used, next)``.
 
-        For calls whose softmax sees the raw scores (masks of ``-inf`` only), so that a row's
-        maximum is the raw score of its largest entry. The product is offset by
-        :func:`~subquad._backends.offsets.first_offsets` and the float32 scores are returned
-        relative to the offsets ``used``, which the caller subtracts with the row maximum. Where
-        a row's maximum moves into this tile by more than :data:`OFFSET_DRIFT`, the row (or the
-        whole tile: :func:`~subquad._backends.offsets.far_rows`) is computed again with the new
-        maximum as offset; ``next``: the offsets of the following tile.
+        For calls whose softmax sees the raw scores (masks of ``-inf`` only). The product is offset
+        by :func:`~subquad._backends.offsets.first_offsets`; a row whose maximum moves more than
+        :data:`OFFSET_DRIFT` from it (or the whole tile: :func:`~subquad._backends.offsets.far_rows`)
+        is computed again with the new maximum as offset. ``next``: the next tile's offsets.
         """
         r, b_ext, off = self._offset_product(inp, q_op, seg, m_run, off, scratch)
         s = self._add_bias(inp, scratch.copy("s", r, inp.stats_dtype), qs, qe, seg)
@@ -444,139 +386,196 @@ class Matmul(Backend):
         loop = backward_kernel(inp)
         if loop is not None:  # the whole loop in C++ (subquad._backends.segments)
             return loop_backward_rows(inp, qs, qe, segments, grad_out, out, lse, grads, grad_lse, loop)
-        B, Hq, Hk, G = inp.B, inp.Hq, inp.Hk, inp.G
-        qn = qe - qs
-        sdt = inp.stats_dtype
-        cdt = self.compute_dtype(inp)
-        half = cdt != sdt
-        wide = _widens(inp, cdt)  # half operands, float32 products: no offsets needed
-        pdt = sdt if wide else cdt  # the dtype the products with rounded P and dS are written in
-        q_t = self._q_operand(inp, qs, qe, cdt)
+        rows = _RowBlockBackward(self, inp, qs, qe, grad_out, out, lse, seed, grads, grad_lse)
+        for seg in segments:
+            rows.add_tile(seg)
+        if grads.dq is not None and rows.dq_acc is not None:
+            if not rows.half:
+                rows.dq_acc.mul_(inp.scale)
+            add_into(grads.dq[:, :, qs:qe], rows.dq_acc.view(inp.B, inp.Hq, qe - qs, inp.E))
+
+
+class _RowBlockBackward:
+    """:meth:`Matmul.backward_rows` over one block of rows: the rows' operands, D, the lse and the
+    offsets of their half-precision products, set up once; then per tile of keys P, dS and the
+    gradients (:meth:`add_tile`), dQ kept in ``dq_acc`` for the caller."""
+
+    def __init__(
+        self,
+        tiles: Matmul,
+        inp: Inputs,
+        qs: int,
+        qe: int,
+        grad_out: Tensor,
+        out: Tensor,
+        lse: Tensor,
+        seed: int,
+        grads: Grads,
+        grad_lse: Optional[Tensor],
+    ) -> None:
+        self.tiles, self.inp, self.qs, self.qe, self.seed, self.grads = tiles, inp, qs, qe, seed, grads
+        B, Hk, G, qn = inp.B, inp.Hk, inp.G, qe - qs
+        self.sdt = sdt = inp.stats_dtype
+        self.cdt = cdt = tiles.compute_dtype(inp)
+        self.half = half = cdt != sdt
+        self.wide = wide = _widens(inp, cdt)  # half operands, float32 products: no offsets needed
+        self.pdt = sdt if wide else cdt  # the dtype the products with rounded P and dS are written in
+        self.q_t = q_t = tiles._q_operand(inp, qs, qe, cdt)
         do_rows = grad_out[:, :, qs:qe].reshape(B * Hk, G * qn, inp.Ev)
-        do_t = do_rows.to(cdt)
-        D = (do_rows.to(sdt) * out[:, :, qs:qe].reshape(B * Hk, G * qn, inp.Ev).to(sdt)).sum(dim=-1, keepdim=True)
+        self.do_t = do_rows.to(cdt)
+        o_rows = out[:, :, qs:qe].reshape(B * Hk, G * qn, inp.Ev)
+        self.D = D = (do_rows.to(sdt) * o_rows.to(sdt)).sum(dim=-1, keepdim=True)  # rowsum(dO ∘ O) - dlse
         if grad_lse is not None:
             D -= grad_lse[:, :, qs:qe].reshape(B * Hk, G * qn, 1).to(sdt)
         lse_t = lse[:, :, qs:qe].reshape(B * Hk, G * qn, 1).to(sdt)
-        lse_t = lse_t.masked_fill(lse_t == NEG_INF, 0.0)  # fully masked rows: S = -inf, so P = 0
-        scratch = pass_scratch(inp.device)
+        self.lse_t = lse_t = lse_t.masked_fill(lse_t == NEG_INF, 0.0)  # fully masked rows: S = -inf, so P = 0
+        self.scratch = pass_scratch(inp.device)
         # S's offset: the lse, when the raw scores are what the softmax saw; else S's product
         # stays in float32 (a score_mod or a float mask moves the entries that matter).
-        s_used = torch.zeros_like(lse_t)
-        q_op: Optional[OffsetOperand] = None
+        self.s_used = torch.zeros_like(lse_t)
+        self.q_op: Optional[OffsetOperand] = None
         if half and not wide and _raw_softmax(inp):
-            q_op = OffsetOperand(q_t, inp.scale)
-            s_used = q_op.set_offset(lse_t.squeeze(-1))
-        q_s = self._q_operand(inp, qs, qe, sdt) if half and not wide and q_op is None else q_t
+            self.q_op = OffsetOperand(q_t, inp.scale)
+            self.s_used = self.q_op.set_offset(lse_t.squeeze(-1))
+        self.q_s = tiles._q_operand(inp, qs, qe, sdt) if half and not wide and self.q_op is None else q_t
         # dP's offset: D for kept entries (dP·z - D = z·(dP - D·(1-p)) with z = 1/(1-p)).
-        d_op: Optional[OffsetOperand] = None
-        d_used = torch.zeros_like(D)
+        self.d_op: Optional[OffsetOperand] = None
+        self.d_used = torch.zeros_like(D)
         if half and not wide:
-            d_op = OffsetOperand(do_t, 1.0)
-            d_used = d_op.set_offset(D.squeeze(-1) * (1.0 - inp.dropout_p))
-        dq_acc = torch.zeros(q_t.shape, dtype=sdt, device=inp.device) if grads.dq is not None else None
-        gpu_pass = wide and triton_passes.enabled(inp)  # P and dS in one Triton kernel
+            self.d_op = OffsetOperand(self.do_t, 1.0)
+            self.d_used = self.d_op.set_offset(D.squeeze(-1) * (1.0 - inp.dropout_p))
+        self.dq_acc = torch.zeros(q_t.shape, dtype=sdt, device=inp.device) if grads.dq is not None else None
+        self.gpu_pass = wide and triton_passes.enabled(inp)  # P and dS in one Triton kernel
         plain = inp.dropout_p == 0.0 and grads.dmask is None and inp.device_type == "cpu"
-        kernel = tile_kernel() if plain and q_op is not None and d_op is not None else None
-        if kernel is not None:
-            shift = (lse_t - s_used).squeeze(-1).contiguous()  # P = exp(S - lse), S offset by s_used
-            c_dp = (d_used - D).squeeze(-1).contiguous()  # dP - D, dP offset by d_used
-        for seg in segments:
-            kn = seg.ke - seg.ks
-            k_t = self._kv(inp.k, inp, seg, cdt, scratch, "k")
-            v_t = self._kv(inp.v, inp, seg, cdt, scratch, "v")
-            shape = (B * Hk, G * qn, kn)
-            if kernel is not None and q_op is not None and d_op is not None:
-                # P and the scaled dS in one pass (subquad._native), each rounded once to bfloat16 in
-                # its product's buffer: P for dV, dS for dQ and dK.
-                p_h = scratch.get("r", shape, cdt)
-                p_h = self._add_bias(inp, q_op.product(q_op.operand(k_t, scratch), p_h), qs, qe, seg)
-                ds = d_op.product(d_op.operand(v_t, scratch), scratch.get("r2", shape, cdt))
-                kernel.softmax_grad_rows_bf16(p_h, ds, shift, c_dp, inp.scale)
-                self._add_dv(inp, grads, p_h, do_t, seg, scratch, cdt)
+        self.kernel = tile_kernel() if plain and self.q_op is not None and self.d_op is not None else None
+        if self.kernel is not None:
+            self.shift = (lse_t - self.s_used).squeeze(-1).contiguous()  # P = exp(S - lse), S offset by s_used
+            self.c_dp = (self.d_used - D).squeeze(-1).contiguous()  # dP - D, dP offset by d_used
+
+    def add_tile(self, seg: Segment) -> None:
+        """P and dS of the tile of keys ``seg``: ``dV``, ``dK`` and the mask's and captured tensors'
+        gradients added, ``dS K`` into dQ's rows."""
+        inp, tiles, scratch = self.inp, self.tiles, self.scratch
+        k_t = tiles._kv(inp.k, inp, seg, self.cdt, scratch, "k")
+        v_t = tiles._kv(inp.v, inp, seg, self.cdt, scratch, "v")
+        shape = (inp.B * inp.Hk, inp.G * (self.qe - self.qs), seg.ke - seg.ks)
+        ds = self._native_ds(seg, k_t, v_t, shape) if self.kernel is not None else self._eager_ds(seg, k_t, v_t, shape)
+        if self.dq_acc is not None:
+            if self.half:
+                dq = scratch.get("dq", tuple(self.dq_acc.shape), self.pdt)
+                self.dq_acc.add_(product(ds, k_t if self.wide else scratch.contiguous(k_t, "k"), dq))
             else:
-                if q_op is not None:
-                    k_ext = q_op.operand(k_t, scratch)
-                    raw = scratch.copy("s", q_op.product(k_ext, scratch.get("r", shape, cdt)), sdt)
-                else:
-                    k_s = k_t if wide or k_t.dtype == sdt else self._kv(inp.k, inp, seg, sdt, scratch, "k")
-                    raw = product(q_s, k_s.transpose(1, 2), scratch.get("s", shape, sdt), inp.scale if wide else 1.0)
-                s_in: Optional[Tensor] = None
-                s_mod: Optional[Tensor] = None
-                if inp.score_mod is None:
-                    s = self._add_bias(inp, raw, qs, qe, seg)
-                else:
-                    with torch.enable_grad():
-                        s_in = raw.view(B, Hq, qn, kn).detach().requires_grad_()
-                        leaves = CapturedAsLeaves(grads.proxies, [s_in])
-                        s_mod = apply_score_mod(inp, s_in, qs, qe, seg.ks, seg.ke, leaves)
-                    s = self._add_bias(inp, s_mod.detach().reshape(B * Hk, G * qn, kn).clone(), qs, qe, seg)
-                del raw
-                if d_op is None:
-                    dp = product(do_t, v_t.transpose(1, 2), scratch.get("dp", shape, sdt))
-                else:
-                    v_ext = d_op.operand(v_t, scratch)
-                    dp = scratch.copy("dp", d_op.product(v_ext, scratch.get("r", shape, cdt)), sdt)
-                    dp.add_(d_used)
-                if gpu_pass:
-                    # P rounded for dV; dS rounded and scaled for dQ and dK, or kept in float32 (in
-                    # dP's buffer) where the mask's gradient or the score_mod's pullback needs it.
-                    p_h = scratch.get("r", shape, cdt)
-                    exact = grads.dmask is not None or s_mod is not None
-                    ds = dp if exact else scratch.get("r2", shape, cdt)
-                    triton_passes.softmax_grad_rows(s, dp, p_h, ds, lse_t.view(-1), D.view(-1), inp.scale, LOG2E)
-                    self._add_dv(inp, grads, p_h, do_t, seg, scratch, pdt)
-                    del dp, p_h
-                else:
-                    p = exp_(s.sub_(lse_t - s_used))
-                    pd = p
-                    if inp.dropout_p > 0.0:
-                        z = (
-                            dropout_scale(inp, seed, qs, qe, seg.ks, seg.ke, sdt)
-                            .expand(B, Hq, qn, kn)
-                            .reshape(B * Hk, G * qn, kn)
-                        )
-                        pd = p * z
-                        dp.mul_(z)
-                        del z
-                    pd_h = pd if cdt == sdt else scratch.copy("r", pd, cdt)  # the products are read by now
-                    self._add_dv(inp, grads, pd_h, do_t, seg, scratch, pdt)
-                    del pd, pd_h
-                    ds = p.mul_(dp.sub_(D))
-                    del dp
-                if grads.dmask is not None:
-                    target = grads.dmask
-                    if target.shape[-2] != 1:
-                        target = target[..., qs:qe, :]
-                    if target.shape[-1] != 1:
-                        target = target[..., seg.ks : seg.ke]
-                    add_into(target, ds.view(B, Hq, qn, kn))
-                if s_mod is not None and s_in is not None:
-                    proxies = list(grads.proxies.values())
-                    pulled = torch.autograd.grad(s_mod, [s_in, *proxies], ds.view(B, Hq, qn, kn), allow_unused=True)
-                    for acc_g, g in zip(grads.dcaptured, pulled[1:]):
-                        if g is not None:
-                            acc_g += g
-                    ds = pulled[0].reshape(B * Hk, G * qn, kn) if pulled[0] is not None else torch.zeros_like(ds)
-                    del s_mod, s_in, pulled
-                if half and ds.dtype == sdt:
-                    # The scale goes into dS as it is rounded (q_t is unscaled here).
-                    ds = torch.mul(ds, inp.scale, out=scratch.get("r", shape, cdt))
-            if dq_acc is not None:
-                if half:
-                    dq = scratch.get("dq", tuple(dq_acc.shape), pdt)
-                    dq_acc.add_(product(ds, k_t if wide else scratch.contiguous(k_t, "k"), dq))
-                else:
-                    dq_acc.baddbmm_(ds, k_t)
-            if grads.dk is not None:
-                # q_t carries the scale (full precision) or ds does (half precision).
-                dk = product(ds.transpose(1, 2), q_t, scratch.get("dkv", (B * Hk, kn, inp.E), pdt))
-                add_into(grads.dk[:, :, seg.ks : seg.ke], scratch.widened(dk, sdt).view(B, Hk, kn, inp.E))
-            del ds
-        if grads.dq is not None and dq_acc is not None:
-            if not half:
-                dq_acc.mul_(inp.scale)
-            add_into(grads.dq[:, :, qs:qe], dq_acc.view(B, Hq, qn, inp.E))
+                self.dq_acc.baddbmm_(ds, k_t)
+        if self.grads.dk is not None:
+            # q_t carries the scale (full precision) or ds does (half precision).
+            dk = product(ds.transpose(1, 2), self.q_t, scratch.get("dkv", (shape[0], shape[2], inp.E), self.pdt))
+            dk = scratch.widened(dk, self.sdt).view(inp.B, inp.Hk, shape[2], inp.E)
+            add_into(self.grads.dk[:, :, seg.ks : seg.ke], dk)
+
+    def _native_ds(self, seg: Segment, k_t: Tensor, v_t: Tensor, shape: Tuple[int, int, int]) -> Tensor:
+        """P and the scaled dS in one pass (:mod:`subquad._native`), each rounded once to bfloat16 in
+        its product's buffer: P for dV (added here), dS returned for dQ and dK."""
+        assert self.kernel is not None and self.q_op is not None and self.d_op is not None
+        inp, scratch = self.inp, self.scratch
+        p_h = self.q_op.product(self.q_op.operand(k_t, scratch), scratch.get("r", shape, self.cdt))
+        p_h = self.tiles._add_bias(inp, p_h, self.qs, self.qe, seg)
+        ds = self.d_op.product(self.d_op.operand(v_t, scratch), scratch.get("r2", shape, self.cdt))
+        self.kernel.softmax_grad_rows_bf16(p_h, ds, self.shift, self.c_dp, inp.scale)
+        self.tiles._add_dv(inp, self.grads, p_h, self.do_t, seg, scratch, self.cdt)
+        return ds
+
+    def _eager_ds(self, seg: Segment, k_t: Tensor, v_t: Tensor, shape: Tuple[int, int, int]) -> Tensor:
+        """dS in torch's passes (or Triton's), dV added on the way: S, dP, P and dS; dS added into
+        the mask's gradient and pulled back through ``score_mod``; rounded with the scale for its
+        products in half precision."""
+        s, s_in, s_mod = self._scores(seg, k_t, shape)
+        dp = self._dp(v_t, shape)
+        if self.gpu_pass:
+            ds = self._triton_ds(seg, s, dp, exact=self.grads.dmask is not None or s_mod is not None)
+        else:
+            ds = self._torch_ds(seg, s, dp)
+        del s, dp
+        ds = self._pull_back(seg, ds, s_in, s_mod)
+        del s_in, s_mod
+        if self.half and ds.dtype == self.sdt:
+            # The scale goes into dS as it is rounded (q_t is unscaled here).
+            ds = torch.mul(ds, self.inp.scale, out=self.scratch.get("r", shape, self.cdt))
+        return ds
+
+    def _scores(
+        self, seg: Segment, k_t: Tensor, shape: Tuple[int, int, int]
+    ) -> Tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
+        """The tile's scores as the forward's softmax saw them, float32, relative to ``s_used``:
+        ``(S, score_mod's input, its output)``, the last two for the pull-back (None without one)."""
+        inp, scratch, sdt = self.inp, self.scratch, self.sdt
+        if self.q_op is not None:
+            k_ext = self.q_op.operand(k_t, scratch)
+            raw = scratch.copy("s", self.q_op.product(k_ext, scratch.get("r", shape, self.cdt)), sdt)
+        else:
+            k_s = k_t if self.wide or k_t.dtype == sdt else self.tiles._kv(inp.k, inp, seg, sdt, scratch, "k")
+            raw = product(self.q_s, k_s.transpose(1, 2), scratch.get("s", shape, sdt), inp.scale if self.wide else 1.0)
+        if inp.score_mod is None:
+            return self.tiles._add_bias(inp, raw, self.qs, self.qe, seg), None, None
+        with torch.enable_grad():
+            s_in = raw.view(inp.B, inp.Hq, self.qe - self.qs, shape[2]).detach().requires_grad_()
+            leaves = CapturedAsLeaves(self.grads.proxies, [s_in])
+            s_mod = apply_score_mod(inp, s_in, self.qs, self.qe, seg.ks, seg.ke, leaves)
+        s = self.tiles._add_bias(inp, s_mod.detach().reshape(shape).clone(), self.qs, self.qe, seg)
+        return s, s_in, s_mod
+
+    def _dp(self, v_t: Tensor, shape: Tuple[int, int, int]) -> Tensor:
+        """``dP = dO Vᵀ`` in float32; a half-precision product offset by D, added back."""
+        if self.d_op is None:
+            return product(self.do_t, v_t.transpose(1, 2), self.scratch.get("dp", shape, self.sdt))
+        v_ext = self.d_op.operand(v_t, self.scratch)
+        dp = self.scratch.copy("dp", self.d_op.product(v_ext, self.scratch.get("r", shape, self.cdt)), self.sdt)
+        return dp.add_(self.d_used)
+
+    def _triton_ds(self, seg: Segment, s: Tensor, dp: Tensor, exact: bool) -> Tensor:
+        """P and dS in one Triton kernel: P rounded for dV (added here); dS rounded and scaled for dQ
+        and dK, or float32 in dP's buffer if ``exact`` (for the mask's gradient, score_mod's pullback)."""
+        p_h = self.scratch.get("r", tuple(s.shape), self.cdt)
+        ds = dp if exact else self.scratch.get("r2", tuple(s.shape), self.cdt)
+        triton_passes.softmax_grad_rows(s, dp, p_h, ds, self.lse_t.view(-1), self.D.view(-1), self.inp.scale, LOG2E)
+        self.tiles._add_dv(self.inp, self.grads, p_h, self.do_t, seg, self.scratch, self.pdt)
+        return ds
+
+    def _torch_ds(self, seg: Segment, s: Tensor, dp: Tensor) -> Tensor:
+        """P and dS in torch's passes over S's float32 buffer: dropout's scale on P and dP, P
+        rounded for dV (added here), ``dS = P ∘ (dP - D)`` returned."""
+        inp = self.inp
+        p = exp_(s.sub_(self.lse_t - self.s_used))
+        pd = p
+        if inp.dropout_p > 0.0:
+            z = dropout_scale(inp, self.seed, self.qs, self.qe, seg.ks, seg.ke, self.sdt)
+            z = z.expand(inp.B, inp.Hq, self.qe - self.qs, seg.ke - seg.ks).reshape(s.shape)
+            pd = p * z
+            dp.mul_(z)
+            del z
+        pd_h = pd if self.cdt == self.sdt else self.scratch.copy("r", pd, self.cdt)  # the products are read by now
+        self.tiles._add_dv(inp, self.grads, pd_h, self.do_t, seg, self.scratch, self.pdt)
+        del pd, pd_h
+        return p.mul_(dp.sub_(self.D))
+
+    def _pull_back(self, seg: Segment, ds: Tensor, s_in: Optional[Tensor], s_mod: Optional[Tensor]) -> Tensor:
+        """dS added into the float mask's gradient, and pulled back through ``score_mod``: the
+        gradients of what it captured accumulated, dS of the raw scores returned."""
+        inp, grads = self.inp, self.grads
+        blocks = ds.view(inp.B, inp.Hq, self.qe - self.qs, seg.ke - seg.ks)
+        if grads.dmask is not None:
+            target = grads.dmask
+            if target.shape[-2] != 1:
+                target = target[..., self.qs : self.qe, :]
+            if target.shape[-1] != 1:
+                target = target[..., seg.ks : seg.ke]
+            add_into(target, blocks)
+        if s_mod is None or s_in is None:
+            return ds
+        pulled = torch.autograd.grad(s_mod, [s_in, *grads.proxies.values()], blocks, allow_unused=True)
+        for acc_g, g in zip(grads.dcaptured, pulled[1:]):
+            if g is not None:
+                acc_g += g
+        return pulled[0].reshape(ds.shape) if pulled[0] is not None else torch.zeros_like(ds)
 
 
 def _forward_kernel(inp: Inputs) -> Optional[ModuleType]:

@@ -104,7 +104,15 @@ def _dtype(text: str) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options of ``subquad bench``."""
+    """The options of ``subquad bench``, a group at a time."""
+    _add_case_arguments(parser)
+    _add_model_arguments(parser)
+    _add_host_arguments(parser)
+    _add_output_arguments(parser)
+
+
+def _add_case_arguments(parser: argparse.ArgumentParser) -> None:
+    """What to run: the cases (a preset or shapes), the implementations, the device and the timing."""
     what = parser.add_argument_group("what to run")
     what.add_argument(
         "--framework",
@@ -168,6 +176,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "takes longer; default: the preset's, 1 s for --shape)",
     )
     what.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
+
+
+def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--model NAME`` and what goes with it: sizes, task, batch, rounds and a memory cap."""
     model = parser.add_argument_group("whole models (--model)")
     model.add_argument(
         "--model",
@@ -209,7 +221,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "step plus weights passes it (enforced on CUDA); the largest size under "
         "it is reported",
     )
-    _add_host_arguments(parser)
+
+
+def _add_output_arguments(parser: argparse.ArgumentParser) -> None:
+    """Where results go, ``--compare`` with a previous run and the regression gate, ``--list``."""
     out = parser.add_argument_group("output")
     out.add_argument("--out", metavar="DIR", help="write results.json, results.csv, time.png and memory.png here")
     out.add_argument(

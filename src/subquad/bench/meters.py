@@ -1,54 +1,22 @@
 """Peak memory of one call, honestly: CUDA's allocator peak, or the process's RSS high-water mark.
 
-CUDA: ``max_memory_allocated`` after ``reset_peak_memory_stats``, minus what was allocated
-before. CPU: ``VmHWM`` after writing ``5`` to ``/proc/self/clear_refs``, minus the RSS before (the
-worker runs with ``MALLOC_MMAP_THRESHOLD_=131072`` so that freed tensors leave the process).
+The meters themselves (``CudaPeak``, ``RssPeak``, ``status_bytes``, ``synchronize``) are
+``subquad._meters``, which the ComfyUI node "Which attention? (subquad)" reads too; this module
+re-exports them, chooses one per device (``memory_meter``) and steadies glibc's allocator for the
+timing process (``steady_malloc``).
 """
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
-import gc
 import os
-from typing import Optional
 
 import torch
 
 from .. import _settings as settings
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    elif device.type == "mps":
-        torch.mps.synchronize()
-
-
-class CudaPeak:
-    """Peak of the CUDA caching allocator's allocated bytes during a call, above the start."""
-
-    method = "cuda max_memory_allocated"
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.base = 0
-
-    def start(self) -> None:
-        synchronize(self.device)
-        self.base = torch.cuda.memory_allocated(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
-
-    def stop(self) -> int:
-        synchronize(self.device)
-        return torch.cuda.max_memory_allocated(self.device) - self.base
-
-
-def _malloc_trim() -> None:
-    """Hand free heap pages back to the OS (glibc), so that a call reusing them shows in RSS."""
-    with contextlib.suppress(OSError, AttributeError):  # not glibc
-        ctypes.CDLL(None).malloc_trim(0)
-
+from .._meters import CudaPeak, RssPeak
+from .._meters import status_bytes as status_bytes
+from .._meters import synchronize as synchronize
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
 STEADY_MMAP_THRESHOLD = 32 << 20  # glibc's own ceiling for its moving threshold (64-bit)
@@ -78,44 +46,6 @@ def steady_malloc() -> bool:
     )
 
 
-def status_bytes(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key):
-                return int(line.split()[1]) * 1024  # the kernel reports kB
-    raise OSError(f"{key} not in /proc/self/status")
-
-
-class RssPeak:
-    """Peak resident set size during a call, above the RSS at its start (Linux)."""
-
-    method = "cpu VmHWM - VmRSS"
-
-    def __init__(self):
-        self.base = 0
-
-    @staticmethod
-    def available() -> Optional[str]:
-        """None when usable, else why not."""
-        try:
-            status_bytes("VmHWM")
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
-        except OSError as exc:
-            return f"cannot reset the RSS high-water mark: {exc}"
-        return None
-
-    def start(self) -> None:
-        gc.collect(1)  # young cycles only: a full collection costs ~0.2 s with torch loaded
-        _malloc_trim()
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # 5 resets VmHWM to the current RSS
-        self.base = status_bytes("VmRSS")
-
-    def stop(self) -> int:
-        return max(0, status_bytes("VmHWM") - self.base)
-
-
 def memory_meter(device: torch.device):
     """A meter with start()/stop() -> bytes, or a string saying why there is none."""
     if device.type == "cuda":
@@ -123,6 +53,3 @@ def memory_meter(device: torch.device):
     if device.type == "cpu":
         return RssPeak.available() or RssPeak()
     return f"no peak-memory counter on {device.type}"
-
-
-# ------------------------------------------------------------------------------ errors

@@ -40,7 +40,7 @@ import threading
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -306,7 +306,6 @@ def run_model_bench(
     """Every implementation at every size (smallest first) and mode of ``task``; ``rounds`` 0
     skips the interleaved timing (the worker's single measured step is then the only time, in
     ``memory_step_ms``). Ctrl-C returns what is done."""
-    worker_cls = worker_cls or Worker
     say = progress or (lambda text: None)
     env = environment(device)
     over: dict[str, set] = {}
@@ -315,70 +314,12 @@ def run_model_bench(
     guard = _guard_bytes() if torch.device(device).type == "cpu" else None
     try:
         with tempfile.TemporaryDirectory(prefix="subquad-model-") as tmp:
+            run = _Run(
+                spec, task, device, dtype, batch, budget, cap_bytes, seed, guard, env, tmp, worker_cls or Worker, say
+            )
             for size in sorted(sizes):
                 for mode in models_mod.modes(spec, task):
-                    rows = []
-                    for impl in impls:
-                        r = ModelResult(
-                            spec.name,
-                            impl.name,
-                            task,
-                            mode,
-                            size,
-                            spec.size_unit,
-                            batch=batch,
-                            dtype=dtype,
-                            budget=budget,
-                            cap_bytes=cap_bytes,
-                            device=device,
-                            **env,
-                        )
-                        rows.append(r)
-                        reasons = impl.not_supported_reasons(spec, device, mode)
-                        if reasons:
-                            r.status, r.reason = "unsupported", "; ".join(reasons)
-                            continue
-                        if impl.name in over.get(mode, ()):
-                            r.status, r.reason = "skipped", "over the cap at a smaller size"
-                            continue
-                        say(f"{spec.name} {mode} {size} {spec.size_unit}: {impl.name}: memory (fresh process)")
-                        job = {
-                            "kind": "model",
-                            "model": spec.name,
-                            "impl": impl.name,
-                            "mode": mode,
-                            "size": size,
-                            "batch": batch,
-                            "dtype": dtype,
-                            "device": device,
-                            "budget": budget,
-                            "seed": seed,
-                            "cap_bytes": cap_bytes,
-                            "rss_guard": guard,
-                            "warmup_size": _warmup_size(spec, size),
-                            "output": os.path.join(tmp, f"{impl.name}-{mode}-{size}.pt"),
-                        }
-                        answer = _worker_memory(worker_cls, job)
-                        for key, value in answer.items():
-                            if key in ModelResult.__dataclass_fields__:
-                                setattr(r, key, value)
-                        if cap_bytes is not None:
-                            total = r.total_bytes  # None where the worker had no memory meter
-                            r.over_cap = r.status == "oom" or (
-                                r.status == "ok" and total is not None and total > cap_bytes
-                            )
-                            if r.over_cap:
-                                over.setdefault(mode, set()).add(impl.name)
-                        say(
-                            f"  {impl.name}: {r.status}"
-                            + (
-                                f", peak {r.peak_bytes / 2**20:.0f} MiB, {r.memory_step_ms / 1e3:.1f} s"
-                                if r.status == "ok" and r.peak_bytes is not None and r.memory_step_ms is not None
-                                else f" ({r.reason})"
-                                if r.reason
-                                else ""
-                            )
-                        )
+                    rows = [_memory_row(run, impl, mode, size, over) for impl in impls]
                     _differences(rows, tmp, mode, size)
                     if timer is not None:
                         say(f"{spec.name} {mode} {size} {spec.size_unit}: timing, {rounds} interleaved rounds")
@@ -389,6 +330,90 @@ def run_model_bench(
     finally:
         _BUILT.clear()
     return results
+
+
+@dataclass(frozen=True)
+class _Run:
+    """What the memory jobs of one :func:`run_model_bench` share."""
+
+    spec: ModelSpec
+    task: str
+    device: str
+    dtype: str
+    batch: int
+    budget: Optional[str]
+    cap_bytes: Optional[int]
+    seed: int
+    guard: Optional[int]  # the workers' RSS guard (CPU), bytes
+    env: dict  # environment(): the machine and the versions, in every result
+    tmp: str  # where the workers save their outputs
+    worker_cls: Any
+    say: ProgressFn
+
+
+def _memory_row(run: _Run, impl: ModelImpl, mode: str, size: int, over: dict[str, set]) -> ModelResult:
+    """``impl``'s result at ``size`` in ``mode``, its memory measured in a fresh worker unless it
+    does not support the call or passed the cap at a smaller size (``over``: by mode, those that
+    did; joined here)."""
+    spec = run.spec
+    r = ModelResult(
+        spec.name,
+        impl.name,
+        run.task,
+        mode,
+        size,
+        spec.size_unit,
+        batch=run.batch,
+        dtype=run.dtype,
+        budget=run.budget,
+        cap_bytes=run.cap_bytes,
+        device=run.device,
+        **run.env,
+    )
+    reasons = impl.not_supported_reasons(spec, run.device, mode)
+    if reasons:
+        r.status, r.reason = "unsupported", "; ".join(reasons)
+        return r
+    if impl.name in over.get(mode, ()):
+        r.status, r.reason = "skipped", "over the cap at a smaller size"
+        return r
+    run.say(f"{spec.name} {mode} {size} {spec.size_unit}: {impl.name}: memory (fresh process)")
+    job = {
+        "kind": "model",
+        "model": spec.name,
+        "impl": impl.name,
+        "mode": mode,
+        "size": size,
+        "batch": run.batch,
+        "dtype": run.dtype,
+        "device": run.device,
+        "budget": run.budget,
+        "seed": run.seed,
+        "cap_bytes": run.cap_bytes,
+        "rss_guard": run.guard,
+        "warmup_size": _warmup_size(spec, size),
+        "output": os.path.join(run.tmp, f"{impl.name}-{mode}-{size}.pt"),
+    }
+    answer = _worker_memory(run.worker_cls, job)
+    for key, value in answer.items():
+        if key in ModelResult.__dataclass_fields__:
+            setattr(r, key, value)
+    if run.cap_bytes is not None:
+        total = r.total_bytes  # None where the worker had no memory meter
+        r.over_cap = r.status == "oom" or (r.status == "ok" and total is not None and total > run.cap_bytes)
+        if r.over_cap:
+            over.setdefault(mode, set()).add(impl.name)
+    run.say(
+        f"  {impl.name}: {r.status}"
+        + (
+            f", peak {r.peak_bytes / 2**20:.0f} MiB, {r.memory_step_ms / 1e3:.1f} s"
+            if r.status == "ok" and r.peak_bytes is not None and r.memory_step_ms is not None
+            else f" ({r.reason})"
+            if r.reason
+            else ""
+        )
+    )
+    return r
 
 
 def _warmup_size(spec: ModelSpec, size: int) -> Optional[int]:

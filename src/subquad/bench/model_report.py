@@ -206,12 +206,8 @@ def figures(results: list[ModelResult]) -> dict[str, Any]:
     ok = [r for r in results if r.status == "ok"]
     if not ok:
         return {}
-    modes = list(dict.fromkeys(r.mode for r in results))
     style = plots.styles(list(dict.fromkeys(r.impl for r in results)), plt)
     cap = next((r.cap_bytes for r in results if r.cap_bytes), None)
-    # With a cap, what it is compared with (the step and the weights); without one, the step
-    # alone, which is what the attention changes.
-    memory = (lambda r: r.total_bytes) if cap else (lambda r: r.peak_bytes)
     first = ok[0]
     weights = next((r.weights_bytes for r in ok if r.weights_bytes), None)
     definition = (
@@ -225,82 +221,110 @@ def figures(results: list[ModelResult]) -> dict[str, Any]:
     if any(r.budget for r in results):
         footer.append(f"subquad's memory budget: {', '.join(sorted({r.budget for r in results if r.budget}))}")
     footer.append(f"{first.device_name}, torch {first.torch_version}, subquad {first.subquad_version or '?'}")
-    out = {}
-    for filename, label in (
-        ("memory.png", "peak memory of the step + weights (MiB)" if cap else "peak memory of the step (MiB)"),
-        ("time.png", "step time (ms), IQR whiskers"),
-    ):
-        width = max(9.0, 7.0 * len(modes))
-        fig, axes = plt.subplots(1, len(modes), figsize=(width, 5.4), squeeze=False, layout="constrained")
-        for ax, mode in zip(axes.flat, modes):
-            rows = [r for r in results if r.mode == mode]
-            sizes = sorted({r.size for r in rows})
-            ends: list[tuple[float, float, str]] = []
-            for impl in dict.fromkeys(r.impl for r in rows):
-                mine = sorted((r for r in rows if r.impl == impl and r.status == "ok"), key=lambda r: r.size)
-                pts: list[tuple[int, float, Optional[float], Optional[float]]]  # size, y, q1, q3
-                if filename == "memory.png":
-                    pts = [(r.size, (memory(r) or 0) / 2**20, None, None) for r in mine if memory(r)]
-                else:
-                    pts = [
-                        (r.size, r.median_ms or r.memory_step_ms or 0.0, r.q1_ms, r.q3_ms)
-                        for r in mine
-                        if r.median_ms or r.memory_step_ms
-                    ]
-                if not pts:
-                    continue
-                ys = [p[1] for p in pts]
-                err = [
-                    [max(0.0, y - (p[2] if p[2] is not None else y)) for p, y in zip(pts, ys)],
-                    [max(0.0, (p[3] if p[3] is not None else y) - y) for p, y in zip(pts, ys)],
-                ]
-                s = style[impl]
-                ax.errorbar(
-                    [p[0] for p in pts],
-                    ys,
-                    yerr=err if any(err[0]) or any(err[1]) else None,
-                    label=impl,
-                    color=s.color,
-                    marker=s.marker,
-                    linestyle=s.linestyle,
-                    markerfacecolor="none",
-                    markersize=7,
-                    linewidth=1.4,
-                    capsize=3,
-                )
-                ends.append((pts[-1][0], ys[-1], impl))
-            if filename == "memory.png" and cap:
-                ax.axhline(cap / 2**20, color="red", linestyle="--", linewidth=1, label=f"cap {format_bytes(cap)}")
-            plots.log_axes(ax, sizes)
-            failed: dict[str, list[tuple[float, str]]] = defaultdict(list)
-            for r in sorted(rows, key=lambda r: r.size):
-                word = _not_fitting(r)
-                if word is not None:
-                    failed[r.impl].append((r.size, word))
-            plots.cross_marks(ax, dict(failed), style)
-            plots.end_labels(ax, ends)  # after the marks: they set the final y limits
-            notes = [f"size ({rows[0].size_unit})"]
-            for impl, marks in failed.items():
-                r = next(r for r in rows if r.impl == impl and r.size == marks[0][0])
-                why = f" ({r.reason})" if r.reason else ""
-                notes.append(f"✕ {impl} at {', '.join(str(x) for x, _ in marks)}: {marks[0][1]}{why}")
-            absent: dict[str, list[str]] = defaultdict(list)
-            for impl in dict.fromkeys(r.impl for r in rows):
-                mine = [r for r in rows if r.impl == impl]
-                if all(r.status in ("unsupported", "error") for r in mine):
-                    absent[textwrap.shorten(mine[0].reason or mine[0].status, 110, placeholder="…")].append(impl)
-            notes += [f"not run: {', '.join(names)}: {reason}" for reason, names in absent.items()]
-            ax.set_xlabel(plots.wrap(notes), loc="left", fontsize=8)
-            ax.set_ylabel(label, fontsize=8.5)
-            title = f"{first.model}: {MODE_WORDS.get(mode, mode)}, batch {first.batch} {first.dtype}"
-            ax.set_title(title, fontsize=9.5, loc="left")
-            ax.legend(fontsize=7.5, loc="upper left")
-        what = "peak memory" if filename == "memory.png" else "step time"
-        fig.suptitle(f"subquad bench --model {first.model}: {what} against the size", fontsize=12, weight="bold")
-        lines = [definition if filename == "memory.png" else timing_line, *footer]
-        fig.supxlabel(plots.wrap(lines, int(width * 16)), fontsize=8, x=0.01, ha="left", multialignment="left")
-        out[filename] = fig
-    return out
+    return {
+        name: _figure(plt, results, name, style=style, cap=cap, first=first, caption=[line, *footer])
+        for name, line in (("memory.png", definition), ("time.png", timing_line))
+    }
+
+
+def _figure(
+    plt: Any,
+    results: list[ModelResult],
+    filename: str,
+    *,
+    style: dict[str, plots.Style],
+    cap: Optional[int],
+    first: ModelResult,
+    caption: list[str],
+) -> Any:
+    """One of :func:`figures`' files: a panel per mode (:func:`_panel`), the title, the caption."""
+    label = "step time (ms), IQR whiskers"
+    if filename == "memory.png":
+        label = "peak memory of the step + weights (MiB)" if cap else "peak memory of the step (MiB)"
+    modes = list(dict.fromkeys(r.mode for r in results))
+    width = max(9.0, 7.0 * len(modes))
+    fig, axes = plt.subplots(1, len(modes), figsize=(width, 5.4), squeeze=False, layout="constrained")
+    for ax, mode in zip(axes.flat, modes):
+        _panel(ax, [r for r in results if r.mode == mode], filename, style, cap)
+        ax.set_ylabel(label, fontsize=8.5)
+        title = f"{first.model}: {MODE_WORDS.get(mode, mode)}, batch {first.batch} {first.dtype}"
+        ax.set_title(title, fontsize=9.5, loc="left")
+        ax.legend(fontsize=7.5, loc="upper left")
+    what = "peak memory" if filename == "memory.png" else "step time"
+    fig.suptitle(f"subquad bench --model {first.model}: {what} against the size", fontsize=12, weight="bold")
+    fig.supxlabel(plots.wrap(caption, int(width * 16)), fontsize=8, x=0.01, ha="left", multialignment="left")
+    return fig
+
+
+def _panel(ax: Any, rows: list[ModelResult], filename: str, style: dict[str, plots.Style], cap: Optional[int]) -> None:
+    """One mode's panel: a line per implementation, the cap, an ✕ where a step did not fit, and
+    under it what did not run and why."""
+    # With a cap, what it is compared with (the step and the weights); without one, the step
+    # alone, which is what the attention changes.
+    memory = (lambda r: r.total_bytes) if cap else (lambda r: r.peak_bytes)
+    ends: list[tuple[float, float, str]] = []
+    for impl in dict.fromkeys(r.impl for r in rows):
+        mine = sorted((r for r in rows if r.impl == impl and r.status == "ok"), key=lambda r: r.size)
+        pts: list[tuple[int, float, Optional[float], Optional[float]]]  # size, y, q1, q3
+        if filename == "memory.png":
+            pts = [(r.size, (memory(r) or 0) / 2**20, None, None) for r in mine if memory(r)]
+        else:
+            pts = [
+                (r.size, r.median_ms or r.memory_step_ms or 0.0, r.q1_ms, r.q3_ms)
+                for r in mine
+                if r.median_ms or r.memory_step_ms
+            ]
+        if pts:
+            _line(ax, impl, pts, style[impl])
+            ends.append((pts[-1][0], pts[-1][1], impl))
+    if filename == "memory.png" and cap:
+        ax.axhline(cap / 2**20, color="red", linestyle="--", linewidth=1, label=f"cap {format_bytes(cap)}")
+    plots.log_axes(ax, sorted({r.size for r in rows}))
+    failed: dict[str, list[tuple[float, str]]] = defaultdict(list)
+    for r in sorted(rows, key=lambda r: r.size):
+        word = _not_fitting(r)
+        if word is not None:
+            failed[r.impl].append((r.size, word))
+    plots.cross_marks(ax, dict(failed), style)
+    plots.end_labels(ax, ends)  # after the marks: they set the final y limits
+    ax.set_xlabel(plots.wrap(_panel_notes(rows, failed)), loc="left", fontsize=8)
+
+
+def _line(ax: Any, impl: str, pts: list[tuple[int, float, Optional[float], Optional[float]]], s: plots.Style) -> None:
+    """One implementation's points ``(size, y, q1, q3)``, whiskers where q1 and q3 are known."""
+    ys = [p[1] for p in pts]
+    err = [
+        [max(0.0, y - (p[2] if p[2] is not None else y)) for p, y in zip(pts, ys)],
+        [max(0.0, (p[3] if p[3] is not None else y) - y) for p, y in zip(pts, ys)],
+    ]
+    ax.errorbar(
+        [p[0] for p in pts],
+        ys,
+        yerr=err if any(err[0]) or any(err[1]) else None,
+        label=impl,
+        color=s.color,
+        marker=s.marker,
+        linestyle=s.linestyle,
+        markerfacecolor="none",
+        markersize=7,
+        linewidth=1.4,
+        capsize=3,
+    )
+
+
+def _panel_notes(rows: list[ModelResult], failed: dict[str, list[tuple[float, str]]]) -> list[str]:
+    """The lines under a panel: its size unit, each ✕ and why, the implementations that did not run."""
+    notes = [f"size ({rows[0].size_unit})"]
+    for impl, marks in failed.items():
+        r = next(r for r in rows if r.impl == impl and r.size == marks[0][0])
+        why = f" ({r.reason})" if r.reason else ""
+        notes.append(f"✕ {impl} at {', '.join(str(x) for x, _ in marks)}: {marks[0][1]}{why}")
+    absent: dict[str, list[str]] = defaultdict(list)
+    for impl in dict.fromkeys(r.impl for r in rows):
+        mine = [r for r in rows if r.impl == impl]
+        if all(r.status in ("unsupported", "error") for r in mine):
+            absent[textwrap.shorten(mine[0].reason or mine[0].status, 110, placeholder="…")].append(impl)
+    return notes + [f"not run: {', '.join(names)}: {reason}" for reason, names in absent.items()]
 
 
 def plot(results: list[ModelResult], out_dir: str) -> list[str]:

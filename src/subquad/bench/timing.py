@@ -30,6 +30,10 @@ calls, so each run's per-round ratios to a reference implementation (paired with
 which cancels a shift of the whole machine between the runs) are compared as two samples: the
 Hodges-Lehmann shift between their logs, with its distribution-free (Mann-Whitney) interval.
 
+The paired verdict itself (``compare_paired``, ``Comparison``, ``spread``, ``median_interval``, the
+thresholds) is ``subquad._verdicts``, below the integrations, so that the ComfyUI node "Which
+attention? (subquad)" names a winner by the same code; this module re-exports those names.
+
 Used by ``measure.run_all`` (attention cases), ``model_measure`` (whole models) and the reports;
 nothing here needs torch. What the rest of the package uses: ``Timed``, ``Rounds``,
 ``run_rounds``, ``interleaved``, ``sequential``, ``balanced_orders``, ``round_orders``, ``Spread``,
@@ -45,15 +49,24 @@ import math
 import random
 import statistics
 import time
-from dataclasses import dataclass
 from typing import Callable, Iterator, Mapping, NamedTuple, Optional, Sequence
 
-PRACTICAL = 0.03  # a difference under 3% is not worth naming, however sure
-CONFIDENCE = 0.99
-# An interval less sure than this names no winner: min..max of 3 rounds is 75% sure, of 5 93.75%,
-# of 6 96.9%; a real difference is then found by adding rounds (``run_rounds``). At 0.9, 5 rounds
-# of two identical implementations named a winner in 1.6% of simulated seeds.
-MIN_COVERAGE = 0.95
+# The verdict rule lives below the integrations, where the ComfyUI node reads it too (``_verdicts``);
+# its names are this module's as well.
+from .._verdicts import (
+    CONFIDENCE,
+    MIN_COVERAGE,
+    PRACTICAL,
+    SAME,
+    Comparison,
+    Spread,
+    compare_paired,
+    interval_verdict,
+    spread,
+)
+from .._verdicts import median_interval as median_interval
+from .._verdicts import ratio_interval as ratio_interval
+
 # The fewest rounds whose widest interval (min..max, 1 - 2^(1-n)) reaches MIN_COVERAGE: fewer rounds
 # can name no one.
 ROUNDS_TO_NAME = next(n for n in range(2, 64) if 1.0 - 2.0 ** (1 - n) >= MIN_COVERAGE)
@@ -61,7 +74,6 @@ ROUNDS_TO_NAME = next(n for n in range(2, 64) if 1.0 - 2.0 ** (1 - n) >= MIN_COV
 # interval leaves out the smallest and the largest ratio, so one odd round cannot be a bound
 # (identical calls at 1x4x4096x64 stopped at 6 rounds read 1.09x "undecided").
 ROUNDS_PAST_CAP = 12
-SAME = "same within noise"
 
 
 class Timed(NamedTuple):
@@ -227,134 +239,7 @@ def sequential(
     return out
 
 
-# ----------------------------------------------------------------------------- spread
-
-
-@dataclass(frozen=True)
-class Spread:
-    """Median and quartiles of a sample (quartiles by linear interpolation; n = 1 has none)."""
-
-    median: float
-    q1: float
-    q3: float
-    n: int
-
-    @property
-    def iqr(self) -> float:
-        return self.q3 - self.q1
-
-
-def spread(values: Sequence[float]) -> Spread:
-    values = sorted(values)
-    if not values:
-        raise ValueError("spread() of no values")
-    if len(values) == 1:
-        return Spread(values[0], values[0], values[0], 1)
-    q1, med, q3 = statistics.quantiles(values, n=4, method="inclusive")
-    return Spread(med, q1, q3, len(values))
-
-
-def _binom_cdf_half(k: int, n: int) -> float:
-    """P(Binomial(n, 1/2) <= k)."""
-    return float(sum(math.comb(n, i) for i in range(0, k + 1)) / 2**n)
-
-
-def median_interval(values: Sequence[float], confidence: float = CONFIDENCE) -> tuple[float, float, float]:
-    """A distribution-free interval for the median: ``(low, high, coverage)``. The narrowest
-    order-statistic interval whose coverage reaches ``confidence``; with too few values for that,
-    the widest one (min to max) and its smaller coverage."""
-    xs = sorted(values)
-    n = len(xs)
-    if n == 0:
-        raise ValueError("median_interval() of no values")
-    best = (xs[0], xs[-1], 1.0 - 2 * _binom_cdf_half(0, n) if n > 1 else 0.0)
-    for k in range(2, n // 2 + 1):  # k-th smallest to k-th largest
-        coverage = 1.0 - 2 * _binom_cdf_half(k - 1, n)
-        if coverage < confidence:
-            break
-        best = (xs[k - 1], xs[n - k], coverage)
-    return best
-
-
-def ratio_interval(ratios: Sequence[float], confidence: float = CONFIDENCE) -> tuple[float, float, float]:
-    """The interval a verdict is read from: the order-statistic interval of the median ratio
-    (``median_interval``), ``(low, high, coverage)``. Distribution-free, and one outlying round
-    shifts each bound by one order statistic at most (with 12 rounds or more the 99% interval
-    leaves out at least the smallest and the largest ratio, so one cold round cannot be a bound).
-    With too few rounds the coverage is below ``confidence`` and says so."""
-    return median_interval(ratios, confidence)
-
-
 # ------------------------------------------------------------------------- comparison
-
-
-@dataclass(frozen=True)
-class Comparison:
-    """``name`` against ``other``: time ratio name/other with its spread and the verdict
-    (``"faster"``, ``"slower"`` or ``SAME``). ``reference``: for two runs compared through a
-    reference implementation (``compare_runs``), its name."""
-
-    name: str
-    other: str
-    ratio: float
-    q1: float
-    q3: float
-    low: float
-    high: float
-    coverage: float
-    rounds: int
-    verdict: str
-    paired: bool = True
-    reference: Optional[str] = None
-
-    @property
-    def too_few(self) -> bool:
-        """True when the interval is too unsure to name a winner (``MIN_COVERAGE``)."""
-        return self.coverage < MIN_COVERAGE
-
-    def describe(self) -> str:
-        """``1.31x (IQR 1.29-1.33; 99% CI 1.27-1.35, 9 rounds)``."""
-        if self.rounds < 2:
-            return f"{self.ratio:.2f}x (one round: no spread)"
-        ci = f"{math.floor(self.coverage * 100)}% CI {self.low:.2f}-{self.high:.2f}"
-        if self.reference is not None:
-            return f"{self.ratio:.2f}x ({ci}, per round against {self.reference})"
-        if not self.paired:
-            return f"{self.ratio:.2f}x (from the IQRs: {self.low:.2f}-{self.high:.2f})"
-        few = ": too few rounds to name a winner" if self.too_few else ""
-        return f"{self.ratio:.2f}x (IQR {self.q1:.2f}-{self.q3:.2f}; {ci}, {self.rounds} rounds{few})"
-
-
-def _verdict(low: float, high: float, threshold: float, coverage: float = 1.0) -> str:
-    if coverage < MIN_COVERAGE:
-        return SAME
-    if low > 1.0 + threshold:
-        return "slower"
-    if high < 1.0 / (1.0 + threshold):
-        return "faster"
-    return SAME
-
-
-def compare_paired(
-    name: str,
-    times: Sequence[float],
-    other: str,
-    other_times: Sequence[float],
-    *,
-    threshold: float = PRACTICAL,
-    confidence: float = CONFIDENCE,
-) -> Comparison:
-    """``name`` against ``other`` from per-round times of the same rounds (index r of both
-    lists is round r)."""
-    if len(times) != len(other_times) or not times:
-        raise ValueError(f"paired times need the same rounds: {name} has {len(times)}, {other} has {len(other_times)}")
-    ratios = [a / b for a, b in zip(times, other_times) if b > 0]
-    s = spread(ratios)
-    if len(ratios) < 2:
-        return Comparison(name, other, s.median, s.q1, s.q3, s.median, s.median, 0.0, len(ratios), SAME)
-    low, high, coverage = ratio_interval(ratios, confidence)
-    verdict = _verdict(low, high, threshold, coverage)
-    return Comparison(name, other, s.median, s.q1, s.q3, low, high, coverage, len(ratios), verdict)
 
 
 def _per_round(times: Sequence[float], reference: Optional[Sequence[float]]) -> list[float]:
@@ -433,7 +318,7 @@ def compare_runs(
     ratio, low, high = math.exp(shift), math.exp(low), math.exp(high)
     # Two runs of 3 rounds are only 90% sure by this interval, yet every new round would have to
     # beat every old one by the threshold: the gate takes that, and the table says how sure.
-    verdict = _verdict(low, high, threshold)
+    verdict = interval_verdict(low, high, threshold)
     rounds = min(len(a), len(b))
     return Comparison(name, name, ratio, low, high, low, high, coverage, rounds, verdict, False, reference)
 
@@ -459,7 +344,17 @@ def compare_unpaired(name: str, new: Spread, other: str, old: Spread, *, thresho
         )
     low, high = new.q1 / old.q3, new.q3 / old.q1
     return Comparison(
-        name, other, ratio, low, high, low, high, 0.0, min(new.n, old.n), _verdict(low, high, threshold), paired=False
+        name,
+        other,
+        ratio,
+        low,
+        high,
+        low,
+        high,
+        0.0,
+        min(new.n, old.n),
+        interval_verdict(low, high, threshold),
+        paired=False,
     )
 
 

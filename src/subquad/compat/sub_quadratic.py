@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 import subquad
-from subquad._errors import ArgumentError, ArgumentTypeError
+from subquad import ArgumentError, ArgumentTypeError
 
 __all__ = ["efficient_dot_product_attention", "efficient_dot_product_attention_a1111"]
 

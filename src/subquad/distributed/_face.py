@@ -1,8 +1,13 @@
-"""The public calls of ``subquad.distributed``: checks on every rank together, then a strategy."""
+"""The public calls of ``subquad.distributed``: checks on every rank together, then a strategy.
+
+Each public function writes its options into one :class:`~subquad._options.CallOptions`
+(nothing compiled: ``allow_compile=False``) and hands that on: to the collective checks, to the
+strategy, and, for a group of one, to the eager call."""
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Tuple, Union
+import dataclasses
+from typing import Any, List, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -12,6 +17,7 @@ from .._budget import Budget, parse_budget, resolve_budget
 from .._callbacks import captured_tensors
 from .._errors import ArgumentError
 from .._inputs import BlockPositions, MaskMod, ScoreMod
+from .._options import CallOptions
 from .._validate import make_inputs
 from ._agreement import STRATEGIES, Call, agree, check_agreement, validate_local
 from ._all_to_all import run_ulysses
@@ -22,22 +28,10 @@ from ._ring import Ring, block_states_of, sub_block_caps
 
 
 def _setup(
-    strategy: str,
-    query: Any,
-    key: Any,
-    value: Any,
-    group: Any,
-    is_causal: Any,
-    score_mod: Any,
-    mask_mod: Any,
-    attn_mask: Any,
-    scale: Any,
-    enable_gqa: Any,
-    memory_budget: Budget,
-    layout: Any,
-    return_lse: Any,
+    strategy: str, query: Any, key: Any, value: Any, group: Any, layout: Any, options: CallOptions
 ) -> Optional[Tuple[Call, Tensor, Tensor, Tensor, Optional[Tensor]]]:
     """Check the call on every rank together; ``None`` for a group of one (run it locally)."""
+    o = options
     g = resolve_group(group)
     local_error: Optional[BaseException] = None
     budget = 0
@@ -45,8 +39,12 @@ def _setup(
         if strategy not in STRATEGIES:
             raise ArgumentError(f"Unknown strategy={strategy!r}; expected one of {', '.join(map(repr, STRATEGIES))}.")
         check_layout(layout)
-        validate_local(query, key, value, attn_mask, is_causal, score_mod, mask_mod, scale, enable_gqa, return_lse)
-        budget = resolve_budget(memory_budget, query.device) if memory_budget is None else parse_budget(memory_budget)
+        validate_local(
+            query, key, value, o.attn_mask, o.is_causal, o.score_mod, o.mask_mod, o.scale, o.enable_gqa, o.return_lse
+        )
+        budget = (
+            resolve_budget(o.memory_budget, query.device) if o.memory_budget is None else parse_budget(o.memory_budget)
+        )
     except (TypeError, ValueError, RuntimeError) as e:
         local_error = e
     if g.size == 1:
@@ -59,13 +57,13 @@ def _setup(
         query,
         key,
         value,
-        attn_mask,
+        o.attn_mask,
         layout,
-        is_causal,
-        enable_gqa,
-        scale,
-        score_mod,
-        mask_mod,
+        o.is_causal,
+        o.enable_gqa,
+        o.scale,
+        o.score_mod,
+        o.mask_mod,
         strategy,
     )
     q_lengths, kv_lengths = check_agreement(rows, layout)
@@ -73,7 +71,7 @@ def _setup(
     q4 = query.reshape(-1, *query.shape[-3:])
     k4 = key.reshape(-1, *key.shape[-3:])
     v4 = value.reshape(-1, *value.shape[-3:])
-    m4 = None if attn_mask is None else _mask_4d(attn_mask, query)
+    m4 = None if o.attn_mask is None else _mask_4d(o.attn_mask, query)
     row_cap, col_cap = sub_block_caps(q4.shape[0], q4.shape[1], k4.shape[1], q4.shape[2], q4.shape[3], v4.shape[3])
     call = Call(
         g,
@@ -81,16 +79,16 @@ def _setup(
         q_lengths,
         kv_lengths,
         batch_shape,
-        bool(is_causal),
+        bool(o.is_causal),
         m4,
-        score_mod,
-        mask_mod,
-        scale,
-        bool(enable_gqa),
+        o.score_mod,
+        o.mask_mod,
+        o.scale,
+        bool(o.enable_gqa),
         budget,
         row_cap,
         col_cap,
-        block_states_of(mask_mod, q4.device),
+        block_states_of(o.mask_mod, q4.device),
     )
     return call, q4, k4, v4, m4
 
@@ -119,35 +117,6 @@ def _finish(
     if return_lse:
         return out, lse.reshape(*batch_shape, *lse.shape[1:])
     return out
-
-
-def _local(
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    is_causal: bool,
-    score_mod: Any,
-    mask_mod: Any,
-    attn_mask: Any,
-    scale: Any,
-    enable_gqa: bool,
-    memory_budget: Budget,
-    return_lse: bool,
-) -> Union[Tensor, Tuple[Tensor, Tensor]]:
-    return _call.attention(
-        query,
-        key,
-        value,
-        attn_mask=attn_mask,
-        is_causal=is_causal,
-        score_mod=score_mod,
-        mask_mod=mask_mod,
-        scale=scale,
-        enable_gqa=enable_gqa,
-        memory_budget=memory_budget,
-        return_lse=return_lse,
-        allow_compile=False,
-    )
 
 
 def _trivial(call: Call, q: Tensor, k: Tensor, v: Tensor) -> Optional[Tuple[Tensor, Tensor]]:
@@ -232,33 +201,33 @@ def ring_attention(
     Whatever a callback raises propagates on its rank; the other ranks then raise when the
     group's timeout (``init_process_group(timeout=...)``) expires while they wait for it.
     """
-    setup = _setup(
-        "ring",
-        query,
-        key,
-        value,
-        group,
-        is_causal,
-        score_mod,
-        mask_mod,
-        attn_mask,
-        scale,
-        enable_gqa,
-        memory_budget,
-        layout,
-        return_lse,
+    options = CallOptions(
+        attn_mask=attn_mask,
+        is_causal=is_causal,
+        score_mod=score_mod,
+        mask_mod=mask_mod,
+        scale=scale,
+        enable_gqa=enable_gqa,
+        memory_budget=memory_budget,
+        return_lse=return_lse,
+        allow_compile=False,
     )
+    return _ring(query, key, value, group, layout, options)
+
+
+def _ring(
+    query: Tensor, key: Tensor, value: Tensor, group: Any, layout: str, options: CallOptions
+) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+    setup = _setup("ring", query, key, value, group, layout, options)
     if setup is None:
-        return _local(
-            query, key, value, is_causal, score_mod, mask_mod, attn_mask, scale, enable_gqa, memory_budget, return_lse
-        )
+        return _call.attention(query, key, value, options)
     call, q, k, v, m = setup
     trivial = _trivial(call, q, k, v)
     if trivial is not None:
-        return _finish(*trivial, call.batch_shape, return_lse)
+        return _finish(*trivial, call.batch_shape, options.return_lse)
     captured = _captured(call, q, k, v)
     out, lse = Ring.apply(call, q, k, v, m, *captured)
-    return _finish(out, lse, call.batch_shape, return_lse)
+    return _finish(out, lse, call.batch_shape, options.return_lse)
 
 
 def ulysses_attention(
@@ -286,34 +255,33 @@ def ulysses_attention(
     holds the whole sequence of ``H/P`` heads (as much as its shards). Differentiable through
     the all-to-alls.
     """
-    setup = _setup(
-        "ulysses",
-        query,
-        key,
-        value,
-        group,
-        is_causal,
-        score_mod,
-        mask_mod,
-        None,
-        scale,
-        enable_gqa,
-        memory_budget,
-        layout,
-        return_lse,
+    options = CallOptions(
+        is_causal=is_causal,
+        score_mod=score_mod,
+        mask_mod=mask_mod,
+        scale=scale,
+        enable_gqa=enable_gqa,
+        memory_budget=memory_budget,
+        return_lse=return_lse,
+        allow_compile=False,
     )
+    return _ulysses(query, key, value, group, layout, options)
+
+
+def _ulysses(
+    query: Tensor, key: Tensor, value: Tensor, group: Any, layout: str, options: CallOptions
+) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+    setup = _setup("ulysses", query, key, value, group, layout, options)
     if setup is None:
-        return _local(
-            query, key, value, is_causal, score_mod, mask_mod, None, scale, enable_gqa, memory_budget, return_lse
-        )
+        return _call.attention(query, key, value, options)
     call, q, k, v, _ = setup
     reasons = ulysses_reasons(call, q.shape[1], k.shape[1])
     if reasons:
         raise ArgumentError("ulysses_attention cannot run this call: " + "; ".join(reasons) + ". Use ring_attention.")
     trivial = _trivial(call, q, k, v)
     if trivial is not None:
-        return _finish(*trivial, call.batch_shape, return_lse)
-    return _finish(*run_ulysses(call, q, k, v), call.batch_shape, return_lse)
+        return _finish(*trivial, call.batch_shape, options.return_lse)
+    return _finish(*run_ulysses(call, q, k, v), call.batch_shape, options.return_lse)
 
 
 def attention(
@@ -341,40 +309,26 @@ def attention(
     """
     if strategy not in STRATEGIES:
         raise ArgumentError(f"Unknown strategy={strategy!r}; expected one of {', '.join(map(repr, STRATEGIES))}.")
-    if strategy == "auto":
-        plan = explain(
-            query,
-            key,
-            value,
-            group=group,
-            is_causal=is_causal,
-            score_mod=score_mod,
-            mask_mod=mask_mod,
-            attn_mask=attn_mask,
-            scale=scale,
-            enable_gqa=enable_gqa,
-            memory_budget=memory_budget,
-            layout=layout,
-        )
-        strategy = plan.strategy
-    kwargs: Dict[str, Any] = dict(
-        group=group,
+    options = CallOptions(
+        attn_mask=attn_mask,
         is_causal=is_causal,
         score_mod=score_mod,
         mask_mod=mask_mod,
         scale=scale,
         enable_gqa=enable_gqa,
         memory_budget=memory_budget,
-        layout=layout,
         return_lse=return_lse,
+        allow_compile=False,
     )
+    if strategy == "auto":
+        strategy = _explain(query, key, value, "auto", group, layout, options).strategy
     if strategy == "ulysses":
         if attn_mask is not None:
             raise ArgumentError(
                 "strategy='ulysses' takes no attn_mask (each rank would need every row of it); use a mask_mod or strategy='ring'."
             )
-        return ulysses_attention(query, key, value, **kwargs)
-    return ring_attention(query, key, value, attn_mask=attn_mask, **kwargs)
+        return _ulysses(query, key, value, group, layout, options)
+    return _ring(query, key, value, group, layout, options)
 
 
 def explain(
@@ -399,38 +353,26 @@ def explain(
     predicted peak memory beyond its shards, the bytes it sends forward and backward, the ring's
     attention calls per step, and the plan (:class:`subquad.Plan`) of its largest block.
     """
-    setup = _setup(
-        strategy,
-        query,
-        key,
-        value,
-        group,
-        is_causal,
-        score_mod,
-        mask_mod,
-        attn_mask,
-        scale,
-        enable_gqa,
-        memory_budget,
-        layout,
-        False,
+    options = CallOptions(
+        attn_mask=attn_mask,
+        is_causal=is_causal,
+        score_mod=score_mod,
+        mask_mod=mask_mod,
+        scale=scale,
+        enable_gqa=enable_gqa,
+        memory_budget=memory_budget,
+        allow_compile=False,
     )
+    return _explain(query, key, value, strategy, group, layout, options)
+
+
+def _explain(
+    query: Tensor, key: Tensor, value: Tensor, strategy: str, group: Any, layout: str, options: CallOptions
+) -> DistributedPlan:
+    setup = _setup(strategy, query, key, value, group, layout, options)
     need_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
     if setup is None:
-        block = _call.explain(
-            query,
-            key,
-            value,
-            attn_mask=attn_mask,
-            is_causal=is_causal,
-            score_mod=score_mod,
-            mask_mod=mask_mod,
-            scale=scale,
-            enable_gqa=enable_gqa,
-            memory_budget=memory_budget,
-            return_lse=True,
-            allow_compile=False,
-        )
+        block = _call.explain(query, key, value, dataclasses.replace(options, return_lse=True))
         return DistributedPlan("local", 1, 0, layout, block.predicted_peak_bytes, 0, 0, [1], {}, block)
     call, q, k, v, _ = setup
     return plan_call(call, q, k, v, strategy, need_grad)

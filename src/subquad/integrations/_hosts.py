@@ -8,9 +8,10 @@ A folder written here holds :data:`MARKER`: ``uninstall`` removes a folder only 
 user's own folder of the same name is never deleted, and ``install`` twice rewrites the same files.
 
 The integrations and the CLI may use :func:`find_host`, :func:`write_folder`, :func:`remove_folder`,
-:class:`HostNotFound` and :data:`MARKER`; :func:`checked_budget`, :func:`env_budget` and
-:data:`ENV_BUDGET` (a host's budget settings, refused in one wording); :data:`REQUIREMENT` and
-:func:`pip_install` (the one install line every host message gives).
+:class:`HostNotFound` and :data:`MARKER`; :data:`REQUIREMENT` and :func:`pip_install` (the one
+install line every host message gives). The CLI imports this module where torch may be missing
+(``subquad --version``, ``--help``): it imports nothing of subquad's but the face's torch-free
+names. A host's memory budget settings are ``_host_budget``'s.
 """
 
 from __future__ import annotations
@@ -19,10 +20,7 @@ import shutil
 from pathlib import Path
 from typing import Dict, Optional, Sequence
 
-from .. import _settings as settings
-from .._budget import Budget, parse_budget
-from .._errors import ArgumentError
-from .._version import __version__
+from subquad import ArgumentError, __version__
 
 MARKER = ".subquad-installed"
 """The file that marks a folder as written by ``subquad install`` (it holds subquad's version)."""
@@ -31,39 +29,11 @@ REQUIREMENT = "subquad"
 """What a host's Python installs: subquad without the ``torch`` extra. The host has its own torch
 build (CUDA, ROCm, MPS, CPU); the extra could make pip fetch another one beside it."""
 
-ENV_BUDGET = "SUBQUAD_MEMORY_BUDGET"
-"""The environment variable both hosts read a memory budget from when nothing else sets one."""
-
 
 def pip_install(python: str) -> str:
     """The install line every host message gives (the CLI, the ComfyUI node, the A1111 extension):
     ``{python} -m pip install subquad``."""
     return f"{python} -m pip install {REQUIREMENT}"
-
-
-def checked_budget(text: object, where: str) -> Budget:
-    """``text`` as a memory budget (``None`` when empty), checked now: a typo in a host's setting
-    is refused when the node or setting is used, not at the first attention call.
-
-    Raises:
-        ArgumentError: one line that stands alone in the host's error dialog: ``where`` (the
-            input, setting or variable, as the host names it), what would work, and the value.
-    """
-    value = str(text or "").strip()
-    if not value:
-        return None
-    try:
-        parse_budget(value)
-    except ArgumentError:
-        raise ArgumentError(
-            f"{where}: expected bytes or a size like '512MiB' or '2GB', or nothing for the default; got {value!r}."
-        ) from None
-    return value
-
-
-def env_budget() -> Budget:
-    """The budget of ``SUBQUAD_MEMORY_BUDGET`` (``None`` when unset or empty)."""
-    return checked_budget(settings.text(ENV_BUDGET), f"{ENV_BUDGET} (the environment variable)")
 
 
 class HostNotFound(ArgumentError):

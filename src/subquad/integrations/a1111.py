@@ -49,21 +49,11 @@ import torch
 from torch import Tensor
 
 import subquad
+from subquad import ArgumentError
 
-from .. import _native
-from .._budget import Budget
-from .._errors import ArgumentError
-from ._hosts import (
-    ENV_BUDGET,
-    REQUIREMENT,
-    HostNotFound,
-    checked_budget,
-    env_budget,
-    find_host,
-    pip_install,
-    remove_folder,
-    write_folder,
-)
+from .._for_wings import Budget, build_native_in_background
+from ._host_budget import ENV_BUDGET, checked_budget, env_budget
+from ._hosts import REQUIREMENT, HostNotFound, find_host, pip_install, remove_folder, write_folder
 
 __all__ = [
     "NAME",
@@ -307,7 +297,7 @@ def prepare_native() -> bool:
     """Build subquad's native kernel in the background when the web UI starts, where it is not
     built and a compiler is found (``SUBQUAD_NATIVE=off`` skips it): the next start runs the loops
     where this CPU's calibration finds them faster. Returns whether a build was started."""
-    return _native.build_in_background()
+    return build_native_in_background()
 
 
 def on_ui_settings() -> None:

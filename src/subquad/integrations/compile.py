@@ -6,6 +6,6 @@ The operator lives in the core, below the public function (:mod:`subquad._compil
 (``torch.compile(fullgraph=True)``, ``torch.export``).
 """
 
-from .._compile import attention_backward_op, attention_op, compiled_attention, supports
+from .._for_wings import attention_backward_op, attention_op, compiled_attention, supports
 
 __all__ = ["compiled_attention", "supports", "attention_op", "attention_backward_op"]

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 import subquad
 
-from .._backends import TORCH_SDPA
+from .._for_wings import TORCH_SDPA
 
 _CausalBias: Any  # the class, its __torch_function__ swapped while a block is active; or None
 try:

@@ -28,10 +28,9 @@ import torch
 from torch import Tensor
 
 import subquad
+from subquad import ArgumentError
 
-from .. import _call
-from .._autograd import backward_grads
-from .._errors import ArgumentError
+from .._for_wings import Varlen, backward_grads, prepare
 
 __all__ = ["enable", "disable", "enabled"]
 
@@ -235,7 +234,7 @@ def _backward(
     # subquad's chunked backward (FlashAttention-2 from the saved out and lse), planned for this call.
     with torch.enable_grad():
         q, k, v = (t.detach().requires_grad_() for t in (query, key, value))
-        call = _call.prepare(
+        call = prepare(
             q,
             k,
             v,
@@ -243,7 +242,7 @@ def _backward(
             scale=scale,
             enable_gqa=q.shape[1] != k.shape[1],
             return_lse=True,
-            varlen=_call.Varlen(cu_seq_q, cu_seq_k, alignment="bottom_right", window=_window(window_size)),
+            varlen=Varlen(cu_seq_q, cu_seq_k, alignment="bottom_right", window=_window(window_size)),
             **_STATE["options"],
         )
     plan = call.plan

@@ -170,25 +170,9 @@ def subquad_mask(
         mask_function = mu.causal_mask_function
 
     padding_mask = _pad_keys(attention_mask, kv_length + int(kv_offset))
-    window_applies = local_size is not None and kv_length >= local_size
-    if not window_applies and not isinstance(q_offset, Tensor):
-        no_padding = padding_mask is None or _all_true(padding_mask[:, kv_offset : kv_offset + kv_length])
-        if allow_is_causal_skip:
-            # Same rules as transformers' "sdpa": a square causal block or one query row is what
-            # is_causal expresses; so is an empty static cache whose extra slots are padding.
-            if no_padding and (q_length == 1 or q_length == kv_length):
-                return None
-            if (
-                q_offset == 0
-                and kv_offset == 0
-                and (
-                    padding_mask is None
-                    or (_all_true(padding_mask[:, :q_length]) and not bool(padding_mask[:, q_length:kv_length].any()))
-                )
-            ):
-                return None
-        if allow_is_bidirectional_skip and no_padding:
-            return None
+    skips = allow_is_causal_skip, allow_is_bidirectional_skip
+    if _sdpa_skips_mask(padding_mask, q_length, kv_length, q_offset, kv_offset, local_size, skips):
+        return None
 
     # "sdpa" evaluates its mask here; this one is evaluated inside each layer, after the layer has
     # written its keys to the cache. So it keeps copies of the tensors the caller may change in
@@ -207,6 +191,39 @@ def subquad_mask(
         return keep if pad is None else keep & pad[b, k]
 
     return LazyMask(mask_mod, (batch_size, 1, q_length, kv_length), device, padding=pad)
+
+
+def _sdpa_skips_mask(
+    padding_mask: Optional[Tensor],
+    q_length: int,
+    kv_length: int,
+    q_offset: Any,
+    kv_offset: Any,
+    local_size: Optional[int],
+    skips: Tuple[bool, bool],
+) -> bool:
+    """Whether transformers' ``"sdpa"`` passes no mask here (``skips``: whether it may skip a causal
+    mask, a bidirectional one): the pattern is what ``is_causal``, or no mask, expresses."""
+    allow_is_causal_skip, allow_is_bidirectional_skip = skips
+    window_applies = local_size is not None and kv_length >= local_size
+    if window_applies or isinstance(q_offset, Tensor):
+        return False
+    no_padding = padding_mask is None or _all_true(padding_mask[:, kv_offset : kv_offset + kv_length])
+    if allow_is_causal_skip:
+        # Same rules as transformers' "sdpa": a square causal block or one query row is what
+        # is_causal expresses; so is an empty static cache whose extra slots are padding.
+        if no_padding and (q_length == 1 or q_length == kv_length):
+            return True
+        if (
+            q_offset == 0
+            and kv_offset == 0
+            and (
+                padding_mask is None
+                or (_all_true(padding_mask[:, :q_length]) and not bool(padding_mask[:, q_length:kv_length].any()))
+            )
+        ):
+            return True
+    return allow_is_bidirectional_skip and no_padding
 
 
 def _softcap_mod(softcap: float) -> Callable[..., Tensor]:
@@ -292,6 +309,42 @@ def _packed_attention(
     return out.reshape(B, Lq, Hq, out.shape[-1])
 
 
+def _masks(
+    attention_mask: Any, position_bias: Optional[Tensor], causal: bool, q_length: int, key: Tensor, value: Tensor
+) -> Tuple[Optional[Tensor], Optional[Callable[..., Tensor]], bool, Tensor, Tensor]:
+    """The model's mask and position bias as subquad's ``(attn_mask, mask_mod, is_causal)``, with
+    the keys and values (cut to the queries where a prefill fills an empty static cache)."""
+    attn_mask: Optional[Tensor] = None
+    mask_mod = None
+    kv_length = key.shape[2]
+    if isinstance(attention_mask, LazyMask) and torch.compiler.is_compiling():
+        # Built outside the compiled region (e.g. by generate()); the operator needs a tensor.
+        attention_mask = attention_mask.materialize()
+    if isinstance(attention_mask, LazyMask):
+        mask_mod = attention_mask.mask_mod
+        causal = False
+    elif attention_mask is not None:
+        attn_mask = attention_mask
+        causal = False
+    else:
+        causal = causal and q_length > 1
+        if causal and kv_length > q_length:
+            # Prefill into an empty static cache: the slots past the queries are empty.
+            key, value = key[:, :, :q_length], value[:, :, :q_length]
+            if position_bias is not None:
+                position_bias = position_bias[..., :q_length]
+    if position_bias is not None:
+        if attn_mask is None:
+            attn_mask = position_bias
+        elif attn_mask.dtype == torch.bool:
+            attn_mask = position_bias.masked_fill(~attn_mask, float("-inf"))
+        else:
+            attn_mask = position_bias + attn_mask
+        if causal:
+            mask_mod, causal = _causal_mod(0), False
+    return attn_mask, mask_mod, causal, key, value
+
+
 def subquad_attention_forward(
     module: torch.nn.Module,
     query: Tensor,
@@ -331,7 +384,7 @@ def subquad_attention_forward(
             "`subquad` attention does not support `output_attentions=True`: it never forms the attention weights."
             " Please set your attention to `eager` if you want any of these features."
         )
-    q_length, kv_length = query.shape[2], key.shape[2]
+    q_length = query.shape[2]
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     offsets = _packed_offsets(attention_mask, position_bias, kwargs)
     if offsets is not None:
@@ -349,35 +402,7 @@ def subquad_attention_forward(
         )
         return out, None
 
-    attn_mask: Optional[Tensor] = None
-    mask_mod = None
-    if isinstance(attention_mask, LazyMask) and torch.compiler.is_compiling():
-        # Built outside the compiled region (e.g. by generate()); the operator needs a tensor.
-        attention_mask = attention_mask.materialize()
-    if isinstance(attention_mask, LazyMask):
-        mask_mod = attention_mask.mask_mod
-        causal = False
-    elif attention_mask is not None:
-        attn_mask = attention_mask
-        causal = False
-    else:
-        causal = bool(causal) and q_length > 1
-        if causal and kv_length > q_length:
-            # Prefill into an empty static cache: the slots past the queries are empty.
-            key, value = key[:, :, :q_length], value[:, :, :q_length]
-            if position_bias is not None:
-                position_bias = position_bias[..., :q_length]
-
-    if position_bias is not None:
-        if attn_mask is None:
-            attn_mask = position_bias
-        elif attn_mask.dtype == torch.bool:
-            attn_mask = position_bias.masked_fill(~attn_mask, float("-inf"))
-        else:
-            attn_mask = position_bias + attn_mask
-        if causal:
-            mask_mod, causal = _causal_mod(0), False
-
+    attn_mask, mask_mod, causal, key, value = _masks(attention_mask, position_bias, bool(causal), q_length, key, value)
     score_mod = None
     if softcap is not None:
         if attn_mask is not None and attn_mask.dtype != torch.bool:

@@ -253,61 +253,14 @@ def prepare(
     ``mesh_axes`` (ring and all-to-all attention): mesh axes that the chunks' positions vary over
     beyond the inputs' (the callbacks are traced with that type).
     """
-    arrays = []
-    for name, x in (("query", query), ("key", key), ("value", value)):
-        try:
-            x = jnp.asarray(x)
-        except TypeError:
-            raise ArgumentTypeError(f"Expected {name} to be an array, got {type(x).__name__}.") from None
-        arrays.append(x)
-    q, k, v = arrays
-    if q.ndim not in (3, 4) or k.ndim != q.ndim or v.ndim != q.ndim:
-        raise ArgumentError(
-            f"Expected query, key and value to be (B, T, N, H), (B, S, K, H), (B, S, K, Hv) or without B, all with the "
-            f"same number of dims; got query {tuple(q.shape)}, key {tuple(k.shape)}, value {tuple(v.shape)}."
-        )
-    for name, x in (("query", q), ("key", k), ("value", v)):
-        if not jnp.issubdtype(x.dtype, jnp.floating):
-            raise DtypeError(f"Expected {name} to have a floating dtype, got {x.dtype}.")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise DtypeError(f"Expected query, key and value to have one dtype, got {q.dtype}, {k.dtype}, {v.dtype}.")
-    squeeze = q.ndim == 3
-    if squeeze:
-        q, k, v = q[None], k[None], v[None]
+    q, k, v, squeeze = _arrays(query, key, value)
     B, T, N, H = q.shape
-    _, S, K, _ = k.shape
-    if k.shape[0] != B or v.shape[:3] != k.shape[:3] or k.shape[3] != H:
-        raise ArgumentError(
-            f"Expected key (B, S, K, H) and value (B, S, K, Hv) to match query (B, T, N, H) = {tuple(q.shape)}; "
-            f"got key {tuple(k.shape)}, value {tuple(v.shape)}."
-        )
-    Hv = v.shape[3]
-    if (K == 0 and N != 0) or (K != 0 and N % K != 0):
-        raise ArgumentError(f"The number of query heads must be a multiple of key/value heads, got N={N} and K={K}.")
+    _, S, K, Hv = v.shape
     G = N // K if K else 1
     stats = jnp.promote_types(q.dtype, jnp.float32)
-    if scale is None:
-        scale = 1.0 / math.sqrt(H) if H > 0 else 1.0
-    if isinstance(scale, bool) or not (isinstance(scale, (int, float)) or getattr(scale, "shape", None) == ()):
-        raise ArgumentTypeError(f"Expected scale to be a float, a 0-d array (it may be traced) or None, got {scale!r}.")
-    scale = jnp.asarray(scale, stats)  # an array: under jit it may be a tracer, under grad it gets a gradient
-    if not isinstance(is_causal, bool):
-        raise ArgumentTypeError(f"Expected is_causal to be a bool, got {is_causal!r}.")
-    window = _window(local_window_size)
-    left = None if window is None else window[0]
-    right = None if window is None else window[1]
-    if is_causal:
-        right = 0 if right is None else min(right, 0)
-    if bias is not None:
-        bias = jnp.asarray(bias)
-        if not jnp.issubdtype(bias.dtype, jnp.floating):
-            raise DtypeError(f"Expected bias to have a floating dtype (use mask for bool), got {bias.dtype}.")
-        bias = grouped_4d(bias, "bias", (B, N, T, S), K, G)
-    if mask is not None:
-        mask = jnp.asarray(mask)
-        if mask.dtype != jnp.bool_:
-            raise DtypeError(f"Expected mask to be bool (True = attend; additive masks go in bias), got {mask.dtype}.")
-        mask = grouped_4d(mask, "mask", (B, N, T, S), K, G)
+    scale = _scale(scale, H, stats)
+    left, right = _band(is_causal, local_window_size)
+    bias, mask = _bias_and_mask(bias, mask, (B, N, T, S), K, G)
     q_lengths = _lengths(query_seq_lengths, "query_seq_lengths", B)
     kv_lengths = _lengths(key_value_seq_lengths, "key_value_seq_lengths", B)
     for name, fn in (("score_mod", score_mod), ("mask_mod", mask_mod)):
@@ -351,6 +304,82 @@ def prepare(
     spec = make(spec.tq, spec.tk, score_fn, masker_fn)
     aux = Aux(bias, mask, q_lengths, kv_lengths, consts, mask_consts, scale)
     return Call(spec, q.reshape(B, T, K, G, H), k, v, aux, squeeze, q.dtype, budget)
+
+
+def _arrays(query: Any, key: Any, value: Any) -> Tuple[Any, Any, Any, bool]:
+    """``query``, ``key`` and ``value`` as ``(B, T, N, H)``, ``(B, S, K, H)``, ``(B, S, K, Hv)``
+    arrays of one floating dtype, N a multiple of K, and whether they came without B."""
+    arrays = []
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        try:
+            x = jnp.asarray(x)
+        except TypeError:
+            raise ArgumentTypeError(f"Expected {name} to be an array, got {type(x).__name__}.") from None
+        arrays.append(x)
+    q, k, v = arrays
+    if q.ndim not in (3, 4) or k.ndim != q.ndim or v.ndim != q.ndim:
+        raise ArgumentError(
+            f"Expected query, key and value to be (B, T, N, H), (B, S, K, H), (B, S, K, Hv) or without B, all with the "
+            f"same number of dims; got query {tuple(q.shape)}, key {tuple(k.shape)}, value {tuple(v.shape)}."
+        )
+    for name, x in (("query", q), ("key", k), ("value", v)):
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise DtypeError(f"Expected {name} to have a floating dtype, got {x.dtype}.")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise DtypeError(f"Expected query, key and value to have one dtype, got {q.dtype}, {k.dtype}, {v.dtype}.")
+    squeeze = q.ndim == 3
+    if squeeze:
+        q, k, v = q[None], k[None], v[None]
+    B, _, N, H = q.shape
+    K = k.shape[2]
+    if k.shape[0] != B or v.shape[:3] != k.shape[:3] or k.shape[3] != H:
+        raise ArgumentError(
+            f"Expected key (B, S, K, H) and value (B, S, K, Hv) to match query (B, T, N, H) = {tuple(q.shape)}; "
+            f"got key {tuple(k.shape)}, value {tuple(v.shape)}."
+        )
+    if (K == 0 and N != 0) or (K != 0 and N % K != 0):
+        raise ArgumentError(f"The number of query heads must be a multiple of key/value heads, got N={N} and K={K}.")
+    return q, k, v, squeeze
+
+
+def _scale(scale: Any, H: int, stats: Any) -> Any:
+    """``scale`` (default ``1/sqrt(H)``) as a 0-d array of the statistics' dtype: under jit it may
+    be a tracer, under grad it gets a gradient."""
+    if scale is None:
+        scale = 1.0 / math.sqrt(H) if H > 0 else 1.0
+    if isinstance(scale, bool) or not (isinstance(scale, (int, float)) or getattr(scale, "shape", None) == ()):
+        raise ArgumentTypeError(f"Expected scale to be a float, a 0-d array (it may be traced) or None, got {scale!r}.")
+    return jnp.asarray(scale, stats)
+
+
+def _band(is_causal: Any, local_window_size: Any) -> Tuple[Optional[int], Optional[int]]:
+    """``(left, right)``: how far before and after its own position a query sees (None: no
+    limit), from ``local_window_size`` and ``is_causal``."""
+    if not isinstance(is_causal, bool):
+        raise ArgumentTypeError(f"Expected is_causal to be a bool, got {is_causal!r}.")
+    window = _window(local_window_size)
+    left = None if window is None else window[0]
+    right = None if window is None else window[1]
+    if is_causal:
+        right = 0 if right is None else min(right, 0)
+    return left, right
+
+
+def _bias_and_mask(
+    bias: Any, mask: Any, full: Tuple[int, int, int, int], K: int, G: int
+) -> Tuple[Optional[Any], Optional[Any]]:
+    """A floating ``bias`` and a bool ``mask`` (None: none) checked and grouped (:func:`grouped_4d`)."""
+    if bias is not None:
+        bias = jnp.asarray(bias)
+        if not jnp.issubdtype(bias.dtype, jnp.floating):
+            raise DtypeError(f"Expected bias to have a floating dtype (use mask for bool), got {bias.dtype}.")
+        bias = grouped_4d(bias, "bias", full, K, G)
+    if mask is not None:
+        mask = jnp.asarray(mask)
+        if mask.dtype != jnp.bool_:
+            raise DtypeError(f"Expected mask to be bool (True = attend; additive masks go in bias), got {mask.dtype}.")
+        mask = grouped_4d(mask, "mask", full, K, G)
+    return bias, mask
 
 
 def _checked_score_mod(fn: Callable[..., Any], shape: Tuple[int, ...]) -> Callable[..., Any]:

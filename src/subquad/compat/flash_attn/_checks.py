@@ -1,7 +1,7 @@
 """flash-attn's argument checks, with its messages, for every front end of this package.
 
 flash-attn raises ``RuntimeError`` (its ``TORCH_CHECK``\\ s) for bad input; these raise
-subquad's :class:`~subquad._errors.ArgumentError` / :class:`~subquad._errors.ArgumentTypeError`,
+subquad's :class:`~subquad.ArgumentError` / :class:`~subquad.ArgumentTypeError`,
 which are ``RuntimeError``\\ s too, so ``except RuntimeError`` keeps working. Each message starts
 with flash-attn's own wording where it has one, then shows the values. What flash-attn refuses
 only because its kernels cannot do it (float32/float64, head dims over 256 or not multiples of 8,
@@ -18,7 +18,7 @@ from typing import Any, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from subquad._errors import ArgumentError, ArgumentTypeError
+from subquad import ArgumentError, ArgumentTypeError
 
 FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 INTS = (torch.int32, torch.int64)

@@ -17,7 +17,7 @@ from typing import List, Optional, Tuple, Union
 import torch
 from torch import Tensor
 
-from subquad._errors import ArgumentError
+from subquad import ArgumentError
 
 from . import _calls, _checks, _rotary, _run
 from ._semantics import Semantics, semantics

@@ -12,7 +12,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from subquad._errors import ArgumentError
+from subquad import ArgumentError
 
 __all__ = [
     "index_first_axis",

@@ -35,7 +35,7 @@ default mode), ``_install`` (``subquad install comfyui``).
 
 from __future__ import annotations
 
-from .._hosts import ENV_BUDGET
+from .._host_budget import ENV_BUDGET
 from ._attention import attention, set_memory_budget, vae_attention
 from ._default import ENV_DEFAULT, NAME, disable_default, enable_default, register
 from ._hooks import Hooks, HostUnsupported, hooks

@@ -15,10 +15,10 @@ import torch
 from torch import Tensor
 
 import subquad
+from subquad import ArgumentError
 
-from ..._budget import Budget, parse_budget
-from ..._errors import ArgumentError
-from .._hosts import env_budget
+from ..._for_wings import Budget, parse_budget
+from .._host_budget import env_budget
 
 _ATTENTION = "comfy.ldm.modules.attention"  # = _hooks.ATTENTION (_hooks imports this module)
 _SETTING: List[Budget] = []  # [budget] once set_memory_budget() was given one

@@ -12,9 +12,7 @@ from typing import Any, Callable, Dict, List, Tuple
 
 from torch import Tensor
 
-from ... import _native
-from ... import _settings as settings
-from ..._budget import Budget
+from ..._for_wings import Budget, build_native_in_background, setting_on
 from ._attention import VaeAttention, set_memory_budget
 from ._hooks import ATTENTION, VAE, Hooks, hooks, host, host_attention, unsupported
 
@@ -31,7 +29,7 @@ def register() -> Hooks:
     Adds ``"subquad"`` to ComfyUI's attention registry (where it has one; once), and turns on
     default mode (:func:`enable_default`) if ``SUBQUAD_COMFYUI_DEFAULT`` is ``1``/``true``/``yes``/``on``,
     and builds the native kernel in the background where it is not built and a compiler is found
-    (:func:`subquad._native.build_in_background`; ``SUBQUAD_NATIVE=off`` skips it). Returns the hooks found.
+    (``build_native_in_background``; ``SUBQUAD_NATIVE=off`` skips it). Returns the hooks found.
     """
     found = hooks()
     if found.registry:
@@ -39,9 +37,9 @@ def register() -> Hooks:
         known = getattr(attn, "REGISTERED_ATTENTION_FUNCTIONS", None)
         if not isinstance(known, dict) or NAME not in known:
             attn.register_attention_function(NAME, host_attention())
-    if settings.switch(ENV_DEFAULT):
+    if setting_on(ENV_DEFAULT):
         enable_default()
-    _native.build_in_background()  # once per machine: the next start runs the loops where they are faster
+    build_native_in_background()  # once per machine: the next start runs the loops where they are faster
     return found
 
 

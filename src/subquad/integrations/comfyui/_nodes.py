@@ -16,8 +16,8 @@ from typing import Any, Dict, List, Tuple
 import torch
 from torch import Tensor
 
-from ..._budget import Budget, parse_budget
-from .._hosts import ENV_BUDGET, checked_budget
+from ..._for_wings import Budget, parse_budget
+from .._host_budget import ENV_BUDGET, checked_budget
 from ._attention import Override, Replace, VaeAttention, vae_attention
 from ._hooks import VAE, hooks, host, unsupported
 from ._which import Setting, chart, measure, patched, table

@@ -9,13 +9,12 @@ a clone (``transformer_options["optimized_attention_override"]``; the VAE's bloc
 so the model that came in is never changed.
 
 The candidates run in interleaved rounds (each once per round, the order rotated and reversed from
-round to round), and the verdicts are read from the per-round ratios to the fastest, as
-``subquad bench`` reads them (``subquad.bench.timing``: the order-statistic interval of the median
+round to round), and the verdicts are read from the per-round ratios to the fastest by the rule
+``subquad bench`` names winners by (``compare_paired``: the order-statistic interval of the median
 ratio, 99%, a winner named only beyond 3% and at 95% coverage, else "same within noise" or
-"undecided"). That module sits above the integrations (``tests/test_architecture.py``), so
-:func:`verdicts` is a short, marked duplicate of its rule; ``tests/test_bench_host.py`` checks that
-the two agree. Peak memory: the process's RSS high-water mark on CPU (Linux), the allocator's peak
-on CUDA, the MPS driver's memory after the step on MPS.
+"undecided"). Peak memory, by the bench's meters: the process's RSS high-water mark on CPU (Linux),
+the allocator's peak on CUDA, the MPS driver's memory after the step on MPS. Both come from the
+core (``_for_wings``), below the bench and the integrations alike.
 
 The rest of the package may use :class:`Setting`, :class:`Row`, :class:`Which`, :func:`measure`,
 :func:`patched`, :func:`table`, :func:`figure`, :func:`chart`, :func:`verdicts`, :class:`Meter`
@@ -25,24 +24,29 @@ and ``SAME``: the node (``_nodes``) and ``subquad bench --host comfyui`` (in a c
 from __future__ import annotations
 
 import copy
-import gc
 import math
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
 
-from ..._budget import Budget, format_bytes, parse_budget
+from ..._for_wings import (
+    PRACTICAL,
+    SAME,
+    Budget,
+    CudaPeak,
+    MpsAfter,
+    RssPeak,
+    compare_paired,
+    format_bytes,
+    parse_budget,
+    synchronize,
+)
 from ._attention import Override, VaeAttention
 from ._hooks import ATTENTION, VAE, hooks, host, unsupported
-
-PRACTICAL = 0.03  # = subquad.bench.timing.PRACTICAL: a difference under 3% is not worth naming
-CONFIDENCE = 0.99  # = timing.CONFIDENCE
-MIN_COVERAGE = 0.95  # = timing.MIN_COVERAGE: a less sure interval names no winner
-SAME = "same within noise"
 
 FLAGS = {  # what makes an option ComfyUI's attention for every model (a restart with this flag)
     "pytorch": "--use-pytorch-cross-attention",
@@ -174,62 +178,28 @@ def patched_vae(vae: Any, candidate: Candidate) -> Any:
 # ----------------------------------------------------------------------------------- memory
 
 
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    elif device.type == "mps":
-        torch.mps.synchronize()
-
-
-def _status_bytes(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key):
-                return int(line.split()[1]) * 1024  # the kernel reports kB
-    raise OSError(f"{key} not in /proc/self/status")
-
-
 class Meter:
-    """Peak memory of one call above its start, as ``subquad.bench.meters`` reads it (a short
-    duplicate): CUDA's allocator peak; MPS driver memory after the call (no peak counter); CPU RSS
-    high-water mark (Linux). ``method`` says which; ``stop()`` is ``None`` where there is none."""
+    """Peak memory of one call above its start, read by ``subquad bench``'s meters: CUDA's allocator
+    peak; MPS driver memory after the call (no peak counter); CPU RSS high-water mark (Linux).
+    ``method`` says which in words; ``stop()`` is ``None`` where there is none."""
 
     def __init__(self, device: torch.device) -> None:
-        self.device, self.base = device, 0
+        self.device = device
+        self.meter: Optional[Union[CudaPeak, MpsAfter, RssPeak]] = None
+        self.method = ""
         if device.type == "cuda":
-            self.method = "CUDA allocator peak (max_memory_allocated)"
+            self.meter, self.method = CudaPeak(device), "CUDA allocator peak (max_memory_allocated)"
         elif device.type == "mps":
-            self.method = "MPS driver memory after the step (no peak counter on MPS)"
-        else:
-            try:
-                _status_bytes("VmHWM")
-                with open("/proc/self/clear_refs", "w") as f:
-                    f.write("5")
-                self.method = "process RSS high-water mark"
-            except OSError:
-                self.method = ""
+            self.meter, self.method = MpsAfter(), "MPS driver memory after the step (no peak counter on MPS)"
+        elif RssPeak.available() is None:
+            self.meter, self.method = RssPeak(), "process RSS high-water mark"
 
     def start(self) -> None:
-        synchronize(self.device)
-        if self.device.type == "cuda":
-            self.base = torch.cuda.memory_allocated(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-        elif self.device.type == "mps":
-            torch.mps.empty_cache()
-            self.base = torch.mps.driver_allocated_memory()
-        elif self.method:
-            gc.collect(1)
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")  # 5 resets VmHWM to the current RSS
-            self.base = _status_bytes("VmRSS")
+        if self.meter is not None:
+            self.meter.start()
 
     def stop(self) -> Optional[int]:
-        synchronize(self.device)
-        if self.device.type == "cuda":
-            return int(torch.cuda.max_memory_allocated(self.device)) - self.base
-        if self.device.type == "mps":
-            return max(0, int(torch.mps.driver_allocated_memory()) - self.base)
-        return max(0, _status_bytes("VmHWM") - self.base) if self.method else None
+        return self.meter.stop() if self.meter is not None else None
 
 
 # ----------------------------------------------------------------------------------- timing
@@ -245,25 +215,10 @@ def orders(names: Sequence[str], rounds: int) -> List[List[str]]:
     return out
 
 
-def _order_interval(values: Sequence[float]) -> Tuple[float, float, float]:
-    """The order-statistic interval of the median (``timing.median_interval``): ``(low, high, coverage)``."""
-    xs, n = sorted(values), len(values)
-
-    def below(k: int) -> float:  # P(Binomial(n, 1/2) <= k)
-        return float(sum(math.comb(n, i) for i in range(k + 1)) / 2**n)
-
-    best = (xs[0], xs[-1], 1.0 - 2 * below(0) if n > 1 else 0.0)
-    for k in range(2, n // 2 + 1):
-        coverage = 1.0 - 2 * below(k - 1)
-        if coverage < CONFIDENCE:
-            break
-        best = (xs[k - 1], xs[n - k], coverage)
-    return best
-
-
 def verdicts(samples: Mapping[str, Sequence[float]]) -> Dict[str, str]:
-    """Each name's verdict against the fastest by median (per-round ratios of the same rounds):
-    ``"fastest"``, ``SAME``, ``"1.31x slower"`` or ``"undecided (1.08x): more rounds needed"``."""
+    """Each name's verdict against the fastest by median (per-round ratios of the same rounds,
+    ``compare_paired``): ``"fastest"``, ``SAME``, ``"1.31x slower"`` or
+    ``"undecided (1.08x): more rounds needed"``."""
     samples = {k: list(v) for k, v in samples.items() if v}
     if not samples:
         return {}
@@ -273,13 +228,11 @@ def verdicts(samples: Mapping[str, Sequence[float]]) -> Dict[str, str]:
     for name, times in samples.items():
         if name == best:
             continue
-        ratios = [a / b for a, b in zip(times, samples[best]) if b > 0]
-        ratio = statistics.median(ratios)
-        low, _, coverage = _order_interval(ratios) if len(ratios) > 1 else (ratio, ratio, 0.0)
-        if coverage >= MIN_COVERAGE and low > 1.0 + PRACTICAL:
-            out[name] = f"{ratio:.2f}x slower"
-        elif ratio > 1.0 + PRACTICAL:
-            out[name] = f"undecided ({ratio:.2f}x): more rounds needed"
+        c = compare_paired(name, times, best, samples[best])
+        if c.verdict == "slower":
+            out[name] = f"{c.ratio:.2f}x slower"
+        elif c.ratio > 1.0 + PRACTICAL:  # beyond the threshold, but its interval is not yet
+            out[name] = f"undecided ({c.ratio:.2f}x): more rounds needed"
         else:
             out[name] = SAME
     return out

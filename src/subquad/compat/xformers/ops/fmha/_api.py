@@ -18,7 +18,7 @@ from typing import Any, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
-from subquad._errors import ArgumentError
+from subquad import ArgumentError
 
 from . import _attend, _merge
 from ._inputs import Inputs

@@ -24,7 +24,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from subquad._errors import ArgumentError, ArgumentTypeError
+from subquad import ArgumentError, ArgumentTypeError
 
 from ._reading import Blocks, Dense, Reading, read_bias
 

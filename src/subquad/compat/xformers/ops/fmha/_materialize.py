@@ -12,7 +12,7 @@ from typing import Tuple, Union
 import torch
 from torch import Tensor
 
-from subquad._errors import ArgumentError
+from subquad import ArgumentError
 
 from ._reading import Band, Blocks, Dense, Reading
 

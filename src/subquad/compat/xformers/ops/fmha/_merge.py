@@ -10,7 +10,7 @@ from typing import List, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
-from subquad._errors import ArgumentError
+from subquad import ArgumentError
 
 Chunks = Union[Tensor, Sequence[Tensor]]
 

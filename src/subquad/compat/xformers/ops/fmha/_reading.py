@@ -22,7 +22,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from torch import Tensor
 
-from subquad._errors import ArgumentError
+from subquad import ArgumentError
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from typing import Any, Iterable, Iterator, List, Optional, Sequence, Tuple, Uni
 import torch
 from torch import Tensor
 
-from subquad._errors import ArgumentError
+from subquad import ArgumentError
 
 Device = Union[str, torch.device, None]
 ToDevice = Union[str, torch.device]  # what the offsets' .to() takes (torch.device(None) raises)

@@ -30,7 +30,7 @@ from typing import Any, Callable, ClassVar, List, Optional, Sequence, Tuple, Typ
 import torch
 from torch import Tensor
 
-from subquad._errors import ArgumentError
+from subquad import ArgumentError
 
 from ._materialize import materialize as _materialize
 from ._reading import read_bias
