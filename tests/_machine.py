@@ -134,8 +134,12 @@ FIXED_SCORE_MOD_S = 5e-9
 
 # ------------------------------------------------------------------------------ the CPU
 
-TILE_PASSES = frozenset({"exp2_rows_bf16", "softmax_grad_rows_bf16", "next_offsets", "online_update"})
-"""The native kernel's per-tile passes: every build has them (portable C++)."""
+TILE_PASSES = frozenset(
+    {"exp2_rows_bf16", "softmax_grad_rows_bf16", "next_offsets", "online_update"}
+    | {"aten_products_work", "set_products", "products"}
+)
+"""The native kernel's per-tile passes and the loops' products switch: every build has them
+(portable C++)."""
 WIDE_LOOPS = frozenset({"forward_segment_f32", "backward_segment_f32", "forward_packed_f32"})
 """Its float32/float16 loops: a build for AVX512F, or AVX2 with FMA."""
 BF16_LOOPS = frozenset({"forward_segment_bf16", "backward_segment_bf16", "forward_packed_bf16"})

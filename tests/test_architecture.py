@@ -29,6 +29,7 @@ LAYERS: List[Tuple[str, ...]] = [
     ("subquad.__main__", "subquad._cli", "subquad.bench"),
     ("subquad.integrations", "subquad.compat", "subquad.distributed", "subquad.jax"),
     ("subquad",),  # the package face: __init__
+    ("subquad._for_wings",),  # what the core exports for its wings
     ("subquad._api", "subquad._api_varlen", "subquad._calibrate"),
     ("subquad._compile",),
     ("subquad._call",),
@@ -46,7 +47,9 @@ LAYERS: List[Tuple[str, ...]] = [
     ("subquad._tiles",),
     ("subquad._callbacks",),
     ("subquad._validate",),
+    ("subquad._options",),  # the call's options, one record from the face down
     ("subquad._inputs",),
+    ("subquad._meters", "subquad._verdicts"),  # measurement shared by subquad bench and the wings
     ("subquad._budget",),
     ("subquad._errors", "subquad._requires", "subquad._probes", "subquad._settings"),
 ]
@@ -59,6 +62,13 @@ LAZY_WING = {"subquad"}
 LONG_MODULES: Set[str] = {
     "subquad.mods",  # each built-in with its drawing and block states
     "subquad.compat.xformers.ops.fmha.attn_bias",  # xformers' 20 bias classes, one module as in xformers
+}
+
+# The most lines a function may take, its docstring aside (nested functions count within their
+# parent), and the functions allowed more, each named with why; prefer none.
+FUNCTION_LINES = 80
+LONG_FUNCTIONS: Set[str] = {
+    "subquad.jax._sharded.mesh_plan",  # issue 57: split in progress
 }
 
 
@@ -254,3 +264,35 @@ def test_the_code_says_what_it_does_and_the_docs_what_was_measured():
         if pattern.search(line)
     ]
     assert not found, "\n".join(found)
+
+
+def _function_lines() -> Dict[str, int]:
+    """Each function's lines without its docstring, by ``module.Class.function`` (nested ones
+    also by their own name under their parent's)."""
+    lines: Dict[str, int] = {}
+
+    def visit(node: ast.AST, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                name = f"{prefix}.{child.name}"
+                n = (child.end_lineno or child.lineno) - child.lineno + 1
+                if ast.get_docstring(child, clean=False) is not None:
+                    doc = child.body[0]
+                    n -= (doc.end_lineno or doc.lineno) - doc.lineno + 1
+                lines[name] = max(n, lines.get(name, 0))  # a name defined twice (a property's setter)
+                visit(child, name)
+            else:
+                visit(child, f"{prefix}.{child.name}" if isinstance(child, ast.ClassDef) else prefix)
+
+    for module, path in MODULES.items():
+        visit(ast.parse(path.read_text()), module)
+    return lines
+
+
+def test_functions_are_short():
+    # A function over a screen names no steps: split it by the steps it takes (issue 57).
+    lines = _function_lines()
+    too_long = {f: n for f, n in sorted(lines.items()) if n > FUNCTION_LINES and f not in LONG_FUNCTIONS}
+    assert not too_long, f"functions over {FUNCTION_LINES} lines, docstring aside: {too_long}"
+    stale = sorted(f for f in LONG_FUNCTIONS if lines.get(f, 0) <= FUNCTION_LINES)
+    assert not stale, f"no longer over {FUNCTION_LINES} lines (or gone), take them out of LONG_FUNCTIONS: {stale}"

@@ -291,11 +291,11 @@ def test_alibis_slopes_and_shift_are_the_callbacks_in_the_calls_positions(q_offs
 
 REFUSED = {
     "a hand-written window": dict(mask_mod=lambda b, h, i, j: (i - j).abs() <= 8),
-    "and_masks(causal, a document mask)": dict(
-        mask_mod=mods.and_masks(mods.causal(), mods.document([0] * 20 + [1] * 20))
+    "and_masks(causal, a document whose keys lie in two ranges)": dict(
+        mask_mod=mods.and_masks(mods.causal(), mods.document([0] * 10 + [1] * 20 + [0] * 10))
     ),
     "or_masks of two windows": dict(mask_mod=mods.or_masks(mods.sliding_window(2), mods.local_window(0, 0, offset=9))),
-    "a prefix-LM mask": dict(mask_mod=mods.prefix_lm(5)),
+    "or_masks(prefix-LM, a window)": dict(mask_mod=mods.or_masks(mods.prefix_lm(5), mods.sliding_window(3))),
     "ALiBi of too few slopes": dict(score_mod=mods.alibi(torch.ones(2))),
     "ALiBi of learnable slopes": dict(score_mod=mods.alibi(torch.ones(4, requires_grad=True))),
     "a hand-written bias": dict(score_mod=lambda s, b, h, i, j: s - (i - j).abs()),

@@ -10,7 +10,7 @@ from typing import Any, Callable, Dict, List, Tuple
 
 import torch
 
-from . import mods
+from . import _native, mods
 from ._api import attention
 from ._backends import calibration
 
@@ -78,4 +78,33 @@ def measure(dtype: torch.dtype, training: bool, shape: calibration.Shape, kind: 
     return loops, fused
 
 
+def measure_products(which: str, shape: calibration.Shape) -> Tuple[float, float]:
+    """``(ATen's seconds, own seconds)``: one round of the loops' forward on ``shape`` with each of
+    their two ways to multiply (``backend="matmul"``, which runs the loops), alternating which
+    goes first; the kernel's setting is restored after."""
+    kernel = _native.tile_kernel()
+    assert kernel is not None, "calibrate_products checks that the kernel is loaded"
+    dtype = torch.bfloat16 if which == "bfloat16" else torch.float32
+    q, k, v = _inputs(dtype, False, shape)
+    was = kernel.products(which) == "aten"
+
+    def timed(aten: bool) -> float:
+        kernel.set_products(which, aten)
+        with torch.inference_mode(False), torch.no_grad():
+            return _seconds(lambda: attention(q, k, v, backend="matmul"))
+
+    _ROUND[0] += 1
+    try:
+        if _ROUND[0] % 2:
+            aten = timed(True)
+            own = timed(False)
+        else:
+            own = timed(False)
+            aten = timed(True)
+    finally:
+        kernel.set_products(which, was)
+    return aten, own
+
+
 calibration.MEASURE = measure
+calibration.MEASURE_PRODUCTS = measure_products

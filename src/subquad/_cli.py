@@ -86,16 +86,18 @@ def print_calibration() -> None:
             "kernel on this CPU"
         )
         return
+    entries = calibration.table() if calibration.enabled() else {}
     if not calibration.enabled():
         print("calibration: off (SUBQUAD_CALIBRATE=0): the fallback thresholds decide")
-        return
-    entries = calibration.table()
-    if not entries:
+    elif not entries:
         print("calibration: not measured yet (on the first call the loops could take, or `subquad calibrate`)")
-        return
-    print(f"calibration (measured on this CPU; {calibration.path()}):")
+    else:
+        print(f"calibration (measured on this CPU; {calibration.path()}):")
     for key in sorted(entries):
         print(f"  {calibration.describe(entries[key])}")
+    for which in calibration.PRODUCT_KINDS:
+        loops = "float32 and float16" if which == "float32" else which
+        print(f"  {loops} loops' products: {calibration.products_choice(which)[1]}")
 
 
 def _calibrate(dtypes: Optional[str], inference: bool, training: bool) -> int:
@@ -117,18 +119,23 @@ def _calibrate(dtypes: Optional[str], inference: bool, training: bool) -> int:
     names = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
     wanted = [names[d.strip()] for d in dtypes.split(",")] if dtypes else [d for d, ok in has.items() if ok]
     directions = [d for d, on in ((False, inference), (True, training)) if on] or [False, True]
+    remeasured = set()
     for dtype in wanted:
         if not has[dtype]:
             print(f"subquad calibrate: this build has no {dtype} loops", file=sys.stderr)
             continue
-        for grad in directions:
-            try:
+        try:
+            which = calibration.products_of(dtype)
+            if which not in remeasured:  # first the loops' products, then the loops on them
+                remeasured.add(which)
+                products = calibration.calibrate_products(which)
+                if products is not None:
+                    print(calibration.describe_products(products))
+            for grad in directions:
                 print(calibration.describe(calibration.calibrate(dtype, grad)))
-            except calibration.Unsettled as e:
-                print(
-                    f"subquad calibrate: the rounds disagreed, the machine is busy ({e}); nothing kept", file=sys.stderr
-                )
-                return 1
+        except calibration.Unsettled as e:
+            print(f"subquad calibrate: the rounds disagreed, the machine is busy ({e}); nothing kept", file=sys.stderr)
+            return 1
     return 0
 
 

@@ -44,7 +44,7 @@ import time
 import warnings
 from pathlib import Path
 from types import ModuleType
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 
@@ -54,6 +54,8 @@ _SOURCE = Path(__file__).with_name("_native_tiles.cpp")
 _MODES = ("auto", "build", "off")
 _LOCK = threading.Lock()
 _LOADED: Dict[str, Optional[ModuleType]] = {}  # "module": the kernel or None, once decided
+ON_LOAD: List[Callable[[ModuleType], None]] = []
+"""Called with the kernel once it is loaded (the calibration sets which products its loops run)."""
 
 
 def _flags() -> List[str]:
@@ -207,6 +209,12 @@ def tile_kernel() -> Optional[ModuleType]:
             warnings.warn(f"subquad: the native tile kernel is not used ({type(e).__name__}: {e})", stacklevel=2)
             module = None
     _LOADED["module"] = module
+    if module is not None:
+        for hook in ON_LOAD:
+            try:
+                hook(module)
+            except Exception as e:  # the kernel runs as built
+                warnings.warn(f"subquad: setting up the native kernel: {type(e).__name__}: {e}", stacklevel=2)
     return module
 
 

@@ -23,6 +23,14 @@
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#if __has_include(<ATen/native/CPUBlas.h>)
+#include <ATen/native/CPUBlas.h>
+#endif
+// ATen's CPU BLAS micro-kernels (at::native::cpublas::brgemm: oneDNN's, on AMX tiles where the CPU
+// has them, AVX512 or AVX2 elsewhere, chosen at run time), where this torch exports them.
+#if defined(CPUBLAS_BRGEMM_BF16BF16F32) && defined(CPUBLAS_BRGEMM_F32F32F32)
+#define SUBQUAD_ATEN_PRODUCTS 1
+#endif
 
 // The float32 loops need 512-bit FMA (AVX512F) or 256-bit FMA (AVX2 and FMA); the bfloat16 ones
 // AVX512-BF16.
@@ -39,6 +47,7 @@
 #include <initializer_list>
 #include <limits>
 #include <optional>
+#include <string>
 #include <tuple>
 #include <type_traits>
 #include <vector>
@@ -46,6 +55,14 @@
 namespace {
 
 constexpr double kLog2e = 1.4426950408889634;
+
+// Which products the loops run: bit kWideProducts for the float32 loops (float32 and float16
+// inputs), kPairProducts for the bfloat16 ones; a set bit: ATen's micro-kernels, else the
+// micro-kernels below (set_products). Read once per call; the call's threads keep it in
+// tl_aten_products for its products.
+constexpr int kWideProducts = 1, kPairProducts = 2;
+std::atomic<int> g_aten_products{0};
+thread_local bool tl_aten_products = false;
 
 inline float bf16_to_float(uint16_t h) {
   uint32_t u = static_cast<uint32_t>(h) << 16;
@@ -414,6 +431,28 @@ void gemm_pairs(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t ldb, 
 #endif
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+inline int64_t round16(int64_t n) { return round_up(n, 16); }
+inline const at::BFloat16* as_bf16(const uint16_t* p) { return reinterpret_cast<const at::BFloat16*>(p); }
+
+// While alive, this thread's products are ATen's where `aten` (the call's set_products bit); at
+// the end the thread's AMX state is released, as torch's own kernels do after theirs.
+struct ProductsScope {
+  const bool aten, pairs;
+  ProductsScope(bool aten_, bool pairs_) : aten(aten_), pairs(pairs_) { tl_aten_products = aten; }
+  ~ProductsScope() {
+#if defined(SUBQUAD_ATEN_PRODUCTS)
+    if (aten) at::native::cpublas::brgemm_release(pairs);
+#endif
+    tl_aten_products = false;
+  }
+  ProductsScope(const ProductsScope&) = delete;
+  ProductsScope& operator=(const ProductsScope&) = delete;
+};
+
+template <class Tiles>
+bool aten_products_on() {
+  return (g_aten_products.load(std::memory_order_relaxed) & Tiles::kProducts) != 0;
+}
 
 void check_inputs(std::initializer_list<torch::Tensor> ts, const char* what, bool wide) {
   const auto first = ts.begin()->scalar_type();
@@ -583,23 +622,58 @@ constexpr int64_t kUnbounded = std::numeric_limits<int64_t>::max() / 4;
 // local_window and their intersections), and ALiBi, adding -slope[h] · |(q0 + i) - (k0 + j) +
 // shift| to head h's scaled scores (shift: the callback's query positions minus its keys').
 // slopes: per query head, times log2 e (the scores' units); empty: no ALiBi.
+// And per-row ranges of keys (document masks with sorted key ids, prefix-LM, key padding): query
+// i of batch entry b sees only keys [ranges[b][i][0], ranges[b][i][1]) of the call's k (0: its first
+// key; a batch of 1 broadcast), intersected with the band.
 struct Mods {
   int64_t lo = -kUnbounded, hi = kUnbounded;
   std::vector<float> slopes;
   int64_t shift = 0;
+  const int64_t* ranges = nullptr;  // (range_batch, rows, 2) int64, contiguous
+  int64_t range_batch = 0, range_rows = 0;
   bool alibi() const { return !slopes.empty(); }
   // Keys [first, end) of a block of keys from k0 + j0 on, nb of them, that query q0 + i sees; at
   // = (q0 + i) - (k0 + j0), the block's key on the row's diagonal.
   int64_t first(int64_t at, int64_t nb) const { return std::clamp<int64_t>(at - hi, 0, nb); }
   int64_t end(int64_t at, int64_t nb, int64_t from) const { return std::clamp<int64_t>(at - lo + 1, from, nb); }
+  // [from, vis) of the block of keys from j0 on, nb of them, narrowed to query i's range.
+  void narrow(int64_t b, int64_t i, int64_t j0, int64_t nb, int64_t& from, int64_t& vis) const {
+    if (ranges == nullptr) return;
+    const int64_t* r = ranges + ((range_batch == 1 ? 0 : b) * range_rows + i) * 2;
+    from = std::max(from, std::clamp<int64_t>(r[0] - j0, 0, nb));
+    vis = std::max(from, std::min(vis, std::clamp<int64_t>(r[1] - j0, 0, nb)));
+  }
+  // [j_first, j_end) of the kn keys narrowed to what rows [i0, i0 + rows) of batch entry b see.
+  void narrow_rows(int64_t b, int64_t i0, int64_t rows, int64_t kn, int64_t& j_first, int64_t& j_end) const {
+    if (ranges == nullptr) return;
+    int64_t lo_all = kn, hi_all = 0;
+    for (int64_t i = i0; i < i0 + rows; ++i) {
+      const int64_t* r = ranges + ((range_batch == 1 ? 0 : b) * range_rows + i) * 2;
+      if (r[1] <= r[0]) continue;  // the row sees nothing here
+      lo_all = std::min(lo_all, r[0]);
+      hi_all = std::max(hi_all, r[1]);
+    }
+    j_first = std::max(j_first, std::clamp<int64_t>(lo_all, 0, kn) / 32 * 32);
+    j_end = std::min(j_end, std::clamp<int64_t>(hi_all, 0, kn));
+  }
 };
 
 // The Mods of an exported loop's arguments: causal (query i sees keys j <= i + causal_offset),
 // window_lo and window_hi (None: that side open), slopes (None, or float32 of one per query head
 // of hq) and alibi_shift.
 Mods mods_of(bool causal, int64_t causal_offset, std::optional<int64_t> window_lo, std::optional<int64_t> window_hi,
-             const std::optional<torch::Tensor>& slopes, int64_t alibi_shift, int64_t hq) {
+             const std::optional<torch::Tensor>& slopes, int64_t alibi_shift, int64_t hq,
+             const std::optional<torch::Tensor>& ranges = std::nullopt, int64_t batch = 1, int64_t qn = 0) {
   Mods mods;
+  if (ranges.has_value()) {
+    const auto& t = *ranges;
+    TORCH_CHECK(t.dim() == 3 && (t.size(0) == 1 || t.size(0) == batch) && t.size(1) == qn && t.size(2) == 2 &&
+                    t.scalar_type() == torch::kLong && t.is_contiguous() && t.device().is_cpu(),
+                "ranges: a contiguous int64 CPU tensor of (1 or B, Lq, 2): each query row's [first, end) keys");
+    mods.ranges = t.data_ptr<int64_t>();
+    mods.range_batch = t.size(0);
+    mods.range_rows = qn;
+  }
   const auto bounded = [](int64_t x) { return std::clamp<int64_t>(x, -kUnbounded, kUnbounded); };
   if (window_lo.has_value()) mods.lo = bounded(*window_lo);
   if (window_hi.has_value()) mods.hi = bounded(*window_hi);
@@ -736,16 +810,30 @@ struct WideTiles {
   }
   static torch::Tensor keys(const torch::Tensor& k, int64_t npad) { return wide_dims(k, npad); }
   static torch::Tensor values(const torch::Tensor& v, int64_t npad, int64_t evp) { return wide_rows(v, npad, evp); }
+  static constexpr int kProducts = kWideProducts;
   static void scores(const float* q, int64_t e, const float* kd, int64_t kvh, int64_t npad, int64_t j0, int64_t nb,
                      int64_t rows, float* s, int64_t lds) {
     const int64_t ld = npad + kSkew;
-    gemm_blocks<WideMicro, false>(q, e, kd + kvh * e * ld + j0, ld, e, s, lds, rows, (nb + 15) / 16);
+    const float* b = kd + kvh * e * ld + j0;
+#if defined(SUBQUAD_ATEN_PRODUCTS)
+    if (tl_aten_products) {
+      at::native::cpublas::brgemm(rows, round16(nb), e, e, ld, lds, false, q, b, s, false);
+      return;
+    }
+#endif
+    gemm_blocks<WideMicro, false>(q, e, b, ld, e, s, lds, rows, (nb + 15) / 16);
   }
   // C (m x 16·n16) (ACC: +)= A (m x red, row stride lda) · B, B `red` rows of dpad columns as
   // pack_rows or values lay them out.
   template <bool ACC>
   static void over_rows(const float* a, int64_t lda, const float* b, int64_t dpad, int64_t red, float* c, int64_t ldc,
                         int64_t m, int64_t n16) {
+#if defined(SUBQUAD_ATEN_PRODUCTS)
+    if (tl_aten_products) {
+      at::native::cpublas::brgemm(m, 16 * n16, red, lda, dpad, ldc, ACC, a, b, c, false);
+      return;
+    }
+#endif
     gemm_blocks<WideMicro, ACC>(a, lda, b, dpad, red, c, ldc, m, n16);
   }
   template <bool ACC = false>
@@ -799,14 +887,28 @@ struct PairTiles {
   }
   static torch::Tensor keys(const torch::Tensor& k, int64_t npad) { return pairs_of_dims(k, npad); }
   static torch::Tensor values(const torch::Tensor& v, int64_t npad, int64_t evp) { return pairs_of_rows(v, npad, evp); }
+  static constexpr int kProducts = kPairProducts;
   static void scores(const uint16_t* q, int64_t e, const uint16_t* kd, int64_t kvh, int64_t npad, int64_t j0,
                      int64_t nb, int64_t rows, float* s, int64_t lds) {
     const int64_t e2 = (e + 1) / 2, ld = npad + kSkew;
-    gemm_pairs(q, e2 * 2, kd + kvh * e2 * ld * 2 + j0 * 2, ld * 2, e2, s, lds, rows, (nb + 15) / 16);
+    const uint16_t* b = kd + kvh * e2 * ld * 2 + j0 * 2;
+#if defined(SUBQUAD_ATEN_PRODUCTS)
+    if (tl_aten_products) {  // B's pairs are the "VNNI" layout: ldb counts columns
+      at::native::cpublas::brgemm(rows, round16(nb), e2 * 2, e2 * 2, ld, lds, false, as_bf16(q), as_bf16(b), s, true);
+      return;
+    }
+#endif
+    gemm_pairs(q, e2 * 2, b, ld * 2, e2, s, lds, rows, (nb + 15) / 16);
   }
   template <bool ACC>
   static void over_rows(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t dpad, int64_t red, float* c,
                         int64_t ldc, int64_t m, int64_t n16) {
+#if defined(SUBQUAD_ATEN_PRODUCTS)
+    if (tl_aten_products) {
+      at::native::cpublas::brgemm(m, 16 * n16, round_up(red, 2), lda, dpad, ldc, ACC, as_bf16(a), as_bf16(b), c, true);
+      return;
+    }
+#endif
     gemm_pairs<ACC>(a, lda, b, dpad * 2, round_up(red, 2) / 2, c, ldc, m, n16);
   }
   template <bool ACC = false>
@@ -887,7 +989,9 @@ void forward_segment(const torch::Tensor& q, const torch::Tensor& k, const torch
   // thread whose core the VM slows takes fewer of them instead of holding up the call.
   const int64_t tasks = bhq * nqb;
   std::atomic<int64_t> next_task{0};
+  const bool aten = aten_products_on<Tiles>();
   at::parallel_for(0, std::min<int64_t>(tasks, at::get_num_threads()), 1, [&](int64_t, int64_t) {
+    const ProductsScope products(aten, Tiles::kStep == 2);
     std::vector<Op> q_buf(static_cast<size_t>(qb * qw), Op(0));
     std::vector<float> s_buf(static_cast<size_t>(qb * kb));
     std::vector<Op> p_buf(std::is_same_v<Op, float> ? 0 : static_cast<size_t>(qb * kb));  // float p: over s
@@ -900,7 +1004,8 @@ void forward_segment(const torch::Tensor& q, const torch::Tensor& k, const torch
       // Keys [j_first, j_end) are seen by some row of the task: the products start at the block of
       // 32 that holds its first row's first key and stop at its last row's last key.
       const int64_t at0 = q0 + i0 - k0;  // the diagonal's key on the task's first row
-      const int64_t j_first = mods.first(at0, kn) / 32 * 32, j_end = mods.end(at0 + rows - 1, kn, 0);
+      int64_t j_first = mods.first(at0, kn) / 32 * 32, j_end = mods.end(at0 + rows - 1, kn, 0);
+      mods.narrow_rows(b, i0, rows, kn, j_first, j_end);
       if (j_end <= j_first) continue;
       for (int64_t r = 0; r < rows; ++r)
         Tiles::q_row(q, b * q.stride(0) + h * q.stride(1) + (i0 + r) * q.stride(2), e, q_buf.data() + r * qw);
@@ -915,7 +1020,8 @@ void forward_segment(const torch::Tensor& q, const torch::Tensor& k, const torch
         for (int64_t r = 0; r < rows; ++r) {
           const int64_t row = bh * s_head + (s_row0 + i0 + r) * s_row;
           const int64_t at = at0 + r - j0;  // the row's diagonal in this block
-          const int64_t from = mods.first(at, nb), vis = mods.end(at, nb, from);  // it sees keys [from, vis)
+          int64_t from = mods.first(at, nb), vis = mods.end(at, nb, from);  // it sees keys [from, vis)
+          mods.narrow(b, i0 + r, j0, nb, from, vis);
           float* x = s + r * kb + from;
           const int64_t n = vis - from;
           float mx = neg_inf, mul = a;
@@ -982,9 +1088,11 @@ void forward_segment(const torch::Tensor& q, const torch::Tensor& k, const torch
 void forward_segment_f32(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor m_run, torch::Tensor l,
                          torch::Tensor acc, double alpha, int64_t q0, int64_t k0, bool causal, int64_t causal_offset,
                          std::optional<torch::Tensor> mask, double softcap, std::optional<int64_t> window_lo,
-                         std::optional<int64_t> window_hi, std::optional<torch::Tensor> slopes, int64_t alibi_shift) {
+                         std::optional<int64_t> window_hi, std::optional<torch::Tensor> slopes, int64_t alibi_shift,
+                         std::optional<torch::Tensor> ranges) {
   check_inputs({q, k, v}, "q, k, v", true);
-  const Mods mods = mods_of(causal, causal_offset, window_lo, window_hi, slopes, alibi_shift, q.size(1));
+  const Mods mods = mods_of(causal, causal_offset, window_lo, window_hi, slopes, alibi_shift, q.size(1), ranges,
+                             q.size(0), q.size(2));
   forward_segment<WideTiles>(q, k, v, m_run, l, acc, alpha, q0, k0, mods, mask, softcap);
 }
 
@@ -1120,7 +1228,9 @@ void backward_segment(const torch::Tensor& q, const torch::Tensor& k, const torc
   const float yc = static_cast<float>(softcap * kLog2e);
   const int64_t tasks = batch * hk;
   std::atomic<int64_t> next_task{0};
+  const bool aten = aten_products_on<Tiles>();
   at::parallel_for(0, std::min<int64_t>(tasks, at::get_num_threads()), 1, [&](int64_t, int64_t) {
+    const ProductsScope products(aten, Tiles::kStep == 2);
     std::vector<Op> q_flat(static_cast<size_t>(qb * qw)), q_pair(static_cast<size_t>(qb * ep), Op(0));
     std::vector<Op> o_flat(static_cast<size_t>(qb * ow)), o_pair(static_cast<size_t>(qb * evp), Op(0));
     std::vector<float> s_buf(static_cast<size_t>(qb * kb)), dp_buf(static_cast<size_t>(qb * kb));
@@ -1138,7 +1248,8 @@ void backward_segment(const torch::Tensor& q, const torch::Tensor& k, const torc
           const int64_t rows = std::min(qb, qn - i0), rows2 = round_up(rows, step);
           // Keys [j_first, j_end) of the segment are seen by some row of the block (from a block of 32).
           const int64_t at0 = q0 + i0 - k0;  // the diagonal's key on the block's first row
-          const int64_t j_first = mods.first(at0, kn) / 32 * 32, j_end = mods.end(at0 + rows - 1, kn, 0);
+          int64_t j_first = mods.first(at0, kn) / 32 * 32, j_end = mods.end(at0 + rows - 1, kn, 0);
+          mods.narrow_rows(b, i0, rows, kn, j_first, j_end);
           if (j_end <= j_first) continue;
           Tiles::pack_rows(q, b, h, i0, rows, q_flat.data(), q_pair.data(), ep);
           Tiles::pack_rows(dout, b, h, i0, rows, o_flat.data(), o_pair.data(), evp);
@@ -1152,8 +1263,9 @@ void backward_segment(const torch::Tensor& q, const torch::Tensor& k, const torc
             for (int64_t r = 0; r < rows2; ++r) {
               Op* dsr = ds.data() + r * kb;
               const int64_t at = at0 + r - j0;  // the row's diagonal in this block
-              const int64_t from = r < rows ? mods.first(at, nb) : 0;
-              const int64_t vis = r < rows ? mods.end(at, nb, from) : 0;  // the row sees keys [from, vis)
+              int64_t from = r < rows ? mods.first(at, nb) : 0;
+              int64_t vis = r < rows ? mods.end(at, nb, from) : 0;  // the row sees keys [from, vis)
+              if (r < rows) mods.narrow(b, i0 + r, j0, nb, from, vis);
               if (vis > from) {
                 const int64_t row = (b * hq + h) * qn + i0 + r, n = vis - from;
                 const float l2 = l2p[row], d_row = ddp[row];
@@ -1224,9 +1336,11 @@ void backward_segment_f32(torch::Tensor q, torch::Tensor k, torch::Tensor v, tor
                           torch::Tensor dd, torch::Tensor dq, torch::Tensor dk, torch::Tensor dv, double alpha,
                           double scale, int64_t q0, int64_t k0, bool causal, int64_t causal_offset,
                           std::optional<torch::Tensor> mask, double softcap, std::optional<int64_t> window_lo,
-                          std::optional<int64_t> window_hi, std::optional<torch::Tensor> slopes, int64_t alibi_shift) {
+                          std::optional<int64_t> window_hi, std::optional<torch::Tensor> slopes, int64_t alibi_shift,
+                         std::optional<torch::Tensor> ranges) {
   check_inputs({q, k, v, dout}, "q, k, v, dout", true);
-  const Mods mods = mods_of(causal, causal_offset, window_lo, window_hi, slopes, alibi_shift, q.size(1));
+  const Mods mods = mods_of(causal, causal_offset, window_lo, window_hi, slopes, alibi_shift, q.size(1), ranges,
+                             q.size(0), q.size(2));
   backward_segment<WideTiles>(q, k, v, dout, lse2, dd, dq, dk, dv, alpha, scale, q0, k0, mods, mask, softcap);
 }
 
@@ -1235,9 +1349,11 @@ void backward_segment_f32(torch::Tensor q, torch::Tensor k, torch::Tensor v, tor
 void forward_segment_bf16(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor m_run, torch::Tensor l,
                           torch::Tensor acc, double alpha, int64_t q0, int64_t k0, bool causal, int64_t causal_offset,
                           std::optional<torch::Tensor> mask, double softcap, std::optional<int64_t> window_lo,
-                          std::optional<int64_t> window_hi, std::optional<torch::Tensor> slopes, int64_t alibi_shift) {
+                          std::optional<int64_t> window_hi, std::optional<torch::Tensor> slopes, int64_t alibi_shift,
+                         std::optional<torch::Tensor> ranges) {
   check_bf16({q, k, v}, "q, k, v");
-  const Mods mods = mods_of(causal, causal_offset, window_lo, window_hi, slopes, alibi_shift, q.size(1));
+  const Mods mods = mods_of(causal, causal_offset, window_lo, window_hi, slopes, alibi_shift, q.size(1), ranges,
+                             q.size(0), q.size(2));
   forward_segment<PairTiles>(q, k, v, m_run, l, acc, alpha, q0, k0, mods, mask, softcap);
 }
 
@@ -1255,13 +1371,85 @@ void backward_segment_bf16(torch::Tensor q, torch::Tensor k, torch::Tensor v, to
                            double scale, int64_t q0, int64_t k0, bool causal, int64_t causal_offset,
                            std::optional<torch::Tensor> mask, double softcap, std::optional<int64_t> window_lo,
                            std::optional<int64_t> window_hi, std::optional<torch::Tensor> slopes,
-                           int64_t alibi_shift) {
+                           int64_t alibi_shift, std::optional<torch::Tensor> ranges) {
   check_bf16({q, k, v, dout}, "q, k, v, dout");
-  const Mods mods = mods_of(causal, causal_offset, window_lo, window_hi, slopes, alibi_shift, q.size(1));
+  const Mods mods = mods_of(causal, causal_offset, window_lo, window_hi, slopes, alibi_shift, q.size(1), ranges,
+                             q.size(0), q.size(2));
   backward_segment<PairTiles>(q, k, v, dout, lse2, dd, dq, dk, dv, alpha, scale, q0, k0, mods, mask, softcap);
 }
 #endif  // __AVX512BF16__
 #endif  // SUBQUAD_WIDE_LOOPS
+
+namespace {
+
+int products_bit(const std::string& which) {
+  TORCH_CHECK(which == "float32" || which == "bfloat16",
+              "which: 'float32' (the float32 and float16 loops) or 'bfloat16' (the bfloat16 ones), not '", which, "'");
+  return which == "float32" ? kWideProducts : kPairProducts;
+}
+
+// Whether ATen's micro-kernels run here and give the products the loops expect: a small product of
+// small integers (exact in every order of summation), B laid out as the loops lay it out (pairs of
+// rows for bfloat16), a leading dimension wider than the product. False where this torch does
+// not export them or oneDNN refuses the product on this CPU.
+bool check_aten_products(bool pairs) {
+#if defined(SUBQUAD_ATEN_PRODUCTS)
+  constexpr int64_t M = 3, N = 32, K = 6, ldb = 48, ldc = 40;
+  std::vector<float> a(M * K), b(K * N), want(M * ldc, 0.0f), got(M * ldc, 0.0f);
+  for (int64_t i = 0; i < M * K; ++i) a[i] = static_cast<float>(i % 7) - 3.0f;
+  for (int64_t i = 0; i < K * N; ++i) b[i] = static_cast<float>(i % 5) - 2.0f;
+  for (int64_t i = 0; i < M; ++i)
+    for (int64_t j = 0; j < N; ++j)
+      for (int64_t c = 0; c < K; ++c) want[i * ldc + j] += a[i * K + c] * b[c * N + j];
+  try {
+    if (pairs) {
+      std::vector<at::BFloat16> a16(M * K), b16(K * ldb, at::BFloat16(0.0f));
+      for (int64_t i = 0; i < M * K; ++i) a16[i] = at::BFloat16(a[i]);
+      for (int64_t c = 0; c < K; ++c)
+        for (int64_t j = 0; j < N; ++j) b16[(c / 2) * ldb * 2 + j * 2 + c % 2] = at::BFloat16(b[c * N + j]);
+      at::native::cpublas::brgemm(M, N, K, K, ldb, ldc, false, a16.data(), b16.data(), got.data(), true);
+      at::native::cpublas::brgemm_release(true);
+    } else {
+      std::vector<float> bw(K * ldb, 0.0f);
+      for (int64_t c = 0; c < K; ++c)
+        for (int64_t j = 0; j < N; ++j) bw[c * ldb + j] = b[c * N + j];
+      at::native::cpublas::brgemm(M, N, K, K, ldb, ldc, false, a.data(), bw.data(), got.data(), false);
+    }
+  } catch (const std::exception&) {
+    return false;
+  }
+  for (int64_t i = 0; i < M; ++i)
+    for (int64_t j = 0; j < N; ++j)
+      if (got[i * ldc + j] != want[i * ldc + j]) return false;
+  return true;
+#else
+  (void)pairs;
+  return false;
+#endif
+}
+
+// check_aten_products, once per kind of products in the process.
+bool aten_products_work(const std::string& which) {
+  static const bool wide = check_aten_products(false), pairs = check_aten_products(true);
+  return products_bit(which) == kPairProducts ? pairs : wide;
+}
+
+// The loops of `which` ("float32" or "bfloat16") multiply on ATen's micro-kernels (aten) or on
+// their own (the default), from their next call on.
+void set_products(const std::string& which, bool aten) {
+  const int bit = products_bit(which);
+  TORCH_CHECK(!aten || aten_products_work(which), "ATen's micro-kernels do not run the ", which,
+              " products here (torch without cpublas::brgemm, or oneDNN refused them on this CPU)");
+  if (aten) g_aten_products.fetch_or(bit);
+  else g_aten_products.fetch_and(~bit);
+}
+
+// "aten" or "own": what the loops of `which` multiply on.
+std::string products(const std::string& which) {
+  return (g_aten_products.load() & products_bit(which)) ? "aten" : "own";
+}
+
+}  // namespace
 
 #if defined(SUBQUAD_WIDE_LOOPS)
 namespace {
@@ -1270,7 +1458,7 @@ namespace {
 // call without them reads as before.
 auto mods_args() {
   return std::make_tuple(py::arg("window_lo") = py::none(), py::arg("window_hi") = py::none(),
-                         py::arg("slopes") = py::none(), py::arg("alibi_shift") = 0);
+                         py::arg("slopes") = py::none(), py::arg("alibi_shift") = 0, py::arg("ranges") = py::none());
 }
 
 auto forward_args() {
@@ -1303,6 +1491,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("softmax_grad_rows_bf16", &softmax_grad_rows_bf16, "P and dS of a bfloat16 tile in one pass (_native_tiles.cpp)");
   m.def("next_offsets", &next_offsets, "a forward tile's next offsets and far rows (_native_tiles.cpp)");
   m.def("online_update", &online_update, "the online softmax's state after a tile (_native_tiles.cpp)");
+  m.def("aten_products_work", &aten_products_work, "whether ATen's micro-kernels run the loops' products here",
+        py::arg("which"));
+  m.def("set_products", &set_products, "the loops' products: ATen's micro-kernels or their own", py::arg("which"),
+        py::arg("aten"));
+  m.def("products", &products, "what the loops of `which` multiply on: 'aten' or 'own'", py::arg("which"));
 #if defined(SUBQUAD_WIDE_LOOPS)
   m.attr("float_lanes") = Lanes::kWidth;  // 16: AVX512F; 8: AVX2 (auto leaves those loops to backend="matmul")
   const auto forward = forward_args();

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
 from ._backends import BACKENDS, Options
-from ._backends.dispatch import call_priority
+from ._backends.dispatch import Priority, call_priority
 from ._budget import format_bytes, format_seconds
 from ._errors import MemoryBudgetError
 from ._inputs import Inputs, describe
@@ -76,6 +76,15 @@ class Plan:
         return "\n".join(lines)
 
 
+def _say_of_the_loops(plan: Plan, order: Priority) -> None:
+    """What ``explain()`` says of the C++ loops: why they go first, or why they do not run the call
+    (listed as ``not loops``; nothing where ``matmul`` runs them anyway)."""
+    if order.loop_note is not None and plan.backend == "matmul":
+        plan.notes.append(order.loop_note)
+    elif order.not_loops is not None and not (order.loops_can_run and plan.backend == "matmul"):
+        plan.rejected.setdefault("loops", [order.not_loops])
+
+
 def make_plan(
     inp: Inputs,
     opts: Options,
@@ -94,7 +103,8 @@ def make_plan(
     """
     shape = describe(inp) if shape is None else shape
     need_grad = inp.requires_grad or opts.captured_requires_grad
-    names, loop_note = call_priority(inp, need_grad, opts.packed) if backend == "auto" else ([backend], None)
+    order = call_priority(inp, need_grad, opts.packed) if backend == "auto" else Priority([backend])
+    names, loop_note = order.names, order.loop_note
     rejected: Dict[str, List[str]] = {}
     smallest_overall: Optional[int] = None
     for name in names:
@@ -104,9 +114,8 @@ def make_plan(
             rejected[name] = reasons
             continue
         backward_name = b.backward_backend(inp, opts) if need_grad else None
-        if (
-            loop_note is not None and opts.packed and backward_name == "matmul"
-        ):  # its forward_packed; the fused backward
+        if loop_note is not None and opts.packed and backward_name == "matmul":
+            # A packed call in the loops: its forward_packed, the fused backward where it takes the call.
             backward_name = "matmul" if BACKENDS["fused"].not_supported_reasons(inp, opts) else "fused"
         fwd, bwd_tiles, pred, smallest = b.fit(
             inp, opts, budget, BACKENDS[backward_name] if backward_name is not None else None
@@ -142,8 +151,7 @@ def make_plan(
         if estimate_time or plan.tiles >= ESTIMATE_TIME_FROM_TILES:
             plan.predicted_seconds = predict_seconds(inp, plan, need_grad)
         plan.notes.extend(notes)
-        if loop_note is not None and name == "matmul":
-            plan.notes.append(loop_note)
+        _say_of_the_loops(plan, order)
         if backend == "auto":
             for later in names[names.index(name) + 1 :]:
                 plan.rejected.setdefault(later, ["slower backend; the one above fits"])

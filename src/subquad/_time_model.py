@@ -15,11 +15,12 @@ import time
 from typing import Callable, Dict, List, Optional, Protocol, Tuple
 
 import torch
+from torch import Tensor
 from torch.utils import _python_dispatch
 
 from . import _probes as probes
 from ._backends import BACKENDS, triton_passes
-from ._backends.dispatch import LOOP_ROWS, loop_band, loops_backward, loops_forward
+from ._backends.dispatch import LOOP_ROWS, loop_band, loop_ranges, loops_backward, loops_forward
 from ._backends.offsets import LOG2E, exp_
 from ._backends.products import native_bf16_products, product, widening_products
 from ._callbacks import apply_score_mod
@@ -83,9 +84,7 @@ def _device_rates(device: torch.device, dtype: torch.dtype) -> Tuple[float, floa
     """Matmul FLOP/s and the time of the softmax work per score element, measured per process for
     each device type and dtype (half precision runs at several times float32's rate on GPUs,
     float64 at a fraction of it), and measured again later, keeping the faster (:mod:`_probes`).
-
-    The second term dominates at small head dims (E = 8: 0.67 ns per score on the 2-core CPU,
-    against 0.2 ns of matmul), the first at large ones.
+    The second term dominates at small head dims, the first at large ones (docs/planner.md).
     """
     dtype = _rates_dtype(device, dtype)  # a device that cannot run the probe (float64 on MPS): guesses
     fast = lambda a, b: (max(a[0], b[0]), min(a[1], b[1]))  # noqa: E731
@@ -97,7 +96,7 @@ def _rates_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
     it has AVX512-BF16 or AMX (the tiles and torch's CPU flash kernel then run bfloat16 GEMMs);
     otherwise, and for float16 (the tiles never run its GEMMs, the fused kernel runs them on
     float32 copies where they would be emulated), the products are float32: timing an emulated
-    float16 bmm would mispredict the call and cost 80 ms."""
+    float16 bmm would mispredict the call and make the probe slow."""
     if device.type == "cpu" and dtype in (torch.float16, torch.bfloat16):
         return torch.bfloat16 if dtype == torch.bfloat16 and native_bf16_products() else torch.float32
     return dtype
@@ -105,10 +104,9 @@ def _rates_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
 
 # The probe is a tile's two products, (batch, rows, E) x (batch, E, keys) and the result times
 # (batch, keys, E). On the CPU one of the matmul tiles' size (1M scores: its results leave the
-# caches, as in the tile loop) takes a few milliseconds (the probe stays under ~30 ms). A GPU
-# finishes that in microseconds, less than a launch: there the probe is large enough to time the
-# arithmetic (8.6 GFLOP; 64 MiB of float32 scores), repeated between two syncs until a run takes
-# _GPU_PROBE_S.
+# caches, as in the tile loop). A GPU finishes that in less than a launch: there the probe is large
+# enough to time the arithmetic (8.6 GFLOP; 64 MiB of float32 scores), repeated between two syncs
+# until a run takes _GPU_PROBE_S.
 _CPU_PROBE_SHAPE = (8, 256, 512, 64)
 _GPU_PROBE_SHAPE = (4, 2048, 2048, 128)
 _GPU_PROBE_S = 2e-3
@@ -210,7 +208,6 @@ def predict_seconds(inp: Inputs, plan: PlanLike, need_grad: bool) -> float:
         bwd = plan.backward_backend or plan.backend
         tiles = plan.backward_chunk_size if plan.backward_backend else plan.chunk_size
         t += backward_per_forward(inp, bwd) * forward_seconds(inp, bwd, tiles)
-    # A soft cap runs inside the C++ loops (a tanh per score, in their rates); other callbacks per tile.
     # The C++ loops evaluate the callbacks they take (a soft cap, ALiBi, windows) inside their own
     # rates; elsewhere a callback costs its own time per score, per pass.
     in_loop = plan.backend == "matmul" and loops_forward(inp)
@@ -250,17 +247,13 @@ def forward_seconds(inp: Inputs, backend: str, tiles: Optional[Tuple[int, int]])
 
 
 BACKWARD_PER_FORWARD = 2.5
-"""A backward's time over its forward's, same backend: 1x4x2048x64 on the 2-core CPU, the fused
-kernel 2.7 (float32) and 1.95 (bfloat16), the tiles 2.6, 2.3 and 2.6 (float16)."""
+"""A backward's time over its forward's, same backend (measured: docs/planner.md, "The time
+model's constants")."""
 BF16_CPU_BACKWARD_PER_FORWARD = 2.0
-"""The same for bfloat16 on a CPU: the fused kernel 1.95-2.02, the tiles 2.08 with the eager
-passes and 1.91 with the native kernel (1x4x2048x64, 2 threads, medians of 7; float32: 2.77 and
-2.57). With 2.5, ``bench_half.py``'s bfloat16 fwd+bwd measured 0.56-1.14x its prediction on the
-tiles and 0.70-0.99x on the fused kernel (10 runs)."""
+"""The same for bfloat16 on a CPU (docs/planner.md)."""
 LOOP_BACKWARD_PER_FORWARD = 2.5
 """The same for the tiles' C++ loops (:mod:`subquad._backends.segments`), whose forward is the
-faster of the two: 2.57-2.88 (1x4x2048x64), 2.27-2.31 (causal 1x8x2048x64), 2.38-2.47
-(1x8x4096x64), 2.23-2.29 (4x8x1024x40); whole rows, 2 threads, medians of 7, two runs."""
+faster of the two (docs/planner.md)."""
 
 
 def backward_per_forward(inp: Inputs, backend: str = "matmul") -> float:
@@ -281,7 +274,11 @@ def computed_scores(inp: Inputs, backend: Optional[str], tiles: Optional[Tuple[i
     ``backend=None``: the visible ones."""
     n = 0.0
     band = loop_band(inp) if backend == "matmul" and loops_forward(inp) else None
+    ranges = loop_ranges(inp) if band is not None else None
     for Lq, Lk, o in _parts(inp):
+        if ranges is not None and ranges.shape[1] == Lq:
+            n += float(Lq * Lk) * ranges_fraction(Lk, band or (None, None), ranges, LOOP_ROWS, 32)
+            continue
         if band is not None and band != (None, None):
             n += float(Lq * Lk) * band_fraction(Lq, Lk, band, LOOP_ROWS, 32)
             continue
@@ -306,6 +303,32 @@ def band_fraction(Lq: int, Lk: int, band: Tuple[Optional[int], Optional[int]], r
         if last >= first:
             seen += (qe - qs) * (min(Lk, (last // keys + 1) * keys) - (first // keys) * keys)
     return seen / (Lq * Lk)
+
+
+def ranges_fraction(Lk: int, band: Tuple[Optional[int], Optional[int]], ranges: Tensor, rows: int, keys: int) -> float:
+    """:func:`band_fraction` where each query row also sees only its range of keys (``ranges``:
+    ``(1 or B, Lq, 2)`` ``[first, end)``): per block of ``rows``, from the block of ``keys`` holding
+    the first key any of its rows sees to the last, averaged over the batch."""
+    Bq, Lq = ranges.shape[0], ranges.shape[1]
+    if Lq == 0 or Lk == 0:
+        return 1.0
+    lo, hi = band
+    seen = 0
+    for qs in range(0, Lq, rows):
+        qe = min(qs + rows, Lq)
+        block = ranges[:, qs:qe]
+        empty = block[..., 1] <= block[..., 0]
+        first = block[..., 0].masked_fill(empty, Lk).amin(dim=1).clamp(0, Lk)
+        end = block[..., 1].masked_fill(empty, 0).amax(dim=1).clamp(0, Lk)
+        if hi is not None:
+            first = first.clamp(min=max(0, qs - hi))
+        if lo is not None:
+            end = end.clamp(max=max(0, min(Lk, qe - lo)))
+        span = (torch.minimum(torch.full_like(end, Lk), (end + keys - 1) // keys * keys) - first // keys * keys).clamp(
+            min=0
+        )
+        seen += int(span.sum()) * (qe - qs)
+    return seen / (Bq * Lq * Lk)
 
 
 def block_fraction(Lq: int, Lk: int, o: int, blocks: Tuple[int, int]) -> float:
@@ -333,12 +356,9 @@ def backend_seconds(device: torch.device, dtype: torch.dtype, backend: str) -> O
     on CUDA for torch's SDPA (:func:`_measure_whole`); ``None`` on other devices and for other
     backends: the model alone. Timed once per process, device type, dtype and backend.
 
-    What it captures beyond the model's GEMM rate and softmax passes, 2-core CPU (AVX512-BF16, no
-    AMX): the flash kernel's bfloat16 runs at its float32 speed, where a bfloat16 GEMM runs 2-3x
-    faster; the tiles' half-precision products carry an offset column, a fill and two more
-    conversions per tile (matmul.py's docstring); a row block's first tile costs more than the
-    others. Without it ``explain()`` predicted bfloat16 calls 1.4-2.9x short (causal ones the
-    most), and small calls up to 3x short."""
+    It captures what the model's GEMM rate and softmax passes miss: a kernel whose half precision
+    runs at its float32 speed, the tiles' offset columns and conversions (docs/benchmarks/half.md),
+    a row block's first tile costing more than the others (docs/planner.md)."""
     timed = _TIMED_BACKENDS if device.type == "cpu" else _GPU_TIMED_BACKENDS if device.type == "cuda" else ()
     if backend not in timed:
         return None
@@ -358,8 +378,8 @@ _GPU_TIMED_BACKENDS = ("sdpa",)
 softmax passes stream, so the model alone predicted their calls several times too long
 (docs/benchmarks/gpu.md)."""
 _SDPA_PROBE_SHAPE = (16, 2048, 2048, 64)
-"""A GPU's whole-input probe, ``(B*H, Lq, Lk, E)``: 67M scores, tens of microseconds in half
-precision on a data-centre GPU, repeated between two syncs (:data:`_GPU_PROBE_S`)."""
+"""A GPU's whole-input probe, ``(B*H, Lq, Lk, E)``: 67M scores, repeated between two syncs
+(:data:`_GPU_PROBE_S`)."""
 
 
 def _measure_whole(device: torch.device, dtype: torch.dtype, backend: str) -> Tuple[float, float]:
@@ -376,26 +396,26 @@ def _measure_whole(device: torch.device, dtype: torch.dtype, backend: str) -> Tu
 
 
 _BACKEND_PROBE_S = 0.02
-"""Each of the three timed runs of a backend's probe repeats it until it takes this long (one call
-alone varied 20-30% between processes; about 200 ms per backend and dtype in all, both row blocks)."""
+"""Each of the three timed runs of a backend's probe repeats it until it takes this long: one call
+alone varies between processes (docs/planner.md)."""
 
 
 _PROBE_ROW_TILES = 4
 """The long probe's row block spans this many tiles of keys (the short one, one)."""
 _LOOP_PROBE_SHAPE = (8, 1024, 512, 64)
-"""The C++ loops' probe, keys in one call (256 rows had predicted float32 1x8x4096x64 at 0.60x)."""
+"""The C++ loops' probe: a block of 1024 rows, its keys in one call, as the loops run
+(docs/benchmarks/loops.md)."""
 _FUSED_PROBE_SHAPE = (2, 1024, 512, 64)
 """The fused kernel's probe: as many scores as the tiles', in rows enough for the blocks of 256
-rows torch's kernel takes from 768 rows on (it takes 64 below: 256 rows ran 1.3x slower per
-score)."""
+rows torch's kernel takes from 768 rows on (it takes 64 below, slower per score)."""
 
 
 def _measure_backend(device: torch.device, dtype: torch.dtype, backend: str) -> Tuple[float, float]:
     """``(per score, per query row)``: a row block of one tile of keys and one of
     :data:`_PROBE_ROW_TILES` tiles, timed; the difference is the time of the scores alone, the
     rest of the short one the row block's own (its state, its first tile's extra work: the tiles'
-    half-precision offsets sampled and recomputed). One tile alone had predicted bfloat16 tiles
-    of 1x8x4096x64 2x slow; a long row block alone, calls of 256 keys 2-3x fast."""
+    half-precision offsets sampled and recomputed). Either timing alone mispredicts
+    (docs/planner.md)."""
     bh, nq, nk, e = _FUSED_PROBE_SHAPE if backend == "fused" else _CPU_PROBE_SHAPE
     lk = nk * _PROBE_ROW_TILES
     q = torch.randn(1, bh, nq, e, device=device, dtype=dtype)
@@ -427,16 +447,13 @@ def _measure_backend(device: torch.device, dtype: torch.dtype, backend: str) -> 
 
 CALLBACK_PASSES_WITH_GRAD = 2
 """A ``score_mod`` runs once per score in the forward and again, under autograd, in the backward
-(with its pull-back). Measured on the 2-core CPU (1x4x2048x64, a hand-written tanh soft-cap, the
-tiles; probe: 48 ms per pass): it added 57 ms (fp32) and 35 ms (bf16) to the forward, 156 ms and
-120 ms to the forward and backward."""
+(with its pull-back) (measured: docs/planner.md)."""
 
 
 def score_mod_seconds(inp: Inputs) -> float:
     """The time of the call's ``score_mod`` per score: timed once per callback, dtype and device
     (cached as its trace is) on a probe tile of up to 64k scores with the call's own index
-    grids. A hand-written tanh soft-cap took about 3 ns per score on the 2-core CPU, 7x the
-    softmax work of the rates (without it, ``explain()`` predicted a fifth of that call's time).
+    grids: a callback can cost several times the softmax work of the rates (docs/planner.md).
 
     0 without a ``score_mod``, for a call with no score to compute (an empty output or no key:
     the engine computes nothing), when the probe raises (the call itself will say why), and off

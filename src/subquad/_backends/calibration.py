@@ -36,6 +36,7 @@ from torch.utils import _python_dispatch
 
 from .. import _native
 from .. import _settings as settings
+from .products import amx_tiles
 
 Shape = Tuple[int, int, int, int]  # (B*H, Lq, Lk, E)
 
@@ -123,6 +124,7 @@ MEASURE: Optional[Measure] = None
 ROUNDS = 3
 _LOCK = threading.RLock()
 _TABLE: Dict[str, Entry] = {}
+_PRODUCTS: Dict[str, "Products"] = {}
 _LOADED: List[str] = []  # the path the table was read from
 _BUSY = threading.local()
 _FAILED: Dict[str, Tuple[float, int, str]] = {}  # key -> (when, tries, why) its measurement failed here
@@ -142,6 +144,7 @@ def _load() -> None:
     if _LOADED == [where]:
         return
     _TABLE.clear()
+    _PRODUCTS.clear()
     _LOADED[:] = [where]
     try:
         with open(where) as f:
@@ -150,6 +153,9 @@ def _load() -> None:
         return
     for k, e in raw.items():
         try:
+            if k.startswith("products/"):
+                _PRODUCTS[k] = Products(str(e["which"]), int(e["threads"]), str(e["measured"]), float(e["ratio"]))
+                continue
             ratios = {kd: [(tuple(s), float(r)) for s, r in rows] for kd, rows in e["ratios"].items()}
             _TABLE[k] = Entry(e["dtype"], bool(e["training"]), int(e["threads"]), str(e["measured"]), ratios)
         except (KeyError, TypeError, ValueError):
@@ -161,7 +167,9 @@ def _save() -> None:
     os.makedirs(os.path.dirname(where), exist_ok=True)
     tmp = f"{where}.{os.getpid()}.tmp"
     with open(tmp, "w") as f:
-        json.dump({k: asdict(e) for k, e in _TABLE.items()}, f, indent=1)
+        json.dump(
+            {**{k: asdict(e) for k, e in _TABLE.items()}, **{k: asdict(p) for k, p in _PRODUCTS.items()}}, f, indent=1
+        )
     os.replace(tmp, where)
 
 
@@ -170,6 +178,129 @@ def table() -> Dict[str, Entry]:
     with _LOCK:
         _load()
         return dict(_TABLE)
+
+
+# ------------------------------------------------------------------ the loops' products
+PRODUCTS_SHAPE: Shape = (8, 1024, 1024, 64)
+"""The call on which the loops' two ways to multiply are timed against each other (a forward of
+self-attention, 2^23 scores)."""
+PRODUCT_KINDS = ("float32", "bfloat16")
+"""The loops' products: ``float32`` (the float32 and float16 loops) and ``bfloat16``."""
+
+MeasureProducts = Callable[[str, Shape], Tuple[float, float]]
+"""``(seconds with ATen's micro-kernels, seconds with the loops' own)`` of one round of the loops of
+a kind of products (installed by :mod:`subquad._calibrate`)."""
+MEASURE_PRODUCTS: Optional[MeasureProducts] = None
+
+
+@dataclass
+class Products:
+    """What the loops of one kind of products multiply on, as measured here: ATen's CPU BLAS
+    micro-kernels (oneDNN's brgemm: AMX tiles where the CPU has them) or their own."""
+
+    which: str
+    threads: int
+    measured: str
+    ratio: float  # ATen's time / the loops' own, the median of the rounds
+
+    @property
+    def aten(self) -> bool:
+        """ATen's only where they won by :data:`MARGIN`: a near tie keeps the loops' own."""
+        return self.ratio <= MARGIN
+
+
+def products_of(dtype: torch.dtype) -> str:
+    """The kind of products of ``dtype``'s loops."""
+    return "bfloat16" if dtype == torch.bfloat16 else "float32"
+
+
+def _products_key(which: str, threads: int) -> str:
+    return f"products/{which}/{threads}t"
+
+
+def _aten_runs(kernel: object, which: str) -> bool:
+    """Whether ``kernel`` has the products switch and ATen's micro-kernels run ``which`` here."""
+    try:
+        return bool(kernel.aten_products_work(which))  # type: ignore[attr-defined]
+    except Exception:  # an older build without the switch, or a stand-in that refuses to run
+        return False
+
+
+def products_choice(which: str) -> Tuple[bool, str]:
+    """``(ATen's products?, why)`` for the loops of ``which`` here: what was measured; without a
+    measurement (none yet, or ``SUBQUAD_CALIBRATE=0``) the fallback: ATen's bfloat16 products on
+    a CPU with AMX tiles (torch's own kernel multiplies on them), else the loops' own."""
+    kernel = _native.tile_kernel()
+    if kernel is None or not _aten_runs(kernel, which):
+        return False, "their own (ATen's micro-kernels do not run here)"
+    measured = products_table().get(_products_key(which, torch.get_num_threads())) if enabled() else None
+    if measured is not None:
+        where = "ATen's micro-kernels" if measured.aten else "their own"
+        return measured.aten, f"{where} (measured: ATen's at {measured.ratio:.2f}x the loops' own time)"
+    if which == "bfloat16" and amx_tiles():
+        return True, "ATen's micro-kernels (fallback: AMX tiles, not measured)"
+    return False, "their own (fallback: not measured)"
+
+
+def apply_products(kernel: object) -> None:
+    """Set which products ``kernel``'s loops run, from :func:`products_choice` (a kernel without
+    the switch, as built by an older source, keeps its own)."""
+    for which in PRODUCT_KINDS:
+        if not _aten_runs(kernel, which):
+            continue  # the loops' own, as built
+        aten, _ = products_choice(which)
+        if (kernel.products(which) == "aten") != aten:  # type: ignore[attr-defined]
+            kernel.set_products(which, aten)  # type: ignore[attr-defined]
+
+
+_native.ON_LOAD.append(apply_products)
+
+
+def products_table() -> Dict[str, Products]:
+    """The products measured for this build (read from disk once)."""
+    with _LOCK:
+        _load()
+        return dict(_PRODUCTS)
+
+
+def calibrate_products(which: str, rounds: int = ROUNDS) -> Optional[Products]:
+    """Time the loops of ``which`` with ATen's micro-kernels against their own, keep the result and
+    set the kernel accordingly; ``None`` where ATen's do not run here (nothing to choose).
+
+    Raises:
+        Unsettled: the rounds disagreed (see :func:`calibrate`); nothing is kept.
+    """
+    kernel = _native.tile_kernel()
+    if MEASURE_PRODUCTS is None or kernel is None or not _aten_runs(kernel, which):
+        return None
+    with _LOCK:
+        _load()
+        busy = getattr(_BUSY, "on", False)
+        _BUSY.on = True
+        try:
+            MEASURE_PRODUCTS(which, PRODUCTS_SHAPE)  # warm
+            per_round: List[float] = []
+            while len(per_round) < rounds or (not _settled(per_round) and len(per_round) < MAX_ROUNDS):
+                aten, own = MEASURE_PRODUCTS(which, PRODUCTS_SHAPE)
+                per_round.append(aten / own)
+        finally:
+            _BUSY.on = busy
+        if not _settled(per_round):
+            raise Unsettled(f"{which} products: ATen/own {', '.join(f'{r:.2f}' for r in per_round)}")
+        threads = torch.get_num_threads()
+        found = Products(which, threads, time.strftime("%Y-%m-%d %H:%M"), round(statistics.median(per_round), 3))
+        _PRODUCTS[_products_key(which, threads)] = found
+        with contextlib.suppress(OSError):
+            _save()
+        apply_products(kernel)
+        return found
+
+
+def describe_products(p: Products) -> str:
+    """One line of the table: what the loops of a kind multiply on, and the ratio it came from."""
+    where = "ATen's micro-kernels" if p.aten else "their own micro-kernels"
+    loops = "float32 and float16" if p.which == "float32" else p.which
+    return f"{loops} loops' products, {p.threads} threads ({p.measured}): {where}; ATen/own {p.ratio:.2f}"
 
 
 class Unsettled(RuntimeError):
@@ -187,6 +318,8 @@ def calibrate(dtype: torch.dtype, training: bool, rounds: int = ROUNDS) -> Entry
         raise RuntimeError("subquad's calibration runs whole calls: import subquad first")
     with _LOCK:
         _load()
+        if _products_key(products_of(dtype), torch.get_num_threads()) not in _PRODUCTS:
+            calibrate_products(products_of(dtype), rounds)  # the loops below run on the faster products
         _BUSY.on = True
         try:
             ratios: Dict[str, List[Tuple[Shape, float]]] = {}
@@ -257,6 +390,7 @@ def forget() -> None:
     """Drop what this process read (the file stays): the next question reads it again."""
     with _LOCK:
         _TABLE.clear()
+        _PRODUCTS.clear()
         _LOADED.clear()
         _FAILED.clear()
 

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple, Union
+from typing import Dict, List, NamedTuple, Optional, Tuple, Union
 
 import torch
+from torch import Tensor
 
 from .._inputs import Inputs
 from . import loop_choice, segments
@@ -32,14 +33,31 @@ def priority(device: Union[torch.device, str]) -> List[str]:
     return ["sdpa", "flex", "matmul"]
 
 
-def call_priority(inp: Inputs, need_grad: bool, packed: bool) -> Tuple[List[str], Optional[str]]:
-    """The backend names for this call, fastest first, and what ``explain()`` says where the order
-    differs from :func:`priority`'s: on a CPU the tiles' C++ loops (``matmul``) go first where this
-    CPU's calibration measured them faster than the fused kernel (:func:`loop_choice.before_fused`)."""
+class Priority(NamedTuple):
+    """:func:`call_priority`'s answer: the backend names, fastest first; what ``explain()`` says
+    where the C++ loops go first; and otherwise why they do not run the call (``not_loops``;
+    ``loops_can_run``: the reason is only that they measured slower, and ``matmul`` runs them)."""
+
+    names: List[str]
+    loop_note: Optional[str] = None
+    not_loops: Optional[str] = None
+    loops_can_run: bool = False
+
+
+def call_priority(inp: Inputs, need_grad: bool, packed: bool) -> Priority:
+    """The backend names for this call, fastest first: on a CPU the tiles' C++ loops (``matmul``)
+    go first where this CPU's calibration measured them faster than the fused kernel
+    (:func:`loop_choice.before_fused`); with what ``explain()`` says of them either way."""
     names = priority(inp.device_type)
-    if not loop_choice.before_fused(inp, need_grad, packed):
-        return names, None
-    return ["matmul"] + [n for n in names if n != "matmul"], loop_choice.before_fused_note(inp, need_grad, packed)
+    if loop_choice.before_fused(inp, need_grad, packed):
+        first = ["matmul"] + [n for n in names if n != "matmul"]
+        return Priority(first, loop_choice.before_fused_note(inp, need_grad, packed))
+    if inp.device_type != "cpu" or packed:
+        return Priority(names)
+    refused = loop_choice.refusal(inp, need_grad)
+    if refused is not None:
+        return Priority(names, not_loops=refused)
+    return Priority(names, not_loops=loop_choice.slower_note(inp, need_grad), loops_can_run=True)
 
 
 LOOP_ROWS = segments.ROWS
@@ -64,3 +82,11 @@ def loop_band(inp: Inputs) -> Tuple[Optional[int], Optional[int]]:
     if inp.is_causal:
         lo = -inp.causal_offset if lo is None else max(lo, -inp.causal_offset)
     return lo, hi
+
+
+def loop_ranges(inp: Inputs) -> Optional[Tensor]:
+    """Each query row's range of keys ``[first, end)`` that the C++ loops compute for the call
+    under a document mask, prefix-LM or key padding (int64 ``(1 or B, Lq, 2)``), within
+    :func:`loop_band`; None where the call has none."""
+    m = segments.loop_mods(inp)
+    return None if m is None else m.ranges

@@ -10,13 +10,15 @@ CPU with AMX tiles the fallback leaves every call to the fused kernel, which mul
 from __future__ import annotations
 
 from types import ModuleType
+from typing import Optional
 
 import torch
 
+from .. import _native
 from .._inputs import Inputs
 from . import calibration
 from .products import amx_tiles
-from .segments import WIDE_DTYPES, backward_kernel, fast_kernel, loop_mods, with_packed
+from .segments import MASK_DTYPES, WIDE_DTYPES, backward_kernel, fast_kernel, loop_mods, with_packed
 
 LOOP_BEFORE_FUSED_SCORES = 1 << 19
 """Fallback: bfloat16 calls of this many scores (``B·Hq·Lq·Lk``) or more take the loops first."""
@@ -51,10 +53,12 @@ def _fallback_allows(inp: Inputs, kernel: ModuleType) -> bool:
 
 
 def _kind(inp: Inputs) -> str:
-    """The calibration's kind of a call: ``mods`` where the loops evaluate an ALiBi or a window
-    themselves (the fused kernel would add a bias tile), else by shape."""
+    """The calibration's kind of a call: ``mods`` where the loops evaluate an ALiBi, a window or a
+    range of keys per row themselves (the fused kernel would add a bias tile), else by shape."""
     m = loop_mods(inp)
-    if m is not None and (m.slopes is not None or m.window_hi is not None or (m.window_lo or 0) > 0):
+    if m is not None and (
+        m.slopes is not None or m.ranges is not None or m.window_hi is not None or (m.window_lo or 0) > 0
+    ):
         return "mods"
     return calibration.kind(inp.E, inp.Ev, inp.Lk)
 
@@ -102,6 +106,7 @@ def before_fused_note(inp: Inputs, need_grad: bool, packed: bool = False) -> str
     what = f"the tiles' {loops} in C++ (native kernel) before the fused kernel"
     if packed:
         what = "a packed call's sequences through the tiles' forward loop in C++, one kernel call per group"
+    what += f", multiplying on {calibration.products_choice(calibration.products_of(inp.dtype))[1]}"
     measured = calibration.entry(inp.dtype, need_grad and not packed)
     if measured is None:
         return f"{what}: fallback thresholds (no calibration here: SUBQUAD_CALIBRATE=0 or it could not run)"
@@ -113,3 +118,43 @@ def before_fused_note(inp: Inputs, need_grad: bool, packed: bool = False) -> str
         f"{'forward + backward' if measured.training else 'forward'}, {measured.threads} threads; "
         f"calibration of {measured.measured}, `subquad calibrate` measures again)"
     )
+
+
+def refusal(inp: Inputs, need_grad: bool) -> Optional[str]:
+    """Why the tiles' C++ loops do not run this CPU call (what ``explain()`` lists as ``not
+    loops``), or None where they can: the kernel not built, a dtype, dropout, a callback or mask
+    they do not evaluate themselves, or a backward they do not take."""
+    if inp.device_type != "cpu":
+        return None
+    kernel = _native.tile_kernel()
+    if kernel is None:
+        if _native.mode() == "off":
+            return "SUBQUAD_NATIVE=off"
+        return "the native kernel is not built here (`subquad build`, about 40 s once)"
+    if inp.dtype not in (torch.bfloat16, *WIDE_DTYPES):
+        return f"{str(inp.dtype).replace('torch.', '')}: the loops run bfloat16, float16 and float32"
+    if inp.dropout_p > 0.0:
+        return "dropout (the loops have none; the tiles in Python run it)"
+    if loop_mods(inp) is None:
+        return (
+            "a score_mod or mask_mod the loops do not evaluate themselves (they do soft caps, ALiBi, causal "
+            "and sliding windows, documents of sorted ids, prefix-LM and key padding)"
+        )
+    if inp.attn_mask is not None and inp.attn_mask.dtype not in MASK_DTYPES:
+        return f"an attn_mask of {inp.attn_mask.dtype} (the loops read bool, float32, bfloat16 and float16 masks)"
+    if fast_kernel(inp) is None:
+        needs = "AVX512-BF16" if inp.dtype == torch.bfloat16 else "AVX512F, or AVX2 with FMA"
+        return f"this build has no {str(inp.dtype).replace('torch.', '')} loops (they need {needs})"
+    if need_grad and backward_kernel(inp) is None:
+        return "the backward loop does not take the call (packed, a mask that needs its gradient, or fewer tasks than threads)"
+    return None
+
+
+def slower_note(inp: Inputs, need_grad: bool) -> str:
+    """What ``explain()`` says where the loops could run a call but ``auto`` keeps the fused kernel."""
+    measured = calibration.entry(inp.dtype, need_grad)
+    if measured is None:
+        return "the fallback thresholds keep this call on the fused kernel (no calibration here)"
+    ratio = measured.ratio(_kind(inp), _scores(inp))
+    shown = "" if ratio is None else f" at {ratio:.2f}x its time"
+    return f"measured on this CPU{shown}, not 5% faster than the fused kernel (`subquad calibrate` measures again)"

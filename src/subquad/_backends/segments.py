@@ -1,53 +1,22 @@
-"""The ``matmul`` forward's and backward's tile loops in C++ (:mod:`subquad._native`, a CPU with
-AVX512-BF16): bfloat16 calls without dropout, causal or not, with or without an ``attn_mask`` (read
-in place, a row at a time), whose callbacks are ones the loops evaluate themselves
-(:func:`loop_mods`): a ``score_mod`` that is a soft cap ``c * tanh(score / c)`` (found by tracing;
-the loops apply it and its derivative) or :func:`subquad.mods.alibi` of fixed slopes, and a
-``mask_mod`` that is a band of diagonals (:func:`~subquad.mods.sliding_window`,
-:func:`~subquad.mods.local_window`, the causal masks and their :func:`~subquad.mods.and_masks`):
-keys outside the band are skipped, whole blocks of them where no row of a block sees them.
+"""The ``matmul`` forward's and backward's whole tile loops in C++ (:mod:`subquad._native`).
 
-The eager loop (and the native kernel's per-tile passes) runs each tile over all heads at once:
-an 8 x 512 x 512 tile of products is 4 MiB of bfloat16, written by one GEMM and read by the
-next pass through the cache the cores share, where a neighbour's memory traffic evicts it
-(docs/benchmarks/loops.md). Here
-each thread takes 128 rows of one head at a time and, per 512 keys, computes their scores in
-float32 (vdpbf16ps: bfloat16 operands, float32 accumulation), the online softmax, ``p`` rounded
-to bfloat16 and its product with v, all in its own core's cache (256 KiB of scores). The scores
-are float32 before the softmax, as in torch's fused kernel, so no product is offset or computed
-again (:mod:`subquad._backends.offsets`), and the lse is as exact as the fused kernel's.
+They take CPU calls without dropout whose callbacks they evaluate themselves (:func:`loop_mods`: a
+soft cap ``c * tanh(score / c)`` found by tracing, :func:`subquad.mods.alibi` of fixed slopes, a
+``mask_mod`` that is a band of diagonals, whose hidden blocks of keys are skipped), with or without
+an ``attn_mask`` (read in place, a row at a time): bfloat16 on AVX512-BF16, float32 and float16
+(converted exactly, float32 products) on AVX512F or AVX2 with FMA. Scores are float32 before the
+softmax, as in torch's fused kernel: no product is offset or computed again.
 
-Per segment of keys (the planner's ``kv_chunk``) a call copies its keys and values into the
-pairs the instruction reads (``B·Hk·kn·(E + Ev)`` bfloat16, padded; the keys transposed, each
-row 16 pairs longer so that a product's rows do not share a cache set): :func:`segment_bytes`.
-Where the loops run a call, the planner's ceiling on a tile is :data:`TILE_TARGET` (whole rows:
-each call copies its keys again). Per row of a block, the softmax reads the float32 products
-once for their maximum and once for ``2^(x·scale - max)`` (one FMA; 16 lanes, and bfloat16's
-``p`` rounded by ``vcvtne2ps2bf16``, 32 at a time).
+- the forward (:func:`forward_rows`): each thread takes 128 rows of one head and, per 512 keys,
+  their scores, the online softmax and ``p·v``, all in its own core's cache;
+- the backward (:func:`backward_rows`): FlashAttention-2 per block of 128 rows and 128 keys, one
+  task per batch entry and key head, so that dQ, dK and dV each have one writer;
+- a plain packed call's inference, a group of sequences per kernel call (:func:`forward_packed`);
+- what they hold, for the planner: :func:`segment_bytes` (a segment's keys and values copied
+  into the layouts the products read), :func:`tile_bytes` and :data:`TILE_TARGET`,
+  :func:`backward_bytes`, :func:`backward_tile_bytes`.
 
-A plain packed call (no callback, mask, window or dropout) runs all of its sequences through
-the forward loop in one kernel call per group of consecutive sequences (:func:`forward_packed`):
-no Python, gathering or padding per sequence; in training its backward is a fused-kernel call
-per sequence.
-
-Float32 and float16 calls run the same loops (``forward_segment_f32``, ``backward_segment_f32``,
-a build for AVX512F, or AVX2 with FMA) with float32 operands: keys copied transposed (each row
-16 floats longer than the keys) and values as they lie,
-float16 converted exactly on the way (``B·Hk·kn·(E + Ev)`` float32, padded), every product on FMA
-with float32 accumulation, ``p`` and ``dS`` kept in float32 (the forward's ``p`` over its own
-scores). So a float16 call costs no conversion of a tile and no offset, and its scores cannot
-overflow (they are float32 from the products on), as float32's. On this CPU the float32 products
-ran at about 55 GFLOP/s per core, 85% of the forward's time (``perf``), where torch's float16
-``bmm`` has no fast kernel (23-26x its float32 time).
-
-The backward (:func:`backward_rows`) runs FlashAttention-2's per block of 128 rows and 128 keys:
-``s = q·kᵀ`` and ``dp = dO·vᵀ`` in float32; ``p = exp(s - lse)`` and ``ds = scale·p∘(dp - D)``,
-each rounded once to bfloat16 (float32 and float16 inputs: kept in float32); ``dV += pᵀ·dO``,
-``dK += dsᵀ·q`` and ``dQ += ds·k`` in float32. A task is one batch entry and key head with all of
-its query heads, so that dQ, dK and dV each have one writer and the gradients are added into in
-place; a segment's keys and values are copied into three layouts (:func:`backward_bytes`).
-Against the per-tile backward (bfloat16 products of offset scores, whose P carries the forward's
-2e-3 lse error), its S is exact to float32 and nothing is computed twice.
+How they work and what they measured: docs/benchmarks/loops.md.
 """
 
 from __future__ import annotations
@@ -114,15 +83,23 @@ def softcap(inp: Inputs) -> float:
 
 class LoopMods(NamedTuple):
     """The built-in callbacks of a call as the loops' last arguments, in their order (``window_lo``,
-    ``window_hi``, ``slopes``, ``alibi_shift`` in ``_native_tiles.cpp``): query ``i`` sees key ``j`` (the call's
-    own positions) where ``window_lo <= i - j <= window_hi`` (None: that side open), and ALiBi adds
-    ``-slopes[h] * |i - j + alibi_shift|`` to query head ``h``'s scaled scores (``slopes``: float32,
-    one per query head of the call, or None)."""
+    ``window_hi``, ``slopes``, ``alibi_shift``, ``ranges`` in ``_native_tiles.cpp``): query ``i``
+    sees key ``j`` (the call's own positions) where ``window_lo <= i - j <= window_hi`` (None: that
+    side open) and ``ranges[b, i, 0] <= j < ranges[b, i, 1]`` (None: every key; int64 ``(1 or B,
+    Lq, 2)``), and ALiBi adds ``-slopes[h] * |i - j + alibi_shift|`` to query head ``h``'s scaled
+    scores (``slopes``: float32, one per query head of the call, or None)."""
 
     window_lo: Optional[int] = None
     window_hi: Optional[int] = None
     slopes: Optional[Tensor] = None
     alibi_shift: int = 0
+    ranges: Optional[Tensor] = None
+
+    def at(self, qs: int, qe: int, ks: int) -> "LoopMods":
+        """The same for the kernel call of rows ``[qs, qe)`` and keys from ``ks`` on."""
+        if self.ranges is None:
+            return self
+        return self._replace(ranges=(self.ranges[:, qs:qe] - ks).contiguous())
 
 
 Band = Tuple[Optional[int], Optional[int]]
@@ -136,11 +113,16 @@ def loop_mods(inp: Inputs) -> Optional[LoopMods]:
     call's heads. A ``mask_mod``: none or a band (:func:`mask_band`). Positions are the callbacks'
     (``q_offset + i``, ``kv_offset + j``; heads from ``h_offset``), turned into the call's own."""
     band: Band = (None, None)
+    ranges: Optional[Tensor] = None
     if inp.mask_mod is not None:
-        found = mask_band(inp.mask_mod)
-        if found is None:
+        parts = _mask_parts(inp.mask_mod)
+        if parts is None:
             return None
-        band = found
+        band = parts[0]
+        if parts[1]:
+            ranges = _row_ranges(inp, parts[1])
+            if ranges is None:
+                return None
     slopes = None
     if inp.score_mod is not None and not softcap(inp):
         slopes = _alibi_slopes(inp)
@@ -148,7 +130,77 @@ def loop_mods(inp: Inputs) -> Optional[LoopMods]:
             return None
     shift = inp.q_offset - inp.kv_offset  # callback positions: i - j + shift
     lo, hi = (None if x is None else x - shift for x in band)
-    return LoopMods(lo, hi, slopes, shift)
+    return LoopMods(lo, hi, slopes, shift, ranges)
+
+
+RANGED = (mods._Document, mods._PrefixLM, mods._KeyPadding)
+"""The built-in masks that hide all but one range of keys per query row (a document's, with the
+keys' ids sorted; the prefix and the causal part; the keys before the padding)."""
+
+
+def _mask_parts(mask_mod: object) -> Optional[Tuple[Band, List[object]]]:
+    """A built-in ``mask_mod`` as a band (:func:`mask_band`) and the :data:`RANGED` masks
+    intersected with it (:func:`~subquad.mods.and_masks`); None for any other."""
+    if isinstance(mask_mod, RANGED):
+        return (None, None), [mask_mod]
+    if isinstance(mask_mod, mods._AndMasks):
+        ranged: List[object] = [p for p in mask_mod.mask_mods if isinstance(p, RANGED)]
+        bands = [p for p in mask_mod.mask_mods if not isinstance(p, RANGED)]
+        band = mask_band(mods._AndMasks(bands)) if bands else (None, None)
+        return None if band is None else (band, ranged)
+    band = mask_band(mask_mod)
+    return None if band is None else (band, [])
+
+
+def _row_ranges(inp: Inputs, masks: List[object]) -> Optional[Tensor]:
+    """Each query row's keys ``[first, end)`` (the call's own positions) under all of ``masks``
+    (:data:`RANGED`): int64 ``(1 or B, Lq, 2)``; None where one of them hides more than a range
+    (a document's keys not sorted by id) or does not fit the call (ids of another length or batch)."""
+    B, Lq, Lk = inp.B, inp.Lq, inp.Lk
+    qpos = torch.arange(inp.q_offset, inp.q_offset + Lq)  # the callbacks' positions
+    lo = torch.zeros(1, Lq, dtype=torch.long)
+    hi = torch.full((1, Lq), Lk, dtype=torch.long)
+    for m in masks:
+        found = _ranges_of(m, inp, qpos)
+        if found is None:
+            return None
+        lo, hi = torch.maximum(lo, found[0]), torch.minimum(hi, found[1])
+    if lo.shape[0] not in (1, B):
+        return None
+    return torch.stack((lo, hi.clamp(min=0, max=Lk)), dim=-1).clamp(min=0).contiguous()
+
+
+def _per_row(value: object, B: int) -> Optional[Tensor]:
+    """An int or a ``(B,)`` tensor of a mask as ``(1 or B, 1)`` int64 on the CPU."""
+    if isinstance(value, int):
+        return torch.tensor([[value]])
+    assert isinstance(value, Tensor)
+    return value.to("cpu").view(-1, 1) if value.shape[0] in (1, B) else None
+
+
+def _ranges_of(mask: object, inp: Inputs, qpos: Tensor) -> Optional[Tuple[Tensor, Tensor]]:
+    """``(first, end)`` keys of each row under one :data:`RANGED` mask, each ``(1 or B, Lq)``."""
+    kv0, Lk = inp.kv_offset, inp.Lk
+    if isinstance(mask, mods._PrefixLM):  # j < prefix_len or j <= i (callback positions)
+        p = _per_row(mask.prefix_len, inp.B)
+        return None if p is None else (torch.zeros_like(p), torch.maximum(p, qpos.view(1, -1) + 1) - kv0)
+    if isinstance(mask, mods._KeyPadding):  # j < lengths
+        n = _per_row(mask.lengths, inp.B)
+        return None if n is None else (torch.zeros_like(n), (n - kv0).expand(-1, qpos.numel()))
+    assert isinstance(mask, mods._Document)
+    q_ids = mask.q_ids[..., inp.q_offset : inp.q_offset + qpos.numel()].to("cpu")
+    kv_ids = mask.kv_ids[..., kv0 : kv0 + Lk].to("cpu")
+    if q_ids.shape[-1] != qpos.numel() or kv_ids.shape[-1] != Lk:
+        return None
+    if q_ids.dim() == 2 and q_ids.shape[0] not in (1, inp.B):
+        return None
+    if Lk > 1 and not bool((kv_ids[..., 1:] >= kv_ids[..., :-1]).all()):
+        return None  # a document's keys in more than one range
+    q_ids, kv_ids = q_ids.reshape(-1, q_ids.shape[-1]), kv_ids.reshape(-1, Lk)
+    if kv_ids.shape[0] != q_ids.shape[0]:
+        kv_ids = kv_ids.expand(q_ids.shape[0], -1).contiguous()
+    first = torch.searchsorted(kv_ids, q_ids, right=False)
+    return first, torch.searchsorted(kv_ids, q_ids, right=True)
 
 
 def mask_band(mask_mod: object) -> Optional[Band]:
@@ -238,10 +290,8 @@ def thread_bytes(inp: Inputs, kc: int = KEYS) -> int:
 def tile_bytes(inp: Inputs, qc: int, kc: int) -> int:
     """The planner's tile size for the loop: a row block's accumulator and the threads' buffers;
     not the segment's keys and values, which every task reads from the shared cache whatever the
-    segment's length. Longer segments cost fewer calls and copies: whole key rows took 0.80-0.91x
-    the time of 512 x 1024 tiles (bfloat16, two threads, medians of 7: 1x8x4096x64 143 against
-    155 ms, 4x8x4096x40 480 against 545, 1x8x2048x64 42 against 47). So do more rows per call:
-    :data:`TILE_TARGET`."""
+    segment's length. Longer segments cost fewer calls and copies, and so do more rows per call:
+    :data:`TILE_TARGET` (docs/benchmarks/loops.md)."""
     return inp.B * inp.Hq * qc * inp.Ev * inp.stats_itemsize + thread_bytes(inp)
 
 
@@ -249,8 +299,8 @@ TILE_TARGET = 32 << 20
 """The planner's ceiling on :func:`tile_bytes` where the loops run a call (the eager tiles' is
 4 MiB, the scores a tile's passes stream): the accumulator is not streamed, and each call copies
 its keys and values again and ends with its threads waiting on the last task
-(:meth:`Matmul.tile_target <subquad._backends.matmul.Matmul.tile_target>`). Whole rows in one
-call ran a few percent faster than row blocks of 1024 (docs/benchmarks/loops.md)."""
+(:meth:`Matmul.tile_target <subquad._backends.matmul.Matmul.tile_target>`). Whole rows against
+row blocks of 1024: docs/benchmarks/loops.md ("Faster loops, whole rows")."""
 
 
 def forward_rows(inp: Inputs, qs: int, qe: int, segments: Iterable[Segment], out: Tensor, kernel: ModuleType) -> Tensor:
@@ -274,7 +324,7 @@ def forward_rows(inp: Inputs, qs: int, qe: int, segments: Iterable[Segment], out
         causal = inp.is_causal and seg.causal != "none"
         k, v = (unit_stride(t[:, :, seg.ks : seg.ke]) for t in (inp.k, inp.v))
         mask = None if inp.attn_mask is None else inp.mask_tile(qs, qe, seg.ks, seg.ke).expand(B, Hq, qn, -1)
-        run(q, k, v, m, l, acc, alpha, qs, seg.ks, causal, inp.causal_offset, mask, cap, *in_loop)
+        run(q, k, v, m, l, acc, alpha, qs, seg.ks, causal, inp.causal_offset, mask, cap, *in_loop.at(qs, qe, seg.ks))
     return finish_rows(inp, qs, qe, RowState(m, l, acc), out, log2=True)
 
 
@@ -398,10 +448,7 @@ def backward_tile_bytes(inp: Inputs, qc: int, kc: int) -> int:
     """The planner's tile size for a call whose forward and backward both run the loops: the
     threads' buffers alone, so the planner takes the largest tiles the budget allows. Neither
     loop holds a tile of scores, and each call packs its keys and values again, so whole rows
-    cost fewer calls and copies. Forward + backward, bfloat16, two threads, medians of 7:
-    2x8x1024x128 on 1024 x 1024 129 ms against 147 on 512 x 1024 and 193 on 128 x 512;
-    4x8x1024x40 125 against 145 on 256 x 1024; causal 1x8x4096x64 251 against 287 on 512 x 1024;
-    1x8x8192x64 2.09-2.20 s on every tile from 1024 x 1024 to whole rows."""
+    cost fewer calls and copies (docs/benchmarks/loops.md, "The backward's loop in C++")."""
     return thread_bytes(inp) + backward_block_bytes(inp)
 
 
@@ -442,7 +489,8 @@ def backward_rows(
         keys = slice(seg.ks, seg.ke)
         dk = _in_place(grads.dk, keys, (B, Hk, seg.ke - seg.ks, inp.E))
         dv = _in_place(grads.dv, keys, (B, Hk, seg.ke - seg.ks, inp.Ev))
-        run(q, k, v, do, lse2, dd, dq, dk, dv, alpha, inp.scale, qs, seg.ks, causal, off, mask, cap, *in_loop)
+        per_seg = in_loop.at(qs, qe, seg.ks)
+        run(q, k, v, do, lse2, dd, dq, dk, dv, alpha, inp.scale, qs, seg.ks, causal, off, mask, cap, *per_seg)
         for g, block in ((grads.dk, dk), (grads.dv, dv)):
             if g is not None and not _same(g[:, :, keys], block):
                 add_into(g[:, :, keys], block)
