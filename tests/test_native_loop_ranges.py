@@ -23,6 +23,7 @@ from subquad import _time_model, mods
 from subquad._backends import segments
 from subquad._validate import make_inputs
 from test_native_loop_mods import LOOPS
+from test_native_loop_mods import _attention as loop_mods_attention
 
 pytestmark = test_native.pytestmark  # a C++ compiler and ninja
 
@@ -112,13 +113,9 @@ def _keep(mask_mod, B, Hq, Lq, Lk):
 
 
 def _attention(q, k, v, keep):
-    g = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
-    s = (q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5).masked_fill(~keep, float("-inf"))
-    m = s.detach().amax(dim=-1, keepdim=True)
-    p = torch.exp(s - m.masked_fill(torch.isneginf(m), 0.0))
-    l = p.sum(dim=-1, keepdim=True)
-    return (p / l.masked_fill(l == 0, 1.0)) @ v
+    """test_native_loop_mods' reference attention, the hidden scores as a bias of -inf."""
+    bias = torch.zeros(keep.shape, dtype=torch.float64).masked_fill(~keep, float("-inf"))
+    return loop_mods_attention(q, k, v, bias)
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -203,3 +200,16 @@ def test_row_ranges_of_each_mask():
         assert found.ranges.expand(2, -1, -1).tolist() == want, mask_mod
     causal = segments.loop_mods(make_inputs(q, q, q, mask_mod=mods.and_masks(mods.causal(), mods.key_padding(3))))
     assert causal is not None and causal.window_lo == 0 and causal.window_hi is None
+
+
+def test_ranges_are_read_again_when_the_ids_change_in_place():
+    # A call's ranges are remembered (it asks for them several times); ids edited in place are new.
+    q = torch.zeros(1, 1, 6, 4)
+    ids = torch.tensor([0, 0, 0, 1, 1, 1])
+    mask_mod = mods.document(ids)
+    first = segments.loop_mods(make_inputs(q, q, q, mask_mod=mask_mod))
+    assert first is not None and first.ranges is not None and first.ranges[0, :, 1].tolist() == [3, 3, 3, 6, 6, 6]
+    mask_mod.q_ids[3:] = 0
+    mask_mod.kv_ids[3:] = 0
+    again = segments.loop_mods(make_inputs(q, q, q, mask_mod=mask_mod))
+    assert again is not None and again.ranges is not None and again.ranges[0, :, 1].tolist() == [6] * 6

@@ -10,7 +10,8 @@ rows whose offsets moved far and the next offsets; the running maximum, sum and 
 where eager PyTorch makes about twenty small calls of 5-15 us each. Built for a CPU with
 AVX512-BF16, it also runs the whole forward and backward loops (:mod:`subquad._backends.segments`)
 for calls with no ``score_mod``, ``mask_mod`` or dropout; built for AVX512F or for AVX2 with FMA,
-the same loops for float32 and float16 calls. It is C++ that PyTorch's
+the same loops for float32 and float16 calls; the loops multiply on their own micro-kernels or
+on ATen's (oneDNN's brgemm), as the calibration chose (:data:`ON_LOAD`). It is C++ that PyTorch's
 extension builder compiles on this machine (a C++ compiler and ``ninja`` are needed, as for
 ``torch.compile`` on a CPU), 35-45 s once on a 2-core VM; the build is cached per source, torch
 version, Python and CPU.

@@ -16,7 +16,10 @@
 // (softcap > 0: each score becomes c · tanh(score / c), Gemma 2's, with its derivative in dS),
 // ALiBi (subquad.mods.alibi: a bias per head and distance) and a band of diagonals (the causal
 // mask, subquad.mods.sliding_window and local_window: keys outside it skipped), the mods they
-// evaluate themselves (Mods). Where it targets AVX512F, forward_segment_f32 runs the same
+// evaluate themselves (Mods), and one range of keys per query row (document masks, prefix-LM,
+// key padding: Mods::ranges). Their products run on the micro-kernels below or on ATen's CPU
+// BLAS micro-kernels (at::native::cpublas::brgemm: oneDNN's, AMX tiles where the CPU has them),
+// whichever set_products chose. Where it targets AVX512F, forward_segment_f32 runs the same
 // forward loop for float32 and float16 inputs, its products in float32 on FMA (float16 converted
 // exactly when the rows and keys are copied in), p kept in float32. forward_packed_f32 and
 // forward_packed_bf16 run the forward loop over each of a group of packed sequences in one call.
@@ -85,7 +88,7 @@ inline uint16_t float_to_bf16(float f) {
 // least largest relative error (1.9e-9; float32's own rounding is 6e-8). Written without branches
 // or library calls so that the compiler vectorizes it. x is clamped below only and the exponent
 // k + 127 in integers: a float clamp above, with the Taylor polynomial of degree 7 used before,
-// made the forward pass 15-20% slower (one thread, 2M scores: 1131 against 920-980 us).
+// made the forward pass slower (docs/benchmarks/loops.md).
 inline float exp2_approx(float x) {
   x = x < -127.0f ? -127.0f : x;
   const float k = (x + 12582912.0f) - 12582912.0f;  // round to nearest: 1.5 · 2^23
@@ -366,11 +369,10 @@ inline void store_acc(const Lanes::V (&acc)[R][N], float* c, int64_t ldc) {
 
 // C (R x 16·NV float32) = A (R x k float32, row stride lda) · B (k rows of the columns, ldb
 // elements apart), one FMA per entry of A and vector of columns. ACC: C += A · B instead. Blocks
-// of 8 x 32, 8 x 48 and 6 x 64 (AVX512F) ran 1x8x4096x64's float32 loop in the same time
-// (184-204 ms, three rounds, two threads); with 8 lanes (AVX2: 16 registers), 6 x 16. The
-// micro-kernels are kept out of line: inlined, their accumulators' registers depended on the code
-// around them (the float32 loop 186 or 410 ms, the bfloat16 one 128 or 254, from one edit
-// elsewhere).
+// of 8 x 32 with 16 lanes (AVX512F; 8 x 48 and 6 x 64 ran as fast), 6 x 16 with 8 lanes (AVX2:
+// 16 registers). The micro-kernels are kept out of line: inlined, their accumulators' registers
+// depended on the code around them, and one edit elsewhere could halve the loops' speed
+// (docs/benchmarks/loops.md).
 struct WideMicro {
   using Op = float;
   static constexpr int64_t kColumn = 16;

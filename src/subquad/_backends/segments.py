@@ -21,7 +21,9 @@ How they work and what they measured: docs/benchmarks/loops.md.
 
 from __future__ import annotations
 
+import collections
 import math
+import threading
 from types import ModuleType
 from typing import Dict, Iterable, List, NamedTuple, Optional, Set, Tuple
 
@@ -120,7 +122,7 @@ def loop_mods(inp: Inputs) -> Optional[LoopMods]:
             return None
         band = parts[0]
         if parts[1]:
-            ranges = _row_ranges(inp, parts[1])
+            ranges = _cached_ranges(inp, parts[1])
             if ranges is None:
                 return None
     slopes = None
@@ -150,6 +152,33 @@ def _mask_parts(mask_mod: object) -> Optional[Tuple[Band, List[object]]]:
         return None if band is None else (band, ranged)
     band = mask_band(mask_mod)
     return None if band is None else (band, [])
+
+
+_RANGES: "collections.OrderedDict[Tuple[object, ...], Tuple[object, Optional[Tensor]]]" = collections.OrderedDict()
+"""The last few calls' :func:`_row_ranges` (a call asks for them several times while it is planned
+and run), each kept with its mask so that the mask's id is not reused while the entry lives."""
+
+
+_RANGES_LOCK = threading.Lock()
+
+
+def _cached_ranges(inp: Inputs, masks: List[object]) -> Optional[Tensor]:
+    """:func:`_row_ranges`, remembered per mask, the versions of its tensors (an id edited in place
+    is a new key), the call's positions and sizes."""
+    tensors = [getattr(m, a) for m in masks for a in ("q_ids", "kv_ids", "prefix_len", "lengths") if hasattr(m, a)]
+    versions = tuple((id(t), t._version) for t in tensors if isinstance(t, Tensor))
+    key = (inp.mask_mod and id(inp.mask_mod), versions, inp.q_offset, inp.kv_offset, inp.B, inp.Lq, inp.Lk)
+    with _RANGES_LOCK:
+        found = _RANGES.get(key)
+        if found is not None:
+            _RANGES.move_to_end(key)
+            return found[1]
+    ranges = _row_ranges(inp, masks)
+    with _RANGES_LOCK:
+        _RANGES[key] = (inp.mask_mod, ranges)
+        while len(_RANGES) > 8:
+            _RANGES.popitem(last=False)
+    return ranges
 
 
 def _row_ranges(inp: Inputs, masks: List[object]) -> Optional[Tensor]:

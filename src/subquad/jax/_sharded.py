@@ -264,41 +264,52 @@ def mesh_plan(
     jax.eval_shape(single, shard(s.B, s.T, s.N, s.H), shard(s.B, s.S, s.K, s.H), shard(s.B, s.S, s.K, s.Hv))
     single_bytes = (found["single"].forward_bytes, found["single"].backward_bytes)
     if chosen == "ring":
-
-        def trace(q: Any, k: Any, v: Any) -> Any:
-            found["ring"] = ring_setup(
-                q, k, v, P=P, axis_name=axis_name, bias=None, mask=None, layout=lay, mesh_axes=frozenset(), **options
-            )[0]
-            return q
-
-        jax.eval_shape(
-            trace, shard(s.B, s.T // P, s.N, s.H), shard(s.B, s.S // P, s.K, s.H), shard(s.B, s.S // P, s.K, s.Hv)
-        )
-        r: Ring = found["ring"]
-        if bias is not None:
-            r = dataclasses.replace(r, spec=dataclasses.replace(r.spec, bias_shape=tuple(bias.shape)))
-        fwd, bwd = ring_memory(s, r, dtype)
-        steps, chunks = (
-            ring_steps(r),
-            f"blocks of {r.spec.T} rows x {r.spec.S} keys, in chunks of {r.spec.tq} x {r.spec.tk}",
-        )
+        fwd, bwd, steps, chunks = _ring_plan(s, P, axis_name, lay, options, bias, dtype)
     else:
-
-        def heads(q: Any, k: Any, v: Any) -> Any:
-            found["heads"] = prepare(q, k, v, **options)
-            return q
-
-        jax.eval_shape(
-            heads, shard(s.B, s.T, s.N // P, s.H), shard(s.B, s.S, s.K // P, s.H), shard(s.B, s.S, s.K // P, s.Hv)
-        )
-        spec = found["heads"].spec
-        fwd, bwd = ulysses_memory(s, spec, dtype)
-        steps, chunks = (
-            [],
-            f"{s.N // P} query heads of the whole sequence per device, in chunks of {spec.tq} x {spec.tk}",
-        )
+        fwd, bwd, steps, chunks = _heads_plan(s, P, options, dtype)
     sent = traffic(s, chosen, chosen == "ring" and lay == "zigzag")
     return ShardedPlan(chosen, P, axis_name, lay, fwd, bwd, sent[0], sent[1], steps, rejected, chunks, single_bytes)
+
+
+def _ring_plan(s: Any, P: int, axis_name: Any, lay: str, options: dict, bias: Any, dtype: Any) -> Tuple[Any, ...]:
+    """Ring attention's ``(forward bytes, backward bytes, steps, chunks)`` per device, traced on
+    shapes alone."""
+    shard = lambda *shape: jax.ShapeDtypeStruct(shape, dtype)  # noqa: E731
+    found: dict = {}
+
+    def trace(q: Any, k: Any, v: Any) -> Any:
+        found["ring"] = ring_setup(
+            q, k, v, P=P, axis_name=axis_name, bias=None, mask=None, layout=lay, mesh_axes=frozenset(), **options
+        )[0]
+        return q
+
+    jax.eval_shape(
+        trace, shard(s.B, s.T // P, s.N, s.H), shard(s.B, s.S // P, s.K, s.H), shard(s.B, s.S // P, s.K, s.Hv)
+    )
+    r: Ring = found["ring"]
+    if bias is not None:
+        r = dataclasses.replace(r, spec=dataclasses.replace(r.spec, bias_shape=tuple(bias.shape)))
+    fwd, bwd = ring_memory(s, r, dtype)
+    chunks = f"blocks of {r.spec.T} rows x {r.spec.S} keys, in chunks of {r.spec.tq} x {r.spec.tk}"
+    return fwd, bwd, ring_steps(r), chunks
+
+
+def _heads_plan(s: Any, P: int, options: dict, dtype: Any) -> Tuple[Any, ...]:
+    """Ulysses' ``(forward bytes, backward bytes, steps, chunks)`` per device (its query heads of
+    the whole sequence), traced on shapes alone."""
+    shard = lambda *shape: jax.ShapeDtypeStruct(shape, dtype)  # noqa: E731
+    found: dict = {}
+
+    def heads(q: Any, k: Any, v: Any) -> Any:
+        found["heads"] = prepare(q, k, v, **options)
+        return q
+
+    jax.eval_shape(
+        heads, shard(s.B, s.T, s.N // P, s.H), shard(s.B, s.S, s.K // P, s.H), shard(s.B, s.S, s.K // P, s.Hv)
+    )
+    spec = found["heads"].spec
+    fwd, bwd = ulysses_memory(s, spec, dtype)
+    return fwd, bwd, [], f"{s.N // P} query heads of the whole sequence per device, in chunks of {spec.tq} x {spec.tk}"
 
 
 def _spec_for(x: Any, axis_name: Any, T: int, rows_dim: int) -> PartitionSpec:
