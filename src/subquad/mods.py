@@ -31,18 +31,25 @@ signatures works; the built-ins are small classes that add optional hooks the en
   (a buffer to write the tile into), for an engine that reuses one across tiles.
 
 In the drawings below rows are queries, columns keys, ``x`` = attend, ``.`` = masked; ``Lq = Lk = 6``
-unless noted. (Over 600 lines for its one job: each built-in with its drawing and block states.)
+unless noted. ALiBi lives in ``_alibi``, the combinators in ``_mask_combinators`` and the masks' base
+in ``_mask_base``; all are imported from here.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
 
-from ._callbacks import EMPTY, FULL, PARTIAL, UNKNOWN, declared_states, grid_bounds
+from ._alibi import _Alibi as _Alibi  # re-exported: subquad's modules read the built-ins' classes here
+from ._alibi import alibi, alibi_slopes
+from ._callbacks import EMPTY, FULL, PARTIAL, grid_bounds
+from ._mask_base import _diagonal_state, _diagonal_states, _Mask, _states
+from ._mask_combinators import _AndMasks as _AndMasks
+from ._mask_combinators import _OrMasks as _OrMasks
+from ._mask_combinators import and_masks, or_masks
 
 __all__ = [
     "EMPTY",
@@ -61,56 +68,7 @@ __all__ = [
     "or_masks",
 ]
 
-MaskModFn = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
 IntOrTensor = Union[int, Sequence[int], Tensor]
-
-
-class _Mask:
-    """Base of the built-in masks: a callable ``(b, h, q_idx, kv_idx) -> bool`` plus its block structure."""
-
-    def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        raise NotImplementedError
-
-    def block_state(self, qs: int, qe: int, ks: int, ke: int) -> Optional[int]:
-        """EMPTY, FULL or PARTIAL for rows ``[qs, qe)`` x keys ``[ks, ke)``; ``None`` if unknown."""
-        return PARTIAL
-
-    def _on(self, t: Tensor, device: torch.device) -> Tensor:
-        """``t`` on the device of the call (ids or lengths built on CPU for a CUDA call), copied once."""
-        if t.device == device:
-            return t
-        cache: Dict[Tuple[int, torch.device], Tensor] = self.__dict__.setdefault("_device_copies", {})
-        key = (id(t), device)
-        if key not in cache:
-            cache[key] = t.to(device)
-        return cache[key]
-
-
-def _diagonal_state(qs: int, qe: int, ks: int, ke: int, lo: float, hi: float) -> int:
-    """State of the band ``lo <= q - k <= hi`` on a tile.
-
-    Over the integer rectangle the difference ``q - k`` takes every value in
-    ``[qs - (ke - 1), (qe - 1) - ks]``, so comparing that interval with ``[lo, hi]`` is exact.
-    """
-    d_min, d_max = qs - (ke - 1), (qe - 1) - ks
-    if d_max < lo or d_min > hi:
-        return EMPTY
-    if lo <= d_min and d_max <= hi:
-        return FULL
-    return PARTIAL
-
-
-def _states(empty: Tensor, full: Tensor) -> Tensor:
-    return torch.where(empty, EMPTY, torch.where(full, FULL, PARTIAL)).to(torch.int8)
-
-
-def _diagonal_states(qs: int, qe: int, q_block: int, ks: int, ke: int, kv_block: int, lo: float, hi: float) -> Tensor:
-    """:func:`_diagonal_state` of every tile of a grid at once, ``(query blocks, key blocks)`` on the CPU."""
-    q0, q1 = grid_bounds(qs, qe, q_block)
-    k0, k1 = grid_bounds(ks, ke, kv_block)
-    d_min = q0.view(-1, 1) - (k1 - 1).view(1, -1)
-    d_max = (q1 - 1).view(-1, 1) - k0.view(1, -1)
-    return _states((d_max < lo) | (d_min > hi), (d_min >= lo) & (d_max <= hi))
 
 
 # ----------------------------------------------------------------------------- causal
@@ -514,232 +472,3 @@ def prefix_lm(prefix_len: IntOrTensor) -> _Mask:
         ValueError: a negative prefix length, or not an int / 1-D integer tensor.
     """
     return _PrefixLM(_per_batch("prefix_len", prefix_len, "prefix_lm"))
-
-
-# ----------------------------------------------------------------------------- combinators
-def _state_of(mask_mod: MaskModFn, qs: int, qe: int, ks: int, ke: int) -> Optional[int]:
-    declared = getattr(mask_mod, "block_state", None)
-    if declared is None:
-        return None
-    state = declared(qs, qe, ks, ke)
-    return int(state) if state in (EMPTY, FULL, PARTIAL) else None
-
-
-def _check_masks(fn: str, mask_mods: Sequence[MaskModFn]) -> List[MaskModFn]:
-    if not mask_mods:
-        raise ValueError(f"{fn}: expected at least one mask_mod.")
-    for i, m in enumerate(mask_mods):
-        if not callable(m):
-            raise TypeError(f"{fn}: argument {i} is a {type(m).__name__}, not a mask_mod callable.")
-    return list(mask_mods)
-
-
-def _grids(
-    mask_mods: Sequence[MaskModFn], qs: int, qe: int, q_block: int, ks: int, ke: int, kv_block: int
-) -> Tuple[Optional[Tensor], bool]:
-    """The declared grids of the parts, stacked on one device (a GPU part's, so that the grids
-    are read back once, combined), and whether some part declares nothing; ``None`` if none does."""
-    found = [declared_states(m, qs, qe, q_block, ks, ke, kv_block) for m in mask_mods]
-    grids = [g for g in found if g is not None]
-    if not grids:
-        return None, True
-    device = next((g.device for g in grids if g.device.type != "cpu"), grids[0].device)
-    return torch.stack([g.to(device) for g in grids]), len(grids) < len(found)
-
-
-class _AndMasks(_Mask):
-    def __init__(self, mask_mods: List[MaskModFn]) -> None:
-        self.mask_mods = mask_mods
-
-    def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        keep = self.mask_mods[0](b, h, q_idx, kv_idx)
-        for m in self.mask_mods[1:]:
-            keep = keep & m(b, h, q_idx, kv_idx)
-        return keep
-
-    def block_state(self, qs: int, qe: int, ks: int, ke: int) -> Optional[int]:
-        states = [_state_of(m, qs, qe, ks, ke) for m in self.mask_mods]
-        if EMPTY in states:
-            return EMPTY
-        if None in states:
-            return None  # a hand-written part: let the engine evaluate the whole mask on the tile
-        return FULL if all(s == FULL for s in states) else PARTIAL
-
-    def block_states(self, qs: int, qe: int, q_block: int, ks: int, ke: int, kv_block: int) -> Optional[Tensor]:
-        parts, undeclared = _grids(self.mask_mods, qs, qe, q_block, ks, ke, kv_block)
-        if parts is None:
-            return None
-        unknown = (parts == UNKNOWN).any(dim=0) | undeclared
-        found = _states((parts == EMPTY).any(dim=0), (parts == FULL).all(dim=0))
-        return torch.where(unknown & (found != EMPTY), UNKNOWN, found).to(torch.int8)
-
-    def __repr__(self) -> str:
-        return f"and_masks({', '.join(map(repr, self.mask_mods))})"
-
-
-class _OrMasks(_Mask):
-    def __init__(self, mask_mods: List[MaskModFn]) -> None:
-        self.mask_mods = mask_mods
-
-    def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        keep = self.mask_mods[0](b, h, q_idx, kv_idx)
-        for m in self.mask_mods[1:]:
-            keep = keep | m(b, h, q_idx, kv_idx)
-        return keep
-
-    def block_state(self, qs: int, qe: int, ks: int, ke: int) -> Optional[int]:
-        states = [_state_of(m, qs, qe, ks, ke) for m in self.mask_mods]
-        if FULL in states:
-            return FULL
-        if None in states:
-            return None
-        return EMPTY if all(s == EMPTY for s in states) else PARTIAL
-
-    def block_states(self, qs: int, qe: int, q_block: int, ks: int, ke: int, kv_block: int) -> Optional[Tensor]:
-        parts, undeclared = _grids(self.mask_mods, qs, qe, q_block, ks, ke, kv_block)
-        if parts is None:
-            return None
-        unknown = (parts == UNKNOWN).any(dim=0) | undeclared
-        found = _states((parts == EMPTY).all(dim=0), (parts == FULL).any(dim=0))
-        return torch.where(unknown & (found != FULL), UNKNOWN, found).to(torch.int8)
-
-    def __repr__(self) -> str:
-        return f"or_masks({', '.join(map(repr, self.mask_mods))})"
-
-
-def and_masks(*mask_mods: MaskModFn) -> _Mask:
-    """A mask that attends where *every* mask attends (intersection).
-
-    ``and_masks(causal(), document(ids))`` is causal attention within each packed document::
-
-        ids = [0, 0, 0, 1, 1, 1]
-        x . . . . .
-        x x . . . .
-        x x x . . .
-        . . . x . .
-        . . . x x .
-        . . . x x x
-
-    Block states combine: EMPTY if any part is EMPTY, FULL if all are FULL. Hand-written parts
-    (without ``block_state``) are evaluated on the tile when the built-in parts do not decide it.
-
-    Raises:
-        ValueError / TypeError: no masks, or an argument that is not callable.
-    """
-    return _AndMasks(_check_masks("and_masks", mask_mods))
-
-
-def or_masks(*mask_mods: MaskModFn) -> _Mask:
-    """A mask that attends where *any* mask attends (union).
-
-    ``or_masks(sliding_window(1), key_padding(2))``: a local window plus two global tokens::
-
-        x x . . . .
-        x x x . . .
-        x x x x . .
-        x x x x x .
-        x x . x x x
-        x x . . x x
-
-    Block states combine: FULL if any part is FULL, EMPTY if all are EMPTY.
-
-    Raises:
-        ValueError / TypeError: no masks, or an argument that is not callable.
-    """
-    return _OrMasks(_check_masks("or_masks", mask_mods))
-
-
-# ----------------------------------------------------------------------------- ALiBi
-def alibi_slopes(
-    num_heads: int, dtype: torch.dtype = torch.float32, device: Union[str, torch.device, int, None] = None
-) -> Tensor:
-    """The standard ALiBi slopes of ``num_heads`` heads (Press et al., 2022), shape ``(num_heads,)``.
-
-    For a power of two ``n`` they are the geometric sequence ``2**(-8 (i+1) / n)``, i = 0..n-1
-    (``n = 8``: 1/2, 1/4, ..., 1/256). Otherwise, with ``p`` the largest power of two below ``n``,
-    the ``p`` slopes of ``p`` heads are followed by every other slope of ``2p`` heads (the odd
-    exponents that interleave them), ``n - p`` of them.
-
-    Raises:
-        ValueError: ``num_heads`` is not a positive int.
-    """
-    if not isinstance(num_heads, int) or isinstance(num_heads, bool) or num_heads <= 0:
-        raise ValueError(f"alibi_slopes: expected num_heads to be a positive int, got {num_heads!r}.")
-
-    def geometric(n: int) -> List[float]:
-        return [2.0 ** (-8.0 * (i + 1) / n) for i in range(n)]
-
-    p = 1 << (num_heads.bit_length() - 1)
-    slopes = geometric(p)
-    if p != num_heads:
-        slopes += geometric(2 * p)[0::2][: num_heads - p]
-    return torch.tensor(slopes, dtype=torch.float64).to(dtype=dtype, device=device)
-
-
-class _Alibi:
-    """``score - slopes[h] * |q_idx - kv_idx|``; ``slopes`` may require grad."""
-
-    def __init__(self, slopes: Tensor) -> None:
-        self.slopes = slopes
-
-    @staticmethod
-    def _distance(q_idx: Tensor, kv_idx: Tensor, dtype: torch.dtype) -> Tensor:
-        # Distances in the float dtype directly: an int64 (qc, kc) temporary would double the traffic.
-        return torch.sub(q_idx.to(dtype), kv_idx.to(dtype)).abs_()
-
-    def __call__(self, score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        # Differentiable in the slopes (the matmul path pulls dS back through this expression).
-        slopes = self.slopes.to(device=score.device, dtype=score.dtype)
-        # One fused pass over the tile (score - slope * distance), differentiable in both.
-        return torch.addcmul(score, slopes[h], self._distance(q_idx, kv_idx, score.dtype), value=-1.0)
-
-    def additive_bias(
-        self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor, out: Optional[Tensor] = None
-    ) -> Tensor:
-        """The bias ``-slopes[h] * |q_idx - kv_idx|`` of a tile, ``(1, Hq, qc, kc)``.
-
-        ``out``: an optional buffer of that shape to write into. A caller that reuses one across
-        tiles saves the page faults of a fresh tile (1.6 ms vs 0.1 ms for 4 x 512 x 512 here).
-        """
-        if out is not None:
-            dtype = out.dtype
-        else:
-            dtype = self.slopes.dtype if self.slopes.is_floating_point() else torch.float32
-        with torch.no_grad():
-            dist = self._distance(q_idx, kv_idx, dtype)
-            neg = self.slopes.to(device=q_idx.device, dtype=dtype)[h].neg()
-            # Expanding the distances first matters: ``(1,1,qc,kc) * (1,H,1,1)`` into a fresh tensor
-            # iterates badly on CPU (3.5 ms vs 0.7 ms for H=4, 1024 x 1024, one thread, torch 2.13).
-            return torch.mul(dist.expand(*dist.shape[:1], neg.shape[1], *dist.shape[2:]), neg, out=out)
-
-    def __repr__(self) -> str:
-        return f"alibi({self.slopes.detach().tolist()})"
-
-
-def alibi(slopes: Union[int, Sequence[float], Tensor]) -> Callable[..., Tensor]:
-    """ALiBi position bias (Press et al., 2022): ``score - slopes[h] * |q_idx - kv_idx|``.
-
-    ``slopes``: one per query head, shape ``(Hq,)``, or an int ``H`` for :func:`alibi_slopes` ``(H)``.
-    A tensor that requires grad (learnable slopes) receives its gradient through
-    :func:`subquad.attention`'s backward. Without grad the mod runs on the fused CPU kernel.
-
-    ::
-
-        bias of one head, slope m, Lq = Lk = 4 (with causal(): the upper triangle is masked)
-         0  -m -2m -3m
-        -m   0  -m -2m
-        -2m -m   0  -m
-        -3m -2m -m   0
-
-    Raises:
-        ValueError: slopes that are not a 1-D float tensor / sequence or a positive int.
-    """
-    if isinstance(slopes, int) and not isinstance(slopes, bool):
-        return _Alibi(alibi_slopes(slopes))
-    t = slopes if isinstance(slopes, Tensor) else torch.as_tensor(slopes, dtype=torch.float32)
-    if t.dim() != 1 or not t.is_floating_point():
-        raise ValueError(
-            f"alibi: expected slopes to be a 1-D float tensor of shape (Hq,) or a number of heads, "
-            f"got {tuple(t.shape)} {t.dtype}."
-        )
-    return _Alibi(t)
