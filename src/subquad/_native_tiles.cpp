@@ -67,6 +67,13 @@ constexpr int kWideProducts = 1, kPairProducts = 2;
 std::atomic<int> g_aten_products{0};
 thread_local bool tl_aten_products = false;
 
+// ATen's micro-kernels refused a product during a call (oneDNN found no kernel for its shape on
+// this CPU): that product and every later one run on the loops' own, and the switch is cleared.
+void aten_products_failed() {
+  tl_aten_products = false;
+  g_aten_products.store(0);
+}
+
 inline float bf16_to_float(uint16_t h) {
   uint32_t u = static_cast<uint32_t>(h) << 16;
   float f;
@@ -819,8 +826,12 @@ struct WideTiles {
     const float* b = kd + kvh * e * ld + j0;
 #if defined(SUBQUAD_ATEN_PRODUCTS)
     if (tl_aten_products) {
-      at::native::cpublas::brgemm(rows, round16(nb), e, e, ld, lds, false, q, b, s, false);
-      return;
+      try {
+        at::native::cpublas::brgemm(rows, round16(nb), e, e, ld, lds, false, q, b, s, false);
+        return;
+      } catch (const std::exception&) {
+        aten_products_failed();
+      }
     }
 #endif
     gemm_blocks<WideMicro, false>(q, e, b, ld, e, s, lds, rows, (nb + 15) / 16);
@@ -832,8 +843,12 @@ struct WideTiles {
                         int64_t m, int64_t n16) {
 #if defined(SUBQUAD_ATEN_PRODUCTS)
     if (tl_aten_products) {
-      at::native::cpublas::brgemm(m, 16 * n16, red, lda, dpad, ldc, ACC, a, b, c, false);
-      return;
+      try {
+        at::native::cpublas::brgemm(m, 16 * n16, red, lda, dpad, ldc, ACC, a, b, c, false);
+        return;
+      } catch (const std::exception&) {
+        aten_products_failed();
+      }
     }
 #endif
     gemm_blocks<WideMicro, ACC>(a, lda, b, dpad, red, c, ldc, m, n16);
@@ -896,8 +911,12 @@ struct PairTiles {
     const uint16_t* b = kd + kvh * e2 * ld * 2 + j0 * 2;
 #if defined(SUBQUAD_ATEN_PRODUCTS)
     if (tl_aten_products) {  // B's pairs are the "VNNI" layout: ldb counts columns
-      at::native::cpublas::brgemm(rows, round16(nb), e2 * 2, e2 * 2, ld, lds, false, as_bf16(q), as_bf16(b), s, true);
-      return;
+      try {
+        at::native::cpublas::brgemm(rows, round16(nb), e2 * 2, e2 * 2, ld, lds, false, as_bf16(q), as_bf16(b), s, true);
+        return;
+      } catch (const std::exception&) {
+        aten_products_failed();
+      }
     }
 #endif
     gemm_pairs(q, e2 * 2, b, ld * 2, e2, s, lds, rows, (nb + 15) / 16);
@@ -907,8 +926,12 @@ struct PairTiles {
                         int64_t ldc, int64_t m, int64_t n16) {
 #if defined(SUBQUAD_ATEN_PRODUCTS)
     if (tl_aten_products) {
-      at::native::cpublas::brgemm(m, 16 * n16, round_up(red, 2), lda, dpad, ldc, ACC, as_bf16(a), as_bf16(b), c, true);
-      return;
+      try {
+        at::native::cpublas::brgemm(m, 16 * n16, round_up(red, 2), lda, dpad, ldc, ACC, as_bf16(a), as_bf16(b), c, true);
+        return;
+      } catch (const std::exception&) {
+        aten_products_failed();
+      }
     }
 #endif
     gemm_pairs<ACC>(a, lda, b, dpad * 2, round_up(red, 2) / 2, c, ldc, m, n16);
@@ -1394,40 +1417,50 @@ int products_bit(const std::string& which) {
 // small integers (exact in every order of summation), B laid out as the loops lay it out (pairs of
 // rows for bfloat16), a leading dimension wider than the product. False where this torch does
 // not export them or oneDNN refuses the product on this CPU.
-bool check_aten_products(bool pairs) {
+// One product of small integers (exact in any order of summation), M x N x K with B's leading
+// dimension ldb and C's ldc, by ATen's micro-kernels in the loops' layout, against a plain loop.
+bool aten_product_exact(bool pairs, int64_t M, int64_t N, int64_t K, int64_t ldb, int64_t ldc) {
 #if defined(SUBQUAD_ATEN_PRODUCTS)
-  constexpr int64_t M = 3, N = 32, K = 6, ldb = 48, ldc = 40;
   std::vector<float> a(M * K), b(K * N), want(M * ldc, 0.0f), got(M * ldc, 0.0f);
   for (int64_t i = 0; i < M * K; ++i) a[i] = static_cast<float>(i % 7) - 3.0f;
   for (int64_t i = 0; i < K * N; ++i) b[i] = static_cast<float>(i % 5) - 2.0f;
   for (int64_t i = 0; i < M; ++i)
-    for (int64_t j = 0; j < N; ++j)
-      for (int64_t c = 0; c < K; ++c) want[i * ldc + j] += a[i * K + c] * b[c * N + j];
-  try {
-    if (pairs) {
-      std::vector<at::BFloat16> a16(M * K), b16(K * ldb, at::BFloat16(0.0f));
-      for (int64_t i = 0; i < M * K; ++i) a16[i] = at::BFloat16(a[i]);
-      for (int64_t c = 0; c < K; ++c)
-        for (int64_t j = 0; j < N; ++j) b16[(c / 2) * ldb * 2 + j * 2 + c % 2] = at::BFloat16(b[c * N + j]);
-      at::native::cpublas::brgemm(M, N, K, K, ldb, ldc, false, a16.data(), b16.data(), got.data(), true);
-      at::native::cpublas::brgemm_release(true);
-    } else {
-      std::vector<float> bw(K * ldb, 0.0f);
-      for (int64_t c = 0; c < K; ++c)
-        for (int64_t j = 0; j < N; ++j) bw[c * ldb + j] = b[c * N + j];
-      at::native::cpublas::brgemm(M, N, K, K, ldb, ldc, false, a.data(), bw.data(), got.data(), false);
-    }
-  } catch (const std::exception&) {
-    return false;
+    for (int64_t c = 0; c < K; ++c)
+      for (int64_t j = 0; j < N; ++j) want[i * ldc + j] += a[i * K + c] * b[c * N + j];
+  if (pairs) {
+    std::vector<at::BFloat16> a16(M * K), b16(round_up(K, 2) * ldb, at::BFloat16(0.0f));
+    for (int64_t i = 0; i < M * K; ++i) a16[i] = at::BFloat16(a[i]);
+    for (int64_t c = 0; c < K; ++c)
+      for (int64_t j = 0; j < N; ++j) b16[(c / 2) * ldb * 2 + j * 2 + c % 2] = at::BFloat16(b[c * N + j]);
+    at::native::cpublas::brgemm(M, N, K, K, ldb, ldc, false, a16.data(), b16.data(), got.data(), true);
+    at::native::cpublas::brgemm_release(true);
+  } else {
+    std::vector<float> bw(K * ldb, 0.0f);
+    for (int64_t c = 0; c < K; ++c)
+      for (int64_t j = 0; j < N; ++j) bw[c * ldb + j] = b[c * N + j];
+    at::native::cpublas::brgemm(M, N, K, K, ldb, ldc, false, a.data(), bw.data(), got.data(), false);
   }
   for (int64_t i = 0; i < M; ++i)
     for (int64_t j = 0; j < N; ++j)
       if (got[i * ldc + j] != want[i * ldc + j]) return false;
   return true;
 #else
-  (void)pairs;
+  (void)pairs, (void)M, (void)N, (void)K, (void)ldb, (void)ldc;
   return false;
 #endif
+}
+
+// Whether ATen's micro-kernels run here and give the products the loops expect, on the shapes the
+// loops ask of them: a tiny one, a block of rows by a block of keys over a head dim with a pair
+// left over, and a full block of keys; leading dimensions wider than the products. False where
+// this torch does not export them or oneDNN refuses or miscomputes one of them on this CPU.
+bool check_aten_products(bool pairs) {
+  try {
+    return aten_product_exact(pairs, 3, 32, 6, 48, 40) && aten_product_exact(pairs, 37, 144, 58, 160, 150) &&
+           aten_product_exact(pairs, 64, 512, 128, 528, 512);
+  } catch (const std::exception&) {
+    return false;
+  }
 }
 
 // check_aten_products, once per kind of products in the process.
