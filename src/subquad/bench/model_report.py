@@ -297,19 +297,7 @@ def _line(ax: Any, impl: str, pts: list[tuple[int, float, Optional[float], Optio
         [max(0.0, y - (p[2] if p[2] is not None else y)) for p, y in zip(pts, ys)],
         [max(0.0, (p[3] if p[3] is not None else y) - y) for p, y in zip(pts, ys)],
     ]
-    ax.errorbar(
-        [p[0] for p in pts],
-        ys,
-        yerr=err if any(err[0]) or any(err[1]) else None,
-        label=impl,
-        color=s.color,
-        marker=s.marker,
-        linestyle=s.linestyle,
-        markerfacecolor="none",
-        markersize=7,
-        linewidth=1.4,
-        capsize=3,
-    )
+    plots.errorbar_line(ax, [p[0] for p in pts], ys, err if any(err[0]) or any(err[1]) else None, impl, s)
 
 
 def _panel_notes(rows: list[ModelResult], failed: dict[str, list[tuple[float, str]]]) -> list[str]:

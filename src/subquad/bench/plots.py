@@ -447,19 +447,7 @@ def _sweep_row(ax_time, ax_mem, rows: list[Result], common: dict[str, str], styl
                 ]
             name = f"{impl} ({_picks_label(ok)})" if impl == "subquad" else impl
             s = style[impl]
-            ax.errorbar(
-                xs,
-                ys,
-                yerr=err,
-                label=name,
-                color=s.color,
-                marker=s.marker,
-                linestyle=s.linestyle,
-                markerfacecolor="none",
-                markersize=7,
-                linewidth=1.4,
-                capsize=3,
-            )
+            errorbar_line(ax, xs, ys, err, name, s)
         log_axes(ax, lengths)
         if lowest is not None:
             _reference_slopes(ax, lengths, lowest)
@@ -511,6 +499,12 @@ def sweeps(results: list[Result]) -> list[list[Result]]:
             b, h, _, _, e = r.shape
             groups.setdefault((b, h, e, r.dtype, r.mask, r.mode, r.budget), []).append(r)
     return [rows for rows in groups.values() if len({r.shape[2] for r in rows}) >= SWEEP_MIN_LENGTHS]
+
+
+def errorbar_line(ax: Any, xs: Any, ys: Any, err: Any, label: str, s: Style) -> None:
+    """One implementation's line in its :class:`Style`: open markers, whiskers ``err`` (or None)."""
+    look = dict(color=s.color, marker=s.marker, linestyle=s.linestyle, markerfacecolor="none", markersize=7)
+    ax.errorbar(xs, ys, yerr=err, label=label, linewidth=1.4, capsize=3, **look)
 
 
 def styles(names: list[str], plt) -> dict[str, Style]:
