@@ -9,7 +9,7 @@ their accuracy against float64.
     python benchmarks/bench_loop_sizes.py --cases build
 
 Inference calls (bfloat16 unless ``--dtype`` says float32 or float16), each through the full path
-with the backend forced: ``backend="matmul"`` (the loop, where the native kernel was built for
+with the backend forced: ``backend="loops"`` (where the native kernel was built for
 AVX512-BF16, or AVX512F for float32 and float16) and ``backend="fused"``, in ``--rounds`` rounds
 (2 unless said) of 9 calls each (5 at 4096 rows) after two warm-up calls, the two backends'
 order alternating from round to round; the figures are the best round's median per backend and
@@ -29,8 +29,8 @@ last two also on the fused kernel with their bias tile) against plain causal on 
 and prints ``explain()``'s prediction over the measured time. ``--cases products`` times the loops
 on host calls with their own products against ATen's micro-kernels (oneDNN's brgemm), alternating. ``--cases loop-backward --backward`` times
 the shapes the backward loop was first measured on (:data:`LOOP_BACKWARD_CASES`); ``--without-loops``
-times the tiles without the C++ loops (the native kernel's passes over each tile), as they ran
-before the loops.
+times ``backend="matmul"`` instead: the tiles with the native kernel's passes over each tile, as
+they ran before the loops.
 
 ``--cases accuracy`` times nothing: the errors against float64 (largest and mean absolute) of the
 loops, of the same tiles without them (``"tiles, per tile"``: the native kernel's passes over each
@@ -60,7 +60,6 @@ import torch.nn.functional as F
 
 import subquad
 from subquad import _native
-from subquad._backends import matmul
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _harness import machine
@@ -138,21 +137,18 @@ TILES = ("tiles, C++ loops", "tiles, per tile", "tiles, eager passes")
 
 
 @contextlib.contextmanager
-def _tiles(which: str) -> Iterator[None]:
-    """``backend="matmul"`` as ``which`` says: with the loops (as built), without them (the native
-    kernel's passes over each tile), or without the native kernel (the eager passes)."""
-    saved = dict(_native._LOADED), matmul.segment_kernel, matmul.backward_kernel
+def _tiles(which: str) -> Iterator[str]:
+    """The backend that runs the tiles as ``which`` says: the loops (``backend="loops"``, as
+    built), the ``matmul`` tiles with the native kernel's passes over each tile, or without the
+    native kernel (the eager passes)."""
+    saved = dict(_native._LOADED)
     try:
-        if which != "tiles, C++ loops":
-            matmul.segment_kernel = lambda inp: None  # type: ignore[assignment]
-            matmul.backward_kernel = lambda inp: None  # type: ignore[assignment]
         if which == "tiles, eager passes":
             _native._LOADED["module"] = None
-        yield
+        yield "loops" if which == "tiles, C++ loops" else "matmul"
     finally:
         _native._LOADED.clear()
-        _native._LOADED.update(saved[0])
-        matmul.segment_kernel, matmul.backward_kernel = saved[1], saved[2]
+        _native._LOADED.update(saved)
 
 
 def _errors(out: torch.Tensor, golden: torch.Tensor) -> Dict[str, float]:
@@ -176,8 +172,8 @@ def _forward_accuracy(dtype: torch.dtype) -> Dict[str, Any]:
                 lse64 = torch.logsumexp(s, dim=-1)
                 row: Dict[str, Any] = {"scores": magnitude**2, "causal": causal, "seed": seed}
                 for name in TILES:
-                    with _tiles(name):
-                        out, lse = subquad.attention(q, k, v, is_causal=causal, backend="matmul", return_lse=True)
+                    with _tiles(name) as tiled:
+                        out, lse = subquad.attention(q, k, v, is_causal=causal, backend=tiled, return_lse=True)
                     row[name] = dict(_errors(out, golden), lse_max=float((lse.double() - lse64).abs().max()))
                 row["fused kernel"] = _errors(subquad.attention(q, k, v, is_causal=causal, backend="fused"), golden)
                 row["F.sdpa"] = _errors(F.scaled_dot_product_attention(q, k, v, is_causal=causal), golden)
@@ -207,11 +203,10 @@ def _gradient_accuracy(dtype: torch.dtype) -> Dict[str, Any]:
         for name in TILES + ("fused kernel", "F.sdpa"):
             xs = [t.to(dtype).requires_grad_() for t in (q, k, v)]
             m = None if mask is None else mask.to(dtype)
-            with _tiles(name) if name in TILES else contextlib.nullcontext():  # the backward too
+            with _tiles(name) if name in TILES else contextlib.nullcontext("fused") as backend:  # the backward too
                 if name == "F.sdpa":
                     out = F.scaled_dot_product_attention(*xs, attn_mask=m, is_causal=causal)
                 else:
-                    backend = "fused" if name == "fused kernel" else "matmul"
                     out = subquad.attention(*xs, attn_mask=m, is_causal=causal, backend=backend)
                 out.backward(d_out.to(dtype))
             row[name] = {f"d{n}": _errors(x.grad, r.grad) for n, x, r in zip("qkv", xs, ref)}
@@ -351,7 +346,7 @@ def _training_mods(dtype: torch.dtype, rounds: int) -> List[Dict[str, Any]]:
 
 
 def _products(dtype: torch.dtype, rounds: int) -> List[Dict[str, Any]]:
-    """The loops (``backend="matmul"``) on their own products against ATen's micro-kernels
+    """The loops (``backend="loops"``) on their own products against ATen's micro-kernels
     (``set_products``), per host call, in alternating rounds; restores the kernel's setting."""
     kernel = _native.tile_kernel()
     which = "bfloat16" if dtype == torch.bfloat16 else "float32"
@@ -364,7 +359,7 @@ def _products(dtype: torch.dtype, rounds: int) -> List[Dict[str, Any]]:
         for name, sq, skv, causal, gqa in HOST_CASES:
             q = torch.randn(sq, generator=g).to(dtype)
             k, v = (torch.randn(skv, generator=g).to(dtype) for _ in range(2))
-            call = _call(q, k, v, causal, gqa, "matmul")
+            call = _call(q, k, v, causal, gqa, "loops")
             n = 5 if sq[2] >= 4096 else 9
             med: Dict[bool, List[float]] = {True: [], False: []}
             for aten in (True, False):
@@ -413,8 +408,11 @@ def _train(
     return call
 
 
-def _time_sizes(cases: List[Any], dtype: torch.dtype, backward: bool, rounds: int) -> List[Dict[str, Any]]:
-    """The tiles (``backend="matmul"``) against the fused kernel on each case, in alternating rounds."""
+def _time_sizes(
+    cases: List[Any], dtype: torch.dtype, backward: bool, rounds: int, tiled: str = "loops"
+) -> List[Dict[str, Any]]:
+    """The tiles (``backend=tiled``: the loops, or ``matmul``'s) against the fused kernel on each
+    case, in alternating rounds."""
     rows: List[Dict[str, Any]] = []
     g = torch.Generator().manual_seed(0)
     for name, sq, skv, causal, gqa in cases:
@@ -423,7 +421,7 @@ def _time_sizes(cases: List[Any], dtype: torch.dtype, backward: bool, rounds: in
         q = torch.randn(sq, generator=g).to(dtype).requires_grad_(backward)
         k, v = (torch.randn(skv, generator=g).to(dtype).requires_grad_(backward) for _ in range(2))
         make = _train if backward else _call
-        calls = {b: make(q, k, v, causal, gqa, b) for b in ("matmul", "fused")}
+        calls = {b: make(q, k, v, causal, gqa, b) for b in (tiled, "fused")}
         n = 5 if sq[2] >= 4096 else 9
         best: Dict[str, float] = {}
         ratios: List[float] = []
@@ -434,16 +432,16 @@ def _time_sizes(cases: List[Any], dtype: torch.dtype, backward: bool, rounds: in
             for b, fn in calls.items() if r % 2 == 0 else reversed(list(calls.items())):
                 med[b] = _median_ms(fn, n)
                 best[b] = min(best.get(b, float("inf")), med[b])
-            ratios.append(med["matmul"] / med["fused"])
+            ratios.append(med[tiled] / med["fused"])
         scores = sq[0] * sq[1] * sq[2] * skv[2]
         auto = subquad.explain(q, k, v, is_causal=causal, enable_gqa=gqa).backend
         ratio = (statistics.median(ratios), min(ratios), max(ratios))
-        auto_best = max(ratio[0], 1.0) if auto == "matmul" else max(1.0 / ratio[0], 1.0)
+        auto_best = max(ratio[0], 1.0) if auto == tiled else max(1.0 / ratio[0], 1.0)
         rows.append(
             dict(
                 case=name,
                 scores=scores,
-                loop_ms=best["matmul"],
+                loop_ms=best[tiled],
                 fused_ms=best["fused"],
                 ratios=ratios,
                 auto=auto,
@@ -451,8 +449,8 @@ def _time_sizes(cases: List[Any], dtype: torch.dtype, backward: bool, rounds: in
             )
         )
         print(
-            f"{name:<38} {scores:>11,} scores  loop {best['matmul']:8.3f} ms  fused {best['fused']:8.3f} ms"
-            f"  loop/fused {best['matmul'] / best['fused']:5.2f}"
+            f"{name:<38} {scores:>11,} scores  loop {best[tiled]:8.3f} ms  fused {best['fused']:8.3f} ms"
+            f"  loop/fused {best[tiled] / best['fused']:5.2f}"
             f"  per round {ratio[0]:.2f} [{ratio[1]:.2f}-{ratio[2]:.2f}]  auto: {auto}  auto/best {auto_best:.2f}"
         )
     return rows
@@ -504,8 +502,8 @@ def main() -> None:
     tiles = "tiles, per tile" if args.without_loops else "tiles, C++ loops"
     if args.without_loops:
         print("# the tiles without the C++ loops: 'loop' below is the native kernel's passes over each tile")
-    with _tiles(tiles):
-        rows = _time_sizes(SETS[args.cases], dtype, args.backward, args.rounds)
+    with _tiles(tiles) as tiled:
+        rows = _time_sizes(SETS[args.cases], dtype, args.backward, args.rounds, tiled)
     mode = "forward + backward" if args.backward else "inference"
     _write(args.json, {"mode": mode, "dtype": args.dtype, "cases": args.cases, "tiles": tiles, "rows": rows})
 

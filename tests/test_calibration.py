@@ -84,7 +84,7 @@ def _dtypes(machine: str) -> List[torch.dtype]:
 def test_the_measured_winner_is_taken_on_every_machine(calibrated, monkeypatch, machine, training):
     fake_cpu(monkeypatch, machine, kernel="stub")
     for dtype in _dtypes(machine):
-        for outcome, ratios in (("matmul", WIN), ("fused", LOSE)):
+        for outcome, ratios in (("loops", WIN), ("fused", LOSE)):
             calibrated(ratios)
             plan = subquad.explain(*_qkv(dtype, grad=training))
             assert plan.backend == outcome, f"{machine} {dtype} measured {ratios['self']}: {plan}"
@@ -97,7 +97,7 @@ def test_with_amx_the_loops_run_where_they_were_measured_faster(calibrated, monk
     assert subquad.explain(*_qkv(torch.bfloat16)).backend == "fused"
     monkeypatch.setenv("SUBQUAD_CALIBRATE", "1")
     calibrated(WIN)
-    assert subquad.explain(*_qkv(torch.bfloat16)).backend == "matmul"
+    assert subquad.explain(*_qkv(torch.bfloat16)).backend == "loops"
 
 
 def test_a_near_tie_stays_with_torchs_kernel(calibrated, monkeypatch):
@@ -111,7 +111,7 @@ def test_the_threshold_is_the_size_from_which_the_loops_won(calibrated, monkeypa
     calibrated({"self": [1.3, 0.8, 0.7, 0.7], "few-keys": [0.8], "wide": [0.8]})
     assert calibration.entry(torch.bfloat16, False).threshold == 8 * 512 * 512
     assert subquad.explain(*_qkv(torch.bfloat16, L=256)).backend == "fused"  # 2^19 scores
-    assert subquad.explain(*_qkv(torch.bfloat16, L=512)).backend == "matmul"  # 2^21
+    assert subquad.explain(*_qkv(torch.bfloat16, L=512)).backend == "loops"  # 2^21
     # a loss at the largest size measured means no threshold: a win in the middle is noise
     calibrated({"self": [0.7, 0.8, 0.8, 1.1], "few-keys": [0.8], "wide": [0.8]})
     assert calibration.entry(torch.bfloat16, False).threshold is None
@@ -123,7 +123,7 @@ def test_each_kind_of_call_follows_its_own_measurement(calibrated, monkeypatch, 
     fake_cpu(monkeypatch, "avx512-bf16", kernel="stub")
     call = dict(Lk=77) if kind == "few-keys" else dict(H=1, E=512)
     for plain in (WIN, LOSE):  # whatever self-attention measured
-        for won, outcome in ((0.7, "matmul"), (1.1, "fused")):
+        for won, outcome in ((0.7, "loops"), (1.1, "fused")):
             calibrated({**plain, kind: [won]})
             plan = subquad.explain(*_qkv(torch.bfloat16, L=4096, **call))
             assert plan.backend == outcome, (kind, won, str(plan))
@@ -140,7 +140,7 @@ def test_the_table_is_kept_and_reused_by_later_processes(calibrated, monkeypatch
     calibration.forget()  # as a new process: reads the file, measures nothing
     again = Injected(LOSE)
     monkeypatch.setattr(calibration, "MEASURE", again)
-    assert subquad.explain(*_qkv(torch.bfloat16)).backend == first == "matmul"
+    assert subquad.explain(*_qkv(torch.bfloat16)).backend == first == "loops"
     assert again.rounds == 0
     assert m.rounds == rounds
 
@@ -153,7 +153,7 @@ def test_calibration_off_measures_nothing_and_says_so(monkeypatch, tmp_path):
     monkeypatch.setattr(calibration, "MEASURE", m)
     calibration.forget()
     plan = subquad.explain(*_qkv(torch.bfloat16))
-    assert plan.backend == "matmul" and m.rounds == 0  # the fallback: no AMX, 2^23 bf16 scores
+    assert plan.backend == "loops" and m.rounds == 0  # the fallback: no AMX, 2^23 bf16 scores
     assert any("fallback thresholds" in n for n in plan.notes), str(plan)
 
 
@@ -196,7 +196,7 @@ def test_a_failing_measurement_leaves_the_fallback(calibrated, monkeypatch):
     monkeypatch.setattr(calibration, "MEASURE", broken)
     calibration.forget()
     plan = subquad.explain(*_qkv(torch.bfloat16))
-    assert plan.backend == "matmul" and any("fallback" in n for n in plan.notes)
+    assert plan.backend == "loops" and any("fallback" in n for n in plan.notes)
 
 
 # ----------------------------------------------------------------- the kernel reaching users
@@ -262,12 +262,12 @@ def test_alibi_and_windows_follow_their_own_measurement(calibrated, monkeypatch,
 
     fake_cpu(monkeypatch, "amx", kernel="stub")
     q, k, v = _qkv(torch.bfloat16, H=8, L=1024, grad=training)
-    for mods_ratio, plain, outcome in ((0.5, LOSE, "matmul"), (1.2, WIN, "fused")):
+    for mods_ratio, plain, outcome in ((0.5, LOSE, "loops"), (1.2, WIN, "fused")):
         calibrated({**plain, "mods": [mods_ratio]})
         for kw in (dict(score_mod=mods.alibi(8), is_causal=True), dict(mask_mod=mods.sliding_window(128, causal=True))):
             plan = subquad.explain(q, k, v, **kw)
             assert plan.backend == outcome, (mods_ratio, kw, str(plan))
-        assert subquad.explain(q, k, v).backend == ("matmul" if plain is WIN else "fused")
+        assert subquad.explain(q, k, v).backend == ("loops" if plain is WIN else "fused")
 
 
 def test_a_calibration_made_while_the_machine_was_busy_is_not_kept(calibrated, monkeypatch, capsys):
@@ -285,7 +285,7 @@ def test_a_calibration_made_while_the_machine_was_busy_is_not_kept(calibrated, m
     subquad.explain(*_qkv(torch.bfloat16))
     assert m.rounds == 0, "measured again at once"
     clock[0] += calibration.RETRY_AFTER_S
-    assert subquad.explain(*_qkv(torch.bfloat16)).backend == "matmul" and m.rounds > 0
+    assert subquad.explain(*_qkv(torch.bfloat16)).backend == "loops" and m.rounds > 0
     monkeypatch.setattr(calibration, "MEASURE", lambda d, t, s, k: (next(noisy) * 1e-3, 1e-3))
     assert _cli.main(["calibrate", "--dtype", "bf16", "--inference"]) == 1
     assert "the machine is busy" in capsys.readouterr().err

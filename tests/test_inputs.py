@@ -146,7 +146,8 @@ def test_scale_of_the_wrong_type(scale):
 def test_unknown_backend_lists_valid_ones():
     q, k, v = qkv()
     with pytest.raises(
-        ValueError, match=r"Unknown backend='flash'; expected 'auto' or one of 'sdpa', 'flex', 'fused', 'matmul'"
+        ValueError,
+        match=r"Unknown backend='flash'; expected 'auto' or one of 'sdpa', 'flex', 'fused', 'loops', 'matmul'",
     ):
         subquad.attention(q, k, v, backend="flash")
 

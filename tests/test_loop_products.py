@@ -219,7 +219,7 @@ def test_atens_products_run_the_loops_and_match_float64(products_both_ways, dtyp
         assert real.products(which) == ("aten" if aten else "own")
         counting.calls.clear()
         q, k, v, d_out, kw, chunk = _inputs(name, dtype, 7)
-        out = subquad.attention(q, k, v, backend="matmul", chunk_size=chunk, **kw)
+        out = subquad.attention(q, k, v, backend="loops", chunk_size=chunk, **kw)
         grads = torch.autograd.grad(out, (q, k, v), d_out)
         assert set(counting.names) == {f"forward_segment_{suffix}", f"backward_segment_{suffix}"}, counting.names
         _check(q, k, v, d_out, out, grads, kw)
@@ -239,7 +239,7 @@ def test_atens_products_run_packed_sequences(products_both_ways, dtype):
     g = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(sum(lengths), 4, 59, generator=g).to(dtype) for _ in range(3))
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
-    out = subquad.varlen_attention(q, k, v, cu, cu, is_causal=True, backend="matmul")
+    out = subquad.varlen_attention(q, k, v, cu, cu, is_causal=True, backend="loops")
     assert f"forward_packed_{LOOPS[dtype]}" in counting.names, counting.names
     for s, e in zip(cu[:-1].tolist(), cu[1:].tolist()):
         ref = torch.nn.functional.scaled_dot_product_attention(

@@ -96,7 +96,7 @@ def case_inputs(name, seed):
 @pytest.mark.parametrize("name", list(CASES))
 def test_the_loop_matches_float64(loop, name):
     q, k, v, kw, chunk, _ = case_inputs(name, 11)
-    out, lse = subquad.attention(q, k, v, backend="matmul", chunk_size=chunk, return_lse=True, **kw)
+    out, lse = subquad.attention(q, k, v, backend="loops", chunk_size=chunk, return_lse=True, **kw)
     assert "forward_segment_bf16" in loop.names and "exp2_rows_bf16" not in loop.names
     golden = naive_attention(*to64(q, k, v), **kw)
     ref32 = naive_attention(q.float(), k.float(), v.float(), **kw)
@@ -118,7 +118,7 @@ def assert_scale_matches_float64(kernel, dtype, scale, loop_name, lse_tol):
     q = (torch.randn(1, 2, 70, 64, generator=g) * 8).to(dtype)
     k, v = ((torch.randn(1, 2, 600, 64, generator=g) * 8).to(dtype) for _ in range(2))
     for causal in (False, True):
-        out, lse = subquad.attention(q, k, v, scale=scale, is_causal=causal, backend="matmul", return_lse=True)
+        out, lse = subquad.attention(q, k, v, scale=scale, is_causal=causal, backend="loops", return_lse=True)
         assert loop_name in kernel.names
         kw = dict(scale=scale, is_causal=causal)
         golden = naive_attention(*to64(q, k, v), **kw)
@@ -139,7 +139,7 @@ def test_bottom_right_causal_rows_that_see_nothing_give_zeros(loop):
     q = torch.randn(1, 2, 50, 64, generator=g).to(BF16)
     k, v = (torch.randn(1, 2, 30, 64, generator=g).to(BF16) for _ in range(2))
     mask = mods.causal_lower_right(50, 30)
-    out, lse = subquad.attention(q, k, v, mask_mod=mask, backend="matmul", chunk_size=(16, 16), return_lse=True)
+    out, lse = subquad.attention(q, k, v, mask_mod=mask, backend="loops", chunk_size=(16, 16), return_lse=True)
     assert "forward_segment_bf16" in loop.names
     assert bool((out[:, :, :20] == 0).all()) and bool(torch.isneginf(lse[:, :, :20]).all())
     keep = torch.arange(30) <= torch.arange(50).view(-1, 1) - 20
@@ -157,7 +157,7 @@ def test_keys_shared_by_the_batch_and_transposed_layouts(loop):
     q = torch.randn(3, 2, 70, 64, generator=g).to(BF16)
     k = torch.randn(1, 2, 64, 90, generator=g).to(BF16).transpose(-1, -2)  # stride(-1) = 90
     v = torch.randn(1, 2, 90, 64, generator=g).to(BF16)
-    out = subquad.attention(q, k.expand(3, -1, -1, -1), v.expand(3, -1, -1, -1), backend="matmul")
+    out = subquad.attention(q, k.expand(3, -1, -1, -1), v.expand(3, -1, -1, -1), backend="loops")
     assert "forward_segment_bf16" in loop.names
     golden = naive_attention(*to64(q, k.expand(3, -1, -1, -1), v.expand(3, -1, -1, -1)))
     ref32 = naive_attention(q.float(), k.float().expand(3, -1, -1, -1), v.float().expand(3, -1, -1, -1))
@@ -173,10 +173,10 @@ def test_the_loop_takes_calls_without_callbacks_or_dropout(loop):
     assert "forward_segment_bf16" not in loop.names and "exp2_rows_bf16" in loop.names
     loop.calls.clear()
     mask = torch.rand(40, 40, generator=torch.Generator().manual_seed(14)) > 0.3
-    subquad.attention(q, q, q, backend="matmul")
-    subquad.attention(q, q, q, is_causal=True, backend="matmul")
-    subquad.attention(q, q, q, attn_mask=mask, backend="matmul")
-    subquad.attention(q, q, q, attn_mask=torch.zeros(40, 40, dtype=BF16), backend="matmul")
+    subquad.attention(q, q, q, backend="loops")
+    subquad.attention(q, q, q, is_causal=True, backend="loops")
+    subquad.attention(q, q, q, attn_mask=mask, backend="loops")
+    subquad.attention(q, q, q, attn_mask=torch.zeros(40, 40, dtype=BF16), backend="loops")
     assert loop.names == ["forward_segment_bf16"] * 4
 
 
@@ -222,7 +222,7 @@ def test_masks_are_read_in_place_and_match_float64(loop, name):
     q = (torch.randn(*shape_q, generator=g) * 2).to(BF16)
     k, v = ((torch.randn(*shape_kv, generator=g) * 2).to(BF16) for _ in range(2))
     mask = make(g)
-    out, lse = subquad.attention(q, k, v, attn_mask=mask, backend="matmul", chunk_size=(64, 64), return_lse=True, **kw)
+    out, lse = subquad.attention(q, k, v, attn_mask=mask, backend="loops", chunk_size=(64, 64), return_lse=True, **kw)
     assert "forward_segment_bf16" in loop.names and "exp2_rows_bf16" not in loop.names
     golden = naive_attention(*to64(q, k, v), attn_mask=_as64(mask), **kw)
     ref32 = naive_attention(q.float(), k.float(), v.float(), attn_mask=_as64(mask).float(), **kw)
@@ -282,7 +282,7 @@ def test_the_backward_loop_matches_float64(loop, two_threads, name):
     for t in (q, k, v):
         t.requires_grad_()
     d_out = torch.randn(*q.shape[:-1], v.shape[-1], generator=g).to(BF16)
-    out = subquad.attention(q, k, v, backend="matmul", chunk_size=chunk, **kw)
+    out = subquad.attention(q, k, v, backend="loops", chunk_size=chunk, **kw)
     grads = torch.autograd.grad(out, (q, k, v), d_out.to(BF16))
     # Below HALF_PRODUCTS_MIN_HEAD_DIM the per-tile backward runs (float32 products).
     assert "backward_segment_bf16" in loop.names and "softmax_grad_rows_bf16" not in loop.names
@@ -296,7 +296,7 @@ def test_the_backward_loop_reads_masks_in_place(loop, two_threads, name):
     q, k, v = ((torch.randn(*s, generator=g) * 2).to(BF16).requires_grad_() for s in (shape_q, shape_kv, shape_kv))
     mask = make(g)
     d_out = torch.randn(*shape_q, generator=g).to(BF16)
-    out = subquad.attention(q, k, v, attn_mask=mask, backend="matmul", chunk_size=(64, 64), **kw)
+    out = subquad.attention(q, k, v, attn_mask=mask, backend="loops", chunk_size=(64, 64), **kw)
     grads = torch.autograd.grad(out, (q, k, v), d_out.to(BF16))
     assert "backward_segment_bf16" in loop.names and "softmax_grad_rows_bf16" not in loop.names
     seen = _grads_against_float64(q, k, v, d_out, out, grads, attn_mask=_as64(mask), **kw)
@@ -311,7 +311,7 @@ def test_the_backward_loop_takes_the_lse_gradient_and_rows_that_see_nothing(loop
     k, v = (torch.randn(2, 2, 30, 64, generator=g).to(BF16).requires_grad_() for _ in range(2))
     d_out, d_lse = torch.randn(2, 2, 50, 64, generator=g).to(BF16), torch.randn(2, 2, 50, generator=g)
     mask = mods.causal_lower_right(50, 30)
-    out, lse = subquad.attention(q, k, v, mask_mod=mask, backend="matmul", chunk_size=(16, 16), return_lse=True)
+    out, lse = subquad.attention(q, k, v, mask_mod=mask, backend="loops", chunk_size=(16, 16), return_lse=True)
     grads = torch.autograd.grad((out, lse), (q, k, v), (d_out.to(BF16), d_lse))
     assert "backward_segment_bf16" in loop.names and "softmax_grad_rows_bf16" not in loop.names
     assert bool((grads[0][:, :, :20] == 0).all())
@@ -338,7 +338,7 @@ def test_the_backward_loop_with_keys_shared_by_the_batch(loop, two_threads):
     k, v = (torch.randn(1, 2, 90, 64, generator=g).to(BF16).requires_grad_() for _ in range(2))
     d_out = torch.randn(3, 2, 70, 64, generator=g).to(BF16)
     ke, ve = k.expand(3, -1, -1, -1), v.expand(3, -1, -1, -1)
-    out = subquad.attention(q, ke, ve, is_causal=True, backend="matmul")
+    out = subquad.attention(q, ke, ve, is_causal=True, backend="loops")
     grads = torch.autograd.grad(out, (q, k, v), d_out.to(BF16))
     assert "backward_segment_bf16" in loop.names
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
@@ -354,7 +354,7 @@ def test_the_backward_loop_with_keys_shared_by_the_batch(loop, two_threads):
 def test_training_takes_the_per_tile_backward_where_the_loop_does_not_run(loop, two_threads):
     g = torch.Generator().manual_seed(15)
     one_head = [torch.randn(1, 1, 100, 64, generator=g).to(BF16).requires_grad_() for _ in range(3)]
-    out = subquad.attention(*one_head, is_causal=True, backend="matmul")  # one task for two threads
+    out = subquad.attention(*one_head, is_causal=True, backend="loops")  # one task for two threads
     grads = torch.autograd.grad(out, one_head, torch.ones_like(out))
     assert loop.names[0] == "forward_segment_bf16" and "softmax_grad_rows_bf16" in loop.names
     assert "backward_segment_bf16" not in loop.names
@@ -368,7 +368,7 @@ def test_training_takes_the_per_tile_backward_where_the_loop_does_not_run(loop, 
     }
     for name, kw in refused.items():
         loop.calls.clear()
-        out = subquad.attention(q, k, v, backend="matmul", **kw)
+        out = subquad.attention(q, k, v, **kw)
         out.sum().backward()
         assert "backward_segment_bf16" not in loop.names, name
 
@@ -444,9 +444,9 @@ def test_the_loops_run_a_soft_cap(loop, two_threads, name):
     if kw.pop("masked", False):
         kw["attn_mask"] = torch.randn(shape_q[-2], shape_kv[-2], generator=g).to(BF16)
     d_out = torch.randn(*shape_q, generator=g).to(BF16)
-    plan = subquad.explain(q, k, v, score_mod=fn, backend="matmul", **kw)
+    plan = subquad.explain(q, k, v, score_mod=fn, backend="loops", **kw)
     assert any(f"soft cap {cap:g}" in n for n in plan.notes), plan.notes
-    out = subquad.attention(q, k, v, score_mod=fn, backend="matmul", chunk_size=chunk, **kw)
+    out = subquad.attention(q, k, v, score_mod=fn, backend="loops", chunk_size=chunk, **kw)
     grads = torch.autograd.grad(out, (q, k, v), d_out)
     assert {"forward_segment_bf16", "backward_segment_bf16"} <= set(loop.names), loop.names
     assert not {"exp2_rows_bf16", "softmax_grad_rows_bf16"} & set(loop.names)  # no per-tile pass
@@ -469,7 +469,7 @@ def test_packed_sequences_run_the_backward_loop_per_sequence(loop, two_threads):
     cu = torch.tensor([0, 17, 40, 100], dtype=torch.int32)
     packed = [torch.randn(100, 2, 32, generator=g).to(BF16).requires_grad_() for _ in range(3)]
     d_out = torch.randn(100, 2, 32, generator=g).to(BF16)
-    out = subquad.varlen_attention(*packed, cu, cu, is_causal=True, backend="matmul")
+    out = subquad.varlen_attention(*packed, cu, cu, is_causal=True, backend="loops")
     grads = torch.autograd.grad(out, packed, d_out.to(BF16))
     assert loop.names.count("backward_segment_bf16") == 3
     bounds = list(zip(cu[:-1].tolist(), cu[1:].tolist()))
@@ -491,20 +491,16 @@ def test_inference_plans_tiles_by_what_the_loop_holds(loop):
     # The loop holds no tile of scores: a row block's accumulator and a segment's keys and values
     # in pairs. Unbudgeted, it takes whole rows (segments.TILE_TARGET), tiles no smaller than the
     # per-tile path's; held to the per-tile plan's peak, it takes row blocks that fit it.
-    from subquad._backends import matmul
-
     q = torch.empty(1, 8, 4096, 64, dtype=BF16)
-    plan = subquad.explain(q, q, q, backend="matmul")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(matmul, "segment_kernel", lambda inp: None)
-        per_tile = subquad.explain(q, q, q, backend="matmul")
+    plan = subquad.explain(q, q, q, backend="loops")
+    per_tile = subquad.explain(q, q, q, backend="matmul")
     assert plan.chunk_size == (4096, 4096) and per_tile.chunk_size is not None
     assert plan.chunk_size[0] * plan.chunk_size[1] >= per_tile.chunk_size[0] * per_tile.chunk_size[1]
-    held = subquad.explain(q, q, q, backend="matmul", memory_budget=per_tile.predicted_peak_bytes)
-    assert held.backend == "matmul" and held.chunk_size is not None and held.chunk_size[0] < 4096
+    held = subquad.explain(q, q, q, backend="loops", memory_budget=per_tile.predicted_peak_bytes)
+    assert held.backend == "loops" and held.chunk_size is not None and held.chunk_size[0] < 4096
     assert held.predicted_peak_bytes <= per_tile.predicted_peak_bytes < plan.predicted_peak_bytes
     before = len(loop.calls)
-    out = subquad.attention(q.normal_(), q, q, backend="matmul", memory_budget=per_tile.predicted_peak_bytes)
+    out = subquad.attention(q.normal_(), q, q, backend="loops", memory_budget=per_tile.predicted_peak_bytes)
     calls = -(-4096 // held.chunk_size[0]) * -(-4096 // held.chunk_size[1])  # row blocks x segments
     assert torch.isfinite(out).all() and loop.names[before:] == ["forward_segment_bf16"] * calls
 
@@ -554,11 +550,11 @@ def test_the_backward_loop_refuses_bad_arguments(loop):
 def test_measured_peak_within_budget_and_prediction_honest(loop, native_dir):
     # As tests/test_planner.py's grid, with the loop: a fresh process, RSS high-water mark.
     cases = [
-        dict(shape=[1, 8, 4096, 4096, 64], budget="16MiB", dtype="bfloat16", backend="matmul"),
-        dict(shape=[1, 8, 4096, 4096, 64], budget="64MiB", dtype="bfloat16", backend="matmul"),
-        dict(shape=[1, 8, 2048, 2048, 64], budget="16MiB", dtype="bfloat16", backend="matmul", mask="bool"),
-        dict(shape=[1, 8, 2048, 2048, 64], budget="16MiB", dtype="bfloat16", backend="matmul", mask="causal"),
-        dict(shape=[2, 8, 1024, 1024, 40], budget="8MiB", dtype="bfloat16", backend="matmul", mask="float"),
+        dict(shape=[1, 8, 4096, 4096, 64], budget="16MiB", dtype="bfloat16", backend="loops"),
+        dict(shape=[1, 8, 4096, 4096, 64], budget="64MiB", dtype="bfloat16", backend="loops"),
+        dict(shape=[1, 8, 2048, 2048, 64], budget="16MiB", dtype="bfloat16", backend="loops", mask="bool"),
+        dict(shape=[1, 8, 2048, 2048, 64], budget="16MiB", dtype="bfloat16", backend="loops", mask="causal"),
+        dict(shape=[2, 8, 1024, 1024, 40], budget="8MiB", dtype="bfloat16", backend="loops", mask="float"),
     ]
     assert_memory_within_budget(cases, native_dir)
 
@@ -566,12 +562,10 @@ def test_measured_peak_within_budget_and_prediction_honest(loop, native_dir):
 def test_training_peak_within_budget_and_prediction_honest(loop, native_dir):
     # Both loops (two threads: a task per thread), as the grid above, gradients included.
     cases = [
-        dict(shape=[1, 8, 2048, 2048, 64], budget="24MiB", dtype="bfloat16", backend="matmul", grad=True),
-        dict(shape=[1, 8, 2048, 2048, 64], budget="64MiB", dtype="bfloat16", backend="matmul", grad=True),
-        dict(
-            shape=[2, 4, 1024, 1024, 64], budget="16MiB", dtype="bfloat16", backend="matmul", grad=True, mask="causal"
-        ),
-        dict(shape=[2, 8, 1024, 1024, 40], budget="24MiB", dtype="bfloat16", backend="matmul", grad=True, mask="float"),
+        dict(shape=[1, 8, 2048, 2048, 64], budget="24MiB", dtype="bfloat16", backend="loops", grad=True),
+        dict(shape=[1, 8, 2048, 2048, 64], budget="64MiB", dtype="bfloat16", backend="loops", grad=True),
+        dict(shape=[2, 4, 1024, 1024, 64], budget="16MiB", dtype="bfloat16", backend="loops", grad=True, mask="causal"),
+        dict(shape=[2, 8, 1024, 1024, 40], budget="24MiB", dtype="bfloat16", backend="loops", grad=True, mask="float"),
     ]
     assert_memory_within_budget(cases, native_dir, OMP_NUM_THREADS="2")
 
@@ -588,7 +582,7 @@ def test_auto_runs_the_loops_where_it_takes_them(loop, two_threads):
     # tests/test_cpus.py), a large call runs the forward loop and gives the float64 result.
     causal = torch.randn(1, 8, 600, 64).to(BF16)
     plan = subquad.explain(causal, causal, causal, is_causal=True)
-    assert plan.backend == "matmul" and any("forward loop in C++" in n for n in plan.notes), plan
+    assert plan.backend == "loops" and any("forward loop in C++" in n for n in plan.notes), plan
     assert plan.rejected.get("fused") == ["slower backend; the one above fits"]
     out = subquad.attention(causal, causal, causal, is_causal=True)
     assert loop.names and set(loop.names) == {"forward_segment_bf16"}

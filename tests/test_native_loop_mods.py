@@ -207,7 +207,7 @@ def _check(q, k, v, d_out, out, grads, kw):
 @pytest.mark.parametrize("name", list(CASES))
 def test_the_loops_run_the_mods_and_match_float64(loop, two_threads, dtype, name):
     q, k, v, d_out, kw, chunk = _inputs(name, dtype, 41)
-    out = subquad.attention(q, k, v, backend="matmul", chunk_size=chunk, **kw)
+    out = subquad.attention(q, k, v, backend="loops", chunk_size=chunk, **kw)
     grads = torch.autograd.grad(out, (q, k, v), d_out)
     # Both passes in the loops: no per-tile pass of the native kernel, no tile of the mods' bias.
     suffix = LOOPS[dtype]
@@ -223,7 +223,7 @@ def test_the_avx2_build_runs_the_mods(avx2_build, monkeypatch, two_threads, dtyp
     monkeypatch.setitem(_native._LOADED, "module", counting)
     for name in ("ALiBi in a causal window of 100, a bool attn_mask too", "sliding window 5 in segments of 48 x 100"):
         q, k, v, d_out, kw, chunk = _inputs(name, dtype, 45)
-        out = subquad.attention(q, k, v, backend="matmul", chunk_size=chunk, **kw)
+        out = subquad.attention(q, k, v, backend="loops", chunk_size=chunk, **kw)
         grads = torch.autograd.grad(out, (q, k, v), d_out)
         assert {"forward_segment_f32", "backward_segment_f32"} == set(counting.names), counting.names
         _check(q, k, v, d_out, out, grads, kw)
@@ -232,7 +232,7 @@ def test_the_avx2_build_runs_the_mods(avx2_build, monkeypatch, two_threads, dtyp
 def test_rows_outside_the_window_see_nothing(loop, two_threads, dtype):
     # local_window(right=3, offset=-10): row i sees keys j <= i - 7, so rows 0-6 see no key.
     q, k, v, _, kw, chunk = _inputs("local window right 3 only, offset -10 (rows 0-6 see nothing)", dtype, 42)
-    out, lse = subquad.attention(q, k, v, backend="matmul", chunk_size=chunk, return_lse=True, **kw)
+    out, lse = subquad.attention(q, k, v, backend="loops", chunk_size=chunk, return_lse=True, **kw)
     assert f"forward_segment_{LOOPS[dtype]}" in loop.names
     assert bool((out[:, :, :7] == 0).all()) and bool(torch.isneginf(lse[:, :, :7]).all())
     assert bool(torch.isfinite(lse[:, :, 7:]).all())
@@ -312,7 +312,9 @@ def test_learnable_slopes_take_the_per_tile_path_and_get_their_gradient(native_d
     g = torch.Generator().manual_seed(43)
     q, k, v = (torch.randn(2, 4, 70, 32, generator=g).requires_grad_() for _ in range(3))
     slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625], requires_grad=True)
-    out = subquad.attention(q, k, v, score_mod=mods.alibi(slopes), is_causal=True, backend="matmul")
+    with pytest.raises(NotImplementedError, match="a score_mod or mask_mod the loops do not evaluate"):
+        subquad.attention(q, k, v, score_mod=mods.alibi(slopes), is_causal=True, backend="loops")
+    out = subquad.attention(q, k, v, score_mod=mods.alibi(slopes), is_causal=True)
     out.sum().backward()
     assert "forward_segment_f32" not in loop.names and "backward_segment_f32" not in loop.names
     s64 = slopes.detach().double().requires_grad_()
@@ -356,10 +358,10 @@ def test_the_loops_refuse_bad_slopes(loop, dtype):
 
 
 def test_auto_plans_the_loops_for_the_mods(loop, dtype):
-    # backend="matmul": the whole call in the loops, planned in whole rows as a plain call.
+    # backend="loops": the whole call in the loops, planned in whole rows as a plain call.
     q = torch.zeros(1, 4, 600, 64, dtype=dtype)
-    plain = subquad.explain(q, q, q, is_causal=True, backend="matmul")
+    plain = subquad.explain(q, q, q, is_causal=True, backend="loops")
     for kw in (dict(score_mod=mods.alibi(4), is_causal=True), dict(mask_mod=mods.sliding_window(64, causal=True))):
-        plan = subquad.explain(q, q, q, backend="matmul", **kw)
+        plan = subquad.explain(q, q, q, backend="loops", **kw)
         assert plan.chunk_size == plain.chunk_size, (kw, plan.chunk_size, plain.chunk_size)
     assert _native.tile_kernel() is not None

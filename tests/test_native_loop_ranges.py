@@ -123,7 +123,7 @@ def test_the_loops_run_each_rows_range_and_match_float64(loop, dtype, name):
     q, k, v, d_out, mask_mod, chunk = _inputs(name, dtype, 11)
     B, Hq, Lq, _ = q.shape
     gqa = q.shape[1] != k.shape[1]
-    out = subquad.attention(q, k, v, mask_mod=mask_mod, backend="matmul", chunk_size=chunk, enable_gqa=gqa)
+    out = subquad.attention(q, k, v, mask_mod=mask_mod, backend="loops", chunk_size=chunk, enable_gqa=gqa)
     grads = torch.autograd.grad(out, (q, k, v), d_out)
     suffix = LOOPS[dtype]
     assert set(loop.names) >= {f"forward_segment_{suffix}", f"backward_segment_{suffix}"}, loop.names
@@ -156,6 +156,8 @@ def test_masks_of_more_than_one_range_stay_on_the_per_tile_path(loop, dtype, mas
     assert segments.loop_mods(make_inputs(q, k, v, mask_mod=mask_mod)) is None
     out = subquad.attention(q, k, v, mask_mod=mask_mod, backend="matmul")
     assert not any(n.startswith("forward_segment") for n in loop.names), loop.names
+    refused = subquad.explain(q, k, v, mask_mod=mask_mod, allow_compile=False).rejected["loops"]
+    assert "mask_mod the loops do not evaluate" in refused[0], refused
     keep = _keep(mask_mod, 3, 2, 120, 120)
     golden = _attention(q.double(), k.double(), v.double(), keep)
     assert_close_to_golden(out, golden, _attention(q.float(), k.float(), v.float(), keep).to(dtype))

@@ -64,7 +64,7 @@ def _reference(q, k, v, dtype, **kw):
 @pytest.mark.parametrize("name", list(CASES))
 def test_the_wide_loop_matches_float64(wide, name, dtype):
     q, k, v, kw, chunk = _inputs(name, dtype, 21)
-    out, lse = subquad.attention(q, k, v, backend="matmul", chunk_size=chunk, return_lse=True, **kw)
+    out, lse = subquad.attention(q, k, v, backend="loops", chunk_size=chunk, return_lse=True, **kw)
     assert "forward_segment_f32" in wide.names and "exp2_rows_bf16" not in wide.names, wide.names
     assert out.dtype == dtype
     assert_close_to_golden(out, naive_attention(*to64(q, k, v), **kw), _reference(q, k, v, dtype, **kw))
@@ -87,7 +87,7 @@ def test_masks_match_float64(wide, name, dtype):
     q = (torch.randn(*shape_q, generator=g) * 2).to(dtype)
     k, v = ((torch.randn(*shape_kv, generator=g) * 2).to(dtype) for _ in range(2))
     mask = make(g)
-    out, lse = subquad.attention(q, k, v, attn_mask=mask, backend="matmul", chunk_size=(64, 64), return_lse=True, **kw)
+    out, lse = subquad.attention(q, k, v, attn_mask=mask, backend="loops", chunk_size=(64, 64), return_lse=True, **kw)
     assert "forward_segment_f32" in wide.names
     m64 = _as64(mask)
     ref = _reference(q, k, v, dtype, attn_mask=m64 if m64.dtype == torch.bool else m64.float(), **kw)
@@ -105,7 +105,7 @@ def test_rows_that_see_nothing_give_zeros(wide, dtype):
     q = torch.randn(1, 2, 50, 64, generator=g).to(dtype)
     k, v = (torch.randn(1, 2, 30, 64, generator=g).to(dtype) for _ in range(2))
     out, lse = subquad.attention(
-        q, k, v, mask_mod=mods.causal_lower_right(50, 30), backend="matmul", chunk_size=(16, 16), return_lse=True
+        q, k, v, mask_mod=mods.causal_lower_right(50, 30), backend="loops", chunk_size=(16, 16), return_lse=True
     )
     assert "forward_segment_f32" in wide.names
     assert bool((out[:, :, :20] == 0).all()) and bool(torch.isneginf(lse[:, :, :20]).all())
@@ -122,7 +122,7 @@ def test_float16_scores_that_overflow_float16_stay_exact(wide):
     k = (torch.randn(1, 2, 90, 64, generator=g) * 60).half()
     v = torch.randn(1, 2, 90, 64, generator=g).half()
     assert (q.float() @ k.float().transpose(-1, -2)).abs().max() > 65504
-    out = subquad.attention(q, k, v, backend="matmul", scale=1.0)
+    out = subquad.attention(q, k, v, backend="loops", scale=1.0)
     assert "forward_segment_f32" in wide.names
     golden = naive_attention(*to64(q, k, v), scale=1.0)
     assert_close_to_golden(out, golden, naive_attention(q.float(), k.float(), v.float(), scale=1.0).half())
@@ -136,9 +136,9 @@ def test_a_soft_cap_runs_in_the_wide_loop(wide, dtype):
     def cap(s, b, h, i, j):
         return 20.0 * torch.tanh(s / 20.0)
 
-    plan = subquad.explain(q, k, v, score_mod=cap, backend="matmul", is_causal=True)
+    plan = subquad.explain(q, k, v, score_mod=cap, backend="loops", is_causal=True)
     assert any("soft cap 20" in n for n in plan.notes), plan.notes
-    out = subquad.attention(q, k, v, score_mod=cap, backend="matmul", is_causal=True)
+    out = subquad.attention(q, k, v, score_mod=cap, backend="loops", is_causal=True)
     assert wide.names and set(wide.names) == {"forward_segment_f32"}, wide.names  # no per-tile pass
     golden = naive_attention(*to64(q, k, v), is_causal=True, score_mod=cap)
     ref = naive_attention(q.float(), k.float(), v.float(), is_causal=True, score_mod=cap).to(dtype)
@@ -200,7 +200,7 @@ def test_float32_rows_accumulate_in_the_output(wide, two_threads, monkeypatch, s
     g = torch.Generator().manual_seed(24)
     q, k, v = (torch.randn(shape, generator=g).requires_grad_() for _ in range(3))
     keep = torch.arange(300) <= torch.arange(300).view(-1, 1) - 40  # the first 40 rows see nothing
-    out = subquad.attention(q, k, v, attn_mask=keep, backend="matmul", chunk_size=chunk)
+    out = subquad.attention(q, k, v, attn_mask=keep, backend="loops", chunk_size=chunk)
     assert accumulators, wide.names
     inside = [out.data_ptr() <= a < out.data_ptr() + out.numel() * 4 for a in accumulators]
     assert all(inside) if in_place else not any(inside), (inside, chunk)
@@ -217,7 +217,7 @@ def test_the_wide_backward_loop_matches_float64(wide, two_threads, name, dtype):
     for t in (q, k, v):
         t.requires_grad_()
     d_out = torch.randn(*q.shape[:-1], v.shape[-1], generator=torch.Generator().manual_seed(29)).to(dtype)
-    out = subquad.attention(q, k, v, backend="matmul", chunk_size=chunk, **kw)
+    out = subquad.attention(q, k, v, backend="loops", chunk_size=chunk, **kw)
     grads = torch.autograd.grad(out, (q, k, v), d_out)
     want = "backward_segment_f32" if q.shape[0] * k.shape[1] >= 2 else None  # a task per thread, else per tile
     assert want is None or want in wide.names, wide.names
@@ -232,7 +232,7 @@ def test_the_wide_backward_loop_reads_masks_in_place(wide, two_threads, name, dt
     q, k, v = ((torch.randn(*s, generator=g) * 2).to(dtype).requires_grad_() for s in (shape_q, shape_kv, shape_kv))
     mask = make(g)
     d_out = torch.randn(*shape_q, generator=g).to(dtype)
-    out = subquad.attention(q, k, v, attn_mask=mask, backend="matmul", chunk_size=(64, 64), **kw)
+    out = subquad.attention(q, k, v, attn_mask=mask, backend="loops", chunk_size=(64, 64), **kw)
     grads = torch.autograd.grad(out, (q, k, v), d_out)
     assert "backward_segment_f32" in wide.names, wide.names
     seen = _check_grads(q, k, v, d_out, out, grads, attn_mask=_as64(mask), **kw)
@@ -248,7 +248,7 @@ def test_the_wide_loops_run_a_soft_cap_with_its_derivative(wide, two_threads, dt
     def cap(s, b, h, i, j):
         return 20.0 * torch.tanh(s / 20.0)
 
-    out = subquad.attention(q, k, v, score_mod=cap, backend="matmul", is_causal=True)
+    out = subquad.attention(q, k, v, score_mod=cap, backend="loops", is_causal=True)
     grads = torch.autograd.grad(out, (q, k, v), d_out)
     assert {"forward_segment_f32", "backward_segment_f32"} == set(wide.names), wide.names
     _check_grads(q, k, v, d_out, out, grads, is_causal=True, score_mod=cap)
@@ -259,7 +259,7 @@ def test_a_learnable_mask_takes_the_loops_forward_and_the_per_tile_backward(wide
     g = torch.Generator().manual_seed(26)
     q, k, v = (torch.randn(2, 4, 90, 59, generator=g).to(dtype).requires_grad_() for _ in range(3))
     mask = torch.randn(90, 90, generator=g).to(dtype).requires_grad_()
-    out = subquad.attention(q, k, v, attn_mask=mask, backend="matmul", chunk_size=(32, 48))
+    out = subquad.attention(q, k, v, attn_mask=mask, backend="loops", chunk_size=(32, 48))
     d_out = torch.randn(out.shape, generator=g).to(dtype)
     grads = torch.autograd.grad(out, (q, k, v, mask), d_out)
     assert "forward_segment_f32" in wide.names and "backward_segment_f32" not in wide.names, wide.names
@@ -281,9 +281,13 @@ def test_the_loop_takes_float_calls_without_callbacks_or_dropout(wide):
     subquad.attention(q, q, q, dropout_p=0.3, backend="matmul")
     subquad.attention(q.double(), q.double(), q.double(), backend="matmul")
     subquad.attention(q, q, q, attn_mask=torch.zeros(40, 40, dtype=torch.float64), backend="matmul")
+    with pytest.raises(NotImplementedError, match="float64: the loops run"):
+        subquad.attention(q.double(), q.double(), q.double(), backend="loops")
+    with pytest.raises(NotImplementedError, match="dropout"):
+        subquad.attention(q, q, q, dropout_p=0.3, backend="loops")
     assert "forward_segment_f32" not in wide.names
-    subquad.attention(q, q, q, backend="matmul")
-    subquad.attention(q.half(), q.half(), q.half(), is_causal=True, backend="matmul")
+    subquad.attention(q, q, q, backend="loops")
+    subquad.attention(q.half(), q.half(), q.half(), is_causal=True, backend="loops")
     assert wide.names == ["forward_segment_f32"] * 2
 
 
@@ -332,7 +336,7 @@ def test_auto_runs_the_wide_loop_where_it_takes_it(wide, two_threads):
     # CPU: tests/test_cpus.py), a large float32 call runs the forward loop.
     q, k, v = (torch.randn(1, 8, 1024, 64) for _ in range(3))
     plan = subquad.explain(q, k, v)
-    assert plan.backend == "matmul" and any("forward loop in C++" in n for n in plan.notes), plan
+    assert plan.backend == "loops" and any("forward loop in C++" in n for n in plan.notes), plan
     out = subquad.attention(q, k, v)
     assert wide.names and set(wide.names) == {"forward_segment_f32"}, wide.names
     torch.testing.assert_close(out, naive_attention(*to64(q, k, v)).float(), rtol=2e-5, atol=2e-6)
@@ -340,9 +344,9 @@ def test_auto_runs_the_wide_loop_where_it_takes_it(wide, two_threads):
 
 def test_measured_peak_within_budget_and_prediction_honest(wide, native_dir):
     cases = [
-        dict(shape=[1, 8, 4096, 4096, 64], budget="16MiB", dtype="float32", backend="matmul"),
-        dict(shape=[1, 8, 2048, 2048, 64], budget="16MiB", dtype="float16", backend="matmul", mask="causal"),
-        dict(shape=[2, 8, 1024, 1024, 40], budget="8MiB", dtype="float32", backend="matmul", mask="float"),
+        dict(shape=[1, 8, 4096, 4096, 64], budget="16MiB", dtype="float32", backend="loops"),
+        dict(shape=[1, 8, 2048, 2048, 64], budget="16MiB", dtype="float16", backend="loops", mask="causal"),
+        dict(shape=[2, 8, 1024, 1024, 40], budget="8MiB", dtype="float32", backend="loops", mask="float"),
     ]
     assert_memory_within_budget(cases, native_dir)
 
@@ -350,9 +354,9 @@ def test_measured_peak_within_budget_and_prediction_honest(wide, native_dir):
 def test_training_peak_within_budget_and_prediction_honest(wide, native_dir):
     # Both loops, two threads (a task per thread), gradients included.
     cases = [
-        dict(shape=[1, 8, 2048, 2048, 64], budget="32MiB", dtype="float32", backend="matmul", grad=True),
-        dict(shape=[2, 4, 1024, 1024, 64], budget="24MiB", dtype="float16", backend="matmul", grad=True, mask="causal"),
-        dict(shape=[2, 8, 1024, 1024, 40], budget="32MiB", dtype="float32", backend="matmul", grad=True, mask="float"),
+        dict(shape=[1, 8, 2048, 2048, 64], budget="32MiB", dtype="float32", backend="loops", grad=True),
+        dict(shape=[2, 4, 1024, 1024, 64], budget="24MiB", dtype="float16", backend="loops", grad=True, mask="causal"),
+        dict(shape=[2, 8, 1024, 1024, 40], budget="32MiB", dtype="float32", backend="loops", grad=True, mask="float"),
     ]
     assert_memory_within_budget(cases, native_dir, OMP_NUM_THREADS="2")
 
@@ -387,11 +391,11 @@ def test_the_avx2_build_runs_both_loops(avx2_build, monkeypatch, two_threads, dt
     mask = torch.randn(150, 530, generator=g).to(dtype)
     d_out = torch.randn(2, 4, 150, 59, generator=g).to(dtype)
     kw = dict(attn_mask=mask, enable_gqa=True)
-    out = subquad.attention(q, k, v, backend="matmul", chunk_size=(64, 300), **kw)
+    out = subquad.attention(q, k, v, backend="loops", chunk_size=(64, 300), **kw)
     grads = torch.autograd.grad(out, (q, k, v), d_out)
     assert {"forward_segment_f32", "backward_segment_f32"} == set(counting.names), counting.names
     _check_grads(q, k, v, d_out, out, grads, **kw)
-    assert avx2_build.float_lanes == 8  # auto leaves these loops to backend="matmul" (tests/test_cpus.py)
+    assert avx2_build.float_lanes == 8  # auto leaves these loops to backend="loops" (tests/test_cpus.py)
 
 
 @pytest.mark.parametrize("dtype", WIDE, ids=str)
@@ -403,7 +407,7 @@ def test_the_time_model_probes_the_loop_in_blocks_of_its_size(wide, dtype):
 
     bh, nq, _, e = _time_model._LOOP_PROBE_SHAPE
     before = len(wide.calls)
-    per_score, per_row = _time_model._measure_backend(torch.device("cpu"), dtype, "matmul")
+    per_score, per_row = _time_model._measure_backend(torch.device("cpu"), dtype, "loops")
     calls = wide.calls[before:]
     assert calls and all(c == ("forward_segment_f32", (1, bh, nq, e)) for c in calls), calls[:3]
     assert per_score > 0 and per_row >= 0

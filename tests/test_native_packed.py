@@ -79,7 +79,7 @@ def test_packed_inference_matches_float64(kernel, dtype, is_causal, alignment):
     q, k, v, cu_q, cu_k = _inputs(LENGTHS_Q, LENGTHS_K, dtype)
     kw = dict(is_causal=is_causal, alignment=alignment)
     plan = subquad.varlen_explain(q, k, v, cu_q, cu_k, enable_gqa=True, **kw)
-    assert plan.backend == "matmul" and any("packed call's sequences" in n for n in plan.notes), plan
+    assert plan.backend == "loops" and any("packed call's sequences" in n for n in plan.notes), plan
     before = len(kernel.calls)  # explain() may have probed the machine's rates with the kernel
     out, lse = subquad.varlen_attention(q, k, v, cu_q, cu_k, enable_gqa=True, return_lse=True, **kw)
     # Groups of consecutive sequences (within the planned memory), every row once, none per sequence.
@@ -126,7 +126,7 @@ def test_training_runs_the_packed_forward_and_a_fused_backward(kernel, dtype):
     q, k, v, cu_q, cu_k = _inputs([0, 5, 33, 64, 7], [3, 5, 40, 64, 0], dtype, Hq=4, Hk=2, E=32)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     plan = subquad.varlen_explain(*leaves, cu_q, cu_k, is_causal=True, enable_gqa=True)
-    assert (plan.backend, plan.backward_backend) == ("matmul", "fused"), plan
+    assert (plan.backend, plan.backward_backend) == ("loops", "fused"), plan
     before = len(kernel.calls)
     out = subquad.varlen_attention(*leaves, cu_q, cu_k, is_causal=True, enable_gqa=True)
     assert set(kernel.names[before:]) == {LOOPS[dtype]}, kernel.calls[before:]
@@ -203,13 +203,13 @@ def test_the_kernel_refuses_bad_spans(kernel):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_a_forced_matmul_backend_trains_on_the_packed_forward(kernel, dtype):
-    # backend="matmul" in training: the forward through forward_packed, the backward per sequence
+def test_a_forced_loops_backend_trains_on_the_packed_forward(kernel, dtype):
+    # backend="loops" in training: the forward through forward_packed, the backward per sequence
     # from its lse; gradients as a loop of float64 attentions'.
     _needs(kernel, dtype)
     q, k, v, cu_q, cu_k = _inputs([0, 5, 33, 64, 7], [3, 5, 40, 64, 0], dtype, Hq=4, Hk=2, E=32)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     before = len(kernel.calls)
-    out = subquad.varlen_attention(*leaves, cu_q, cu_k, is_causal=True, enable_gqa=True, backend="matmul")
+    out = subquad.varlen_attention(*leaves, cu_q, cu_k, is_causal=True, enable_gqa=True, backend="loops")
     assert LOOPS[dtype] in kernel.names[before:]
     _assert_gradients(out, leaves, q, k, v, cu_q, cu_k, dtype)

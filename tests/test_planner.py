@@ -248,7 +248,7 @@ def test_fused_kernel_refusal_falls_back_to_matmul(monkeypatch):
     monkeypatch.setattr(fused, "_cpu_flash_ops", lambda: (refusing, refusing))
     q, k, v = (torch.randn(1, 2, 30, 8, dtype=torch.float64) for _ in range(3))
     assert subquad.explain(q, k, v).backend == "fused"
-    with pytest.warns(RuntimeWarning, match="fused CPU kernel refused this input .* matmul tiles instead"):
+    with pytest.warns(RuntimeWarning, match="fused CPU kernel refused this input .* subquad's tiles instead"):
         out = subquad.attention(q, k, v, is_causal=True)
     assert_close_to_golden(out, naive_attention(q, k, v, is_causal=True))
     with pytest.raises(RuntimeError, match="some new restriction"):  # a forced backend is not replaced

@@ -324,14 +324,58 @@ def test_the_loops_own_callbacks_cost_no_passes_and_a_window_only_its_band(monke
     monkeypatch.setattr(_time_model, "backend_seconds", lambda device, dtype, backend: None)
     q = torch.randn(1, 4, 2048, 64).bfloat16()
 
-    causal = subquad.explain(q, q, q, backend="matmul", is_causal=True)
-    alibi = subquad.explain(q, q, q, backend="matmul", is_causal=True, score_mod=mods.alibi(4))
-    window = subquad.explain(q, q, q, backend="matmul", mask_mod=mods.sliding_window(256, causal=True))
+    causal = subquad.explain(q, q, q, backend="loops", is_causal=True)
+    alibi = subquad.explain(q, q, q, backend="loops", is_causal=True, score_mod=mods.alibi(4))
+    window = subquad.explain(q, q, q, backend="loops", mask_mod=mods.sliding_window(256, causal=True))
     inp_c = _make(q, q, q, is_causal=True)
     inp_w = _make(q, q, q, mask_mod=mods.sliding_window(256, causal=True))
-    full = _time_model.computed_scores(inp_c, "matmul", causal.chunk_size)
-    band = _time_model.computed_scores(inp_w, "matmul", window.chunk_size)
+    full = _time_model.computed_scores(inp_c, "loops", causal.chunk_size)
+    band = _time_model.computed_scores(inp_w, "loops", window.chunk_size)
     assert band < 0.4 * full, (band, full)  # 16 blocks of 128 rows x 384 keys, against the triangle
     t_causal = _time_model.predict_seconds(inp_c, causal, False)
     t_alibi = _time_model.predict_seconds(_make(q, q, q, is_causal=True, score_mod=mods.alibi(4)), alibi, False)
     assert t_alibi == pytest.approx(t_causal, rel=0.05), (t_alibi, t_causal)
+
+
+def test_a_narrow_bands_backward_keeps_the_loops_fixed_work(monkeypatch):
+    # Issue 56: a causal window's or documents' training call through the loops took 1.8-2.5x its
+    # prediction, which scaled the whole backward with the band. Its passes over each row's and
+    # key's columns (D, the float32 gradients, the packed rows and keys) do not shrink with it.
+    from _machine import fake_cpu, inject_rates
+    from subquad import mods
+    from subquad._validate import make_inputs as _make
+
+    fake_cpu(monkeypatch, "avx512-bf16", kernel="stub")
+    rates = inject_rates(monkeypatch)
+    q = torch.randn(1, 4, 2048, 64).bfloat16().requires_grad_()
+    kws = {"causal": dict(is_causal=True), "window 8": dict(mask_mod=mods.sliding_window(8, causal=True))}
+    plans = {n: subquad.explain(q, q, q, backend="loops", **kw) for n, kw in kws.items()}
+    inps = {n: _make(q, q, q, **kw) for n, kw in kws.items()}
+    assert all(p.backward_backend == "loops" for p in plans.values())
+    fixed = {n: _time_model.loop_backward_fixed_seconds(inp) for n, inp in inps.items()}
+    assert fixed["causal"] == fixed["window 8"] > 0  # the same rows and keys, whatever the band
+    # Per element, one written element of the probe's softmax passes; per row and key, the passes' columns.
+    per_element = rates["cpu"][1] / _time_model._PROBE_WRITES[True]
+    columns = (6 + 5 + 1) * 64 + (4 + 5 + 2) * 64
+    assert fixed["causal"] == pytest.approx(per_element * 4 * 2048 * columns)
+
+    def train(n):
+        return _time_model.predict_seconds(inps[n], plans[n], True)
+
+    def scaled(n):  # the band's share of the scores alone: the forward and backward of its scores and rows
+        return train(n) - fixed[n]
+
+    band = _time_model.computed_scores(inps["window 8"], "loops", None)
+    full = _time_model.computed_scores(inps["causal"], "loops", None)
+    assert band < 0.2 * full
+    assert train("window 8") == pytest.approx(scaled("window 8") + fixed["causal"])
+    # More than the band's fraction of the causal call: the fixed work weighs far more in a narrow band.
+    assert train("window 8") > 1.1 * band / full * train("causal")
+    assert fixed["window 8"] / train("window 8") > 4 * fixed["causal"] / train("causal")
+    # A backward not in the loops keeps no such term: its forward's share alone.
+    w = inps["window 8"]
+    matmul = subquad.explain(q, q, q, backend="matmul", mask_mod=mods.sliding_window(8, causal=True))
+    assert matmul.backward_backend == "matmul"
+    backward = _time_model.predict_seconds(w, matmul, True) - _time_model.predict_seconds(w, matmul, False)
+    per_forward = _time_model.backward_per_forward(w, "matmul")
+    assert backward == pytest.approx(per_forward * _time_model.forward_seconds(w, "matmul", matmul.backward_chunk_size))

@@ -87,7 +87,7 @@ def attention(
         chunk_size: force tiles ``(q_chunk, kv_chunk)`` (or one int for both) instead of planning
             them. They must fit the budget too: tiles predicted to need more raise
             :class:`MemoryBudgetError` (pass a larger ``memory_budget`` to run them).
-        backend: ``"auto"`` (the planner), ``"sdpa"``, ``"fused"`` or ``"matmul"``.
+        backend: ``"auto"`` (the planner), ``"sdpa"``, ``"flex"``, ``"fused"``, ``"loops"`` or ``"matmul"``.
         return_lse: also return the log-sum-exp per row (float32; float64 for float64 inputs).
         allow_compile: whether the planner may compile code for the call (FlexAttention for
             callbacks); ``None``: yes unless the environment variable ``SUBQUAD_COMPILE=0``. The

@@ -20,7 +20,7 @@ from torch import Tensor
 from torch._C import _functorch
 
 from . import _engine
-from ._backends import BACKENDS
+from ._backends import BACKENDS, tiles_backend
 from ._buckets import BATCH_BYTES
 from ._inputs import Inputs
 from ._tiles import Grads, KernelRefused, reduce_to
@@ -207,6 +207,13 @@ def per_example(
     )
 
 
+def _tiles_fallback(inp: Inputs, budget: int) -> Tuple[str, Tuple[int, int]]:
+    """The tiled backward (the loops' where they take it) and its tiles, where the fused one
+    cannot run the call."""
+    name = tiles_backend(inp, True)
+    return name, BACKENDS[name].backward_tiles(inp, budget)
+
+
 def backward_grads(
     inp: Inputs,
     backend: str,
@@ -237,14 +244,15 @@ def backward_grads(
         grad_lse = grad_lse.masked_fill(torch.isneginf(lse), 0.0)
         if backend == "fused":
             # The fused backward computes D itself; the matmul tiles take dlse (same budget).
-            backend, tiles = "matmul", BACKENDS["matmul"].backward_tiles(inp, budget)
+            backend, tiles = _tiles_fallback(inp, budget)
     with torch.no_grad():
         if backend == "fused" and not want_mask and not captured:
             try:
                 whole = _engine.whole_fused_backward(inp, tiles, grad_out, out, lse)
             except KernelRefused as e:
                 _warn_refused(e)
-                whole, backend, tiles = None, "matmul", BACKENDS["matmul"].backward_tiles(inp, budget)
+                whole = None
+                backend, tiles = _tiles_fallback(inp, budget)
             if whole is not None:
                 dq, dk, dv = (reduce_to(g, t.shape) for g, t in zip(whole, (query, key, value)))
                 return dq if want_q else None, dk if want_k else None, dv if want_v else None, None, []
@@ -257,7 +265,7 @@ def backward_grads(
                 if backend != "fused":
                     raise
                 _warn_refused(e)
-                backend, tiles = "matmul", BACKENDS["matmul"].backward_tiles(inp, budget)
+                backend, tiles = _tiles_fallback(inp, budget)
 
     def cast(g: Optional[Tensor], like: Optional[Tensor]) -> Optional[Tensor]:
         return None if g is None or like is None else g.to(like.dtype)

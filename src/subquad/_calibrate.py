@@ -70,17 +70,17 @@ def measure(dtype: torch.dtype, training: bool, shape: calibration.Shape, kind: 
 
     _ROUND[0] += 1
     if _ROUND[0] % 2:
-        loops = _seconds(run("matmul"))
+        loops = _seconds(run("loops"))
         fused = _seconds(run("fused"))
     else:
         fused = _seconds(run("fused"))
-        loops = _seconds(run("matmul"))
+        loops = _seconds(run("loops"))
     return loops, fused
 
 
 def measure_products(which: str, shape: calibration.Shape) -> Tuple[float, float]:
     """``(ATen's seconds, own seconds)``: one round of the loops' forward on ``shape`` with each of
-    their two ways to multiply (``backend="matmul"``, which runs the loops), alternating which
+    their two ways to multiply (``backend="loops"``), alternating which
     goes first; the kernel's setting is restored after."""
     kernel = _native.tile_kernel()
     assert kernel is not None, "calibrate_products checks that the kernel is loaded"
@@ -91,7 +91,7 @@ def measure_products(which: str, shape: calibration.Shape) -> Tuple[float, float
     def timed(aten: bool) -> float:
         kernel.set_products(which, aten)
         with torch.inference_mode(False), torch.no_grad():
-            return _seconds(lambda: attention(q, k, v, backend="matmul"))
+            return _seconds(lambda: attention(q, k, v, backend="loops"))
 
     _ROUND[0] += 1
     try:

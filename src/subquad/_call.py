@@ -31,7 +31,7 @@ from torch import Tensor
 
 from . import _engine, _fast
 from ._autograd import Meta, attention_with_grad, is_transformed
-from ._backends import BACKEND_NAMES, BACKENDS, FlexUnavailable, Options, compile_allowed
+from ._backends import BACKEND_NAMES, BACKENDS, FlexUnavailable, Options, compile_allowed, tiles_backend
 from ._backends.fused import grouped_attention
 from ._buckets import BATCH_BYTES
 from ._budget import format_seconds, resolve_budget
@@ -273,7 +273,7 @@ def attention_block(
     """
     step = CallOptions(**options, return_lse=True, allow_compile=False)
     inp, opts, budget, plan, probed = prepare(query, key, value, step, block=block)
-    if plan.backend not in ("fused", "matmul"):
+    if plan.backend not in ("fused", "loops", "matmul"):
         plan = make_plan(inp, opts, budget, _tiles_backend(inp, plan))
     out, lse = _run_tiles_per_group(inp, plan, opts, budget, "auto", probed if captured is None else captured)
     assert lse is not None
@@ -316,7 +316,9 @@ def _run(call: Prepared, requested: str) -> Tuple[Tensor, Optional[Tensor]]:
 
 def _tiles_backend(inp: Inputs, plan: Plan) -> str:
     """The tiled backend for a call a whole-input backend cannot take."""
-    return "fused" if inp.device_type == "cpu" and "fused" not in plan.rejected else "matmul"
+    if inp.device_type == "cpu" and "fused" not in plan.rejected:
+        return "fused"
+    return tiles_backend(inp, False)
 
 
 def _run_tiles_per_group(
@@ -357,12 +359,16 @@ def _run_tiles_recovering(
                 raise
             warnings.warn(
                 f"subquad: the fused CPU kernel refused this input ({str(e).splitlines()[0][:200]}); "
-                "running the matmul tiles instead.",
+                "running subquad's tiles instead.",
                 RuntimeWarning,
                 stacklevel=6,
             )
             plan = make_plan(
-                inp if inp.packed is None else _engine.planning_view(inp), opts, budget, "matmul", shape=plan.shape
+                view := inp if inp.packed is None else _engine.planning_view(inp),
+                opts,
+                budget,
+                tiles_backend(view, False),
+                shape=plan.shape,
             )
             tiles, backward_tiles = plan.chunk_size, plan.backward_chunk_size
         except Exception as e:  # only real out-of-memory errors are retried

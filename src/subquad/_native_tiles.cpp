@@ -50,6 +50,7 @@
 #include <initializer_list>
 #include <limits>
 #include <optional>
+#include <stdexcept>
 #include <string>
 #include <tuple>
 #include <type_traits>
@@ -72,6 +73,17 @@ thread_local bool tl_aten_products = false;
 void aten_products_failed() {
   tl_aten_products = false;
   g_aten_products.store(0);
+}
+
+// For tests only (_fail_aten_products): the next n of ATen's products throw just before they run,
+// as oneDNN does where it refuses one, so that the fallback above runs on any CPU. One atomic
+// counter, taken down once per refused product by whichever thread asks.
+std::atomic<int64_t> g_fail_aten_products{0};
+[[maybe_unused]] void refuse_for_tests() {
+  int64_t n = g_fail_aten_products.load();
+  while (n > 0 && !g_fail_aten_products.compare_exchange_weak(n, n - 1)) {
+  }
+  if (n > 0) throw std::runtime_error("ATen's product refused by subquad's test hook (_fail_aten_products)");
 }
 
 inline float bf16_to_float(uint16_t h) {
@@ -827,6 +839,7 @@ struct WideTiles {
 #if defined(SUBQUAD_ATEN_PRODUCTS)
     if (tl_aten_products) {
       try {
+        refuse_for_tests();
         at::native::cpublas::brgemm(rows, round16(nb), e, e, ld, lds, false, q, b, s, false);
         return;
       } catch (const std::exception&) {
@@ -844,6 +857,7 @@ struct WideTiles {
 #if defined(SUBQUAD_ATEN_PRODUCTS)
     if (tl_aten_products) {
       try {
+        refuse_for_tests();
         at::native::cpublas::brgemm(m, 16 * n16, red, lda, dpad, ldc, ACC, a, b, c, false);
         return;
       } catch (const std::exception&) {
@@ -912,6 +926,7 @@ struct PairTiles {
 #if defined(SUBQUAD_ATEN_PRODUCTS)
     if (tl_aten_products) {  // B's pairs are the "VNNI" layout: ldb counts columns
       try {
+        refuse_for_tests();
         at::native::cpublas::brgemm(rows, round16(nb), e2 * 2, e2 * 2, ld, lds, false, as_bf16(q), as_bf16(b), s, true);
         return;
       } catch (const std::exception&) {
@@ -927,6 +942,7 @@ struct PairTiles {
 #if defined(SUBQUAD_ATEN_PRODUCTS)
     if (tl_aten_products) {
       try {
+        refuse_for_tests();
         at::native::cpublas::brgemm(m, 16 * n16, round_up(red, 2), lda, dpad, ldc, ACC, as_bf16(a), as_bf16(b), c, true);
         return;
       } catch (const std::exception&) {
@@ -1484,6 +1500,13 @@ std::string products(const std::string& which) {
   return (g_aten_products.load() & products_bit(which)) ? "aten" : "own";
 }
 
+// For tests only: the next n of ATen's products (any kind, any thread) throw before they run
+// (refuse_for_tests); returns how many of the previous setting had not thrown yet.
+int64_t fail_aten_products(int64_t n) {
+  TORCH_CHECK(n >= 0, "n: how many of ATen's products to refuse (0 or more), not ", n);
+  return g_fail_aten_products.exchange(n);
+}
+
 }  // namespace
 
 #if defined(SUBQUAD_WIDE_LOOPS)
@@ -1531,6 +1554,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_products", &set_products, "the loops' products: ATen's micro-kernels or their own", py::arg("which"),
         py::arg("aten"));
   m.def("products", &products, "what the loops of `which` multiply on: 'aten' or 'own'", py::arg("which"));
+  m.def("_fail_aten_products", &fail_aten_products,
+        "for tests only: the next n of ATen's products throw (the loops fall back to their own); returns the "
+        "previous setting's n not yet thrown",
+        py::arg("n"));
 #if defined(SUBQUAD_WIDE_LOOPS)
   m.attr("float_lanes") = Lanes::kWidth;  // 16: AVX512F; 8: AVX2 (auto leaves those loops to backend="matmul")
   const auto forward = forward_args();

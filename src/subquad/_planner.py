@@ -77,11 +77,11 @@ class Plan:
 
 
 def _say_of_the_loops(plan: Plan, order: Priority) -> None:
-    """What ``explain()`` says of the C++ loops: why they go first, or why they do not run the call
-    (listed as ``not loops``; nothing where ``matmul`` runs them anyway)."""
-    if order.loop_note is not None and plan.backend == "matmul":
+    """What ``explain()`` says of the C++ loops: why they go first, or why a backend above them
+    runs the call (listed as ``not loops``)."""
+    if order.loop_note is not None and plan.backend == "loops":
         plan.notes.append(order.loop_note)
-    elif order.not_loops is not None and not (order.loops_can_run and plan.backend == "matmul"):
+    elif order.not_loops is not None and plan.backend != "loops":
         plan.rejected.setdefault("loops", [order.not_loops])
 
 
@@ -104,7 +104,7 @@ def make_plan(
     shape = describe(inp) if shape is None else shape
     need_grad = inp.requires_grad or opts.captured_requires_grad
     order = call_priority(inp, need_grad, opts.packed) if backend == "auto" else Priority([backend])
-    names, loop_note = order.names, order.loop_note
+    names = order.names
     rejected: Dict[str, List[str]] = {}
     smallest_overall: Optional[int] = None
     for name in names:
@@ -114,9 +114,10 @@ def make_plan(
             rejected[name] = reasons
             continue
         backward_name = b.backward_backend(inp, opts) if need_grad else None
-        if loop_note is not None and opts.packed and backward_name == "matmul":
-            # A packed call in the loops: its forward_packed, the fused backward where it takes the call.
-            backward_name = "matmul" if BACKENDS["fused"].not_supported_reasons(inp, opts) else "fused"
+        if order.loop_note is not None and opts.packed and backward_name == "loops":
+            # auto put a packed call's forward in the loops; its backward is the fused kernel's
+            # where it takes it (one call per sequence).
+            backward_name = "loops" if BACKENDS["fused"].not_supported_reasons(inp, opts) else "fused"
         fwd, bwd_tiles, pred, smallest = b.fit(
             inp, opts, budget, BACKENDS[backward_name] if backward_name is not None else None
         )

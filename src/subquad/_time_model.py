@@ -45,6 +45,11 @@ _RATES: Dict[Tuple[str, torch.dtype], Tuple[float, float]] = {}
 """(device type, dtype) -> (matmul FLOP/s, seconds of softmax work per score), measured once per process."""
 
 
+def _runs_loops(backend: str, inp: Inputs, *, backward: bool = False) -> bool:
+    """Whether ``backend`` runs this call's forward (``backward``: its backward) in the C++ loops."""
+    return backend == "loops" and (loops_backward(inp) if backward else loops_forward(inp))
+
+
 def _parts(inp: Inputs) -> List[Tuple[int, int, int]]:
     """``(Lq, Lk, causal offset)`` of what one batch group of the call computes: the call, or the
     sequences of a packed call (each with its own lengths and alignment)."""
@@ -208,11 +213,13 @@ def predict_seconds(inp: Inputs, plan: PlanLike, need_grad: bool) -> float:
         bwd = plan.backward_backend or plan.backend
         tiles = plan.backward_chunk_size if plan.backward_backend else plan.chunk_size
         t += backward_per_forward(inp, bwd) * forward_seconds(inp, bwd, tiles)
+        if _runs_loops(bwd, inp, backward=True):
+            t += loop_backward_fixed_seconds(inp)
     # The C++ loops evaluate the callbacks they take (a soft cap, ALiBi, windows) inside their own
     # rates; elsewhere a callback costs its own time per score, per pass.
-    in_loop = plan.backend == "matmul" and loops_forward(inp)
+    in_loop = _runs_loops(plan.backend, inp)
     passes = 0 if in_loop else 1
-    if need_grad and not (in_loop and (plan.backward_backend or plan.backend) == "matmul" and loops_backward(inp)):
+    if need_grad and not (in_loop and _runs_loops(plan.backward_backend or plan.backend, inp, backward=True)):
         passes += CALLBACK_PASSES_WITH_GRAD - 1
     if passes:
         t += computed_scores(inp, None, None) * score_mod_seconds(inp) * passes
@@ -260,11 +267,46 @@ def backward_per_forward(inp: Inputs, backend: str = "matmul") -> float:
     """A backward's time over its forward's on ``backend``: :data:`LOOP_BACKWARD_PER_FORWARD` where
     the tiles' C++ loops run both, :data:`BF16_CPU_BACKWARD_PER_FORWARD` for other bfloat16 calls
     on a CPU, else :data:`BACKWARD_PER_FORWARD`."""
-    if backend == "matmul" and loops_backward(inp):
+    if _runs_loops(backend, inp, backward=True):
         return LOOP_BACKWARD_PER_FORWARD
     if inp.device_type == "cpu" and inp.dtype == torch.bfloat16:
         return BF16_CPU_BACKWARD_PER_FORWARD
     return BACKWARD_PER_FORWARD
+
+
+LOOP_BACKWARD_ROW_PASSES = (6, 5, 1)
+"""The loops' backward's passes over each query row that do not shrink with the band, in columns
+of ``(Ev, E, E if half precision)``: D from dO and O in float32 (two conversions, their product,
+its sum: 4 Ev), dO packed twice for its products (2 Ev); dQ's float32 gradient zeroed, its block
+zeroed and added in per row block, q packed twice (5 E); dQ cast to the input's dtype
+(:func:`subquad._backends.segments.backward_rows`, ``backward_segment`` in ``_native_tiles.cpp``)."""
+LOOP_BACKWARD_KEY_PASSES = (4, 5, 1)
+"""The same per key, in columns of ``(Ev, E, E + Ev if half precision)``: dK's and dV's float32
+gradients zeroed, each task's accumulators zeroed and added in (3 E + 3 Ev), the keys laid out
+for two products and the values for one (2 E + Ev), dK and dV cast to the input's dtype."""
+_PROBE_WRITES = {True: 4, False: 2}
+"""The rate probe's softmax passes that write the tile, per half-precision probe: the conversion
+in, the subtraction, the exponential and the conversion out (float32: the middle two)."""
+
+
+def loop_backward_fixed_seconds(inp: Inputs) -> float:
+    """The loops' backward's work that does not shrink with the band: per query row and per key,
+    the passes over their columns of :data:`LOOP_BACKWARD_ROW_PASSES` and
+    :data:`LOOP_BACKWARD_KEY_PASSES`, each element at what one written element of the rate
+    probe's softmax passes costs (its time per score over :data:`_PROBE_WRITES`). It matters where
+    a band or documents leave few scores per row (measured: docs/benchmarks/loops.md)."""
+    _, per_score = _device_rates(inp.device, inp.dtype)
+    probe_half = _rates_dtype(inp.device, inp.dtype) in (torch.float16, torch.bfloat16)
+    per_element = per_score / _PROBE_WRITES[probe_half]
+    half = inp.dtype in (torch.float16, torch.bfloat16)
+    r_ev, r_e, r_half = LOOP_BACKWARD_ROW_PASSES
+    k_ev, k_e, k_half = LOOP_BACKWARD_KEY_PASSES
+    per_row = r_ev * inp.Ev + r_e * inp.E + (r_half * inp.E if half else 0)
+    per_key = k_ev * inp.Ev + k_e * inp.E + (k_half * (inp.E + inp.Ev) if half else 0)
+    parts = _parts(inp)
+    rows = inp.n_groups * inp.B * inp.Hq * sum(Lq for Lq, _, _ in parts)
+    keys = inp.n_groups * inp.B * inp.Hk * sum(Lk for _, Lk, _ in parts)
+    return per_element * (rows * per_row + keys * per_key)
 
 
 def computed_scores(inp: Inputs, backend: Optional[str], tiles: Optional[Tuple[int, int]]) -> float:
@@ -273,7 +315,7 @@ def computed_scores(inp: Inputs, backend: Optional[str], tiles: Optional[Tuple[i
     loops: per block of 128 rows, the keys of its visible band, in blocks of 32);
     ``backend=None``: the visible ones."""
     n = 0.0
-    band = loop_band(inp) if backend == "matmul" and loops_forward(inp) else None
+    band = loop_band(inp) if backend is not None and _runs_loops(backend, inp) else None
     ranges = loop_ranges(inp) if band is not None else None
     for Lq, Lk, o in _parts(inp):
         if ranges is not None and ranges.shape[1] == Lq:
@@ -347,7 +389,7 @@ def block_fraction(Lq: int, Lk: int, o: int, blocks: Tuple[int, int]) -> float:
 
 _OWN: Dict[Tuple[str, torch.dtype, str], Optional[Tuple[float, float]]] = {}
 """(device type, dtype, backend) -> :func:`backend_seconds`, measured once per process."""
-_TIMED_BACKENDS = ("fused", "matmul")
+_TIMED_BACKENDS = ("fused", "matmul", "loops")
 
 
 def backend_seconds(device: torch.device, dtype: torch.dtype, backend: str) -> Optional[Tuple[float, float]]:
@@ -421,7 +463,7 @@ def _measure_backend(device: torch.device, dtype: torch.dtype, backend: str) -> 
     q = torch.randn(1, bh, nq, e, device=device, dtype=dtype)
     k, v = (torch.randn(1, bh, lk, e, device=device, dtype=dtype) for _ in range(2))
     run = BACKENDS[backend]
-    loop = backend == "matmul" and loops_forward(Inputs(q, k, v, (1,), None, False, e**-0.5, 0.0))
+    loop = _runs_loops(backend, Inputs(q, k, v, (1,), None, False, e**-0.5, 0.0))
     if loop:  # the C++ loops take whole rows (segments.TILE_TARGET): a block of their size
         bh, nq, nk, e = _LOOP_PROBE_SHAPE
         q = torch.randn(1, bh, nq, e, device=device, dtype=dtype)

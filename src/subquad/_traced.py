@@ -2,12 +2,12 @@
 
 A ``score_mod`` or ``mask_mod`` is traced once with fake tensors (``make_fx``; no data flows) and
 its aten graph read: ``score + bias`` (:class:`TracedScoreMod` with ``additive_bias``: a bias
-tile on the fused kernel), ``where(cond, score, -inf)`` (:class:`ScoreModAsMask`: a mask_mod,
-tiles skipped), a formula of comparisons of the positions (:class:`TracedMask`: exact block
-states, the causal one as the causal flag), or anything else (runs as is). :func:`normalize`
-applies those rewrites to a call's :class:`~subquad._inputs.Inputs`; ``explain()`` shows its notes.
-Results are cached per callback by :func:`callback_key` (code and what it captures), which the
-compiled backend also uses.
+tile on the fused kernel; ALiBi's slopes for the C++ loops), ``where(cond, score, -inf)``
+(:class:`ScoreModAsMask`: a mask_mod, tiles skipped), a formula of comparisons of the positions
+(:class:`TracedMask`: exact block states, the causal one as the causal flag), or anything else
+(runs as is). :func:`normalize` applies those rewrites to a call's :class:`~subquad._inputs.Inputs`;
+``explain()`` shows its notes. Results are cached per callback by :func:`callback_key` (code and
+what it captures), which the compiled backend also uses.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from torch.utils._pytree import tree_flatten
 
 from . import mods
 from ._callbacks import EMPTY, FULL, PARTIAL
-from ._graphs import PASS_THROUGH, SAME_SHAPE, same_dtype, same_shape, softcap_of
+from ._graphs import PASS_THROUGH, SAME_SHAPE, AlibiForm, alibi_of, same_dtype, same_shape, softcap_of
 from ._inputs import Inputs, MaskMod
 
 
@@ -41,14 +41,16 @@ class Structure:
     ``kind``: ``"additive"`` (``score + bias(b, h, q, kv)``, where ``bias`` may be ``-inf``:
     ``masks``), ``"mask"`` (``where(cond(b, h, q, kv), score, -inf)``), ``"identity"`` or
     ``"general"`` (anything else; ``reason`` says why). ``softcap``: for a general one that is
-    exactly ``c * tanh(score / c)`` with a number ``c`` (Gemma 2's soft cap), ``c``; the native
-    kernel's loops run it themselves.
+    exactly ``c * tanh(score / c)`` with a number ``c`` (Gemma 2's soft cap), ``c``; ``alibi``: for
+    an additive one that is ALiBi of slopes it captures, its form; the native kernel's loops run
+    both themselves.
     """
 
     kind: str
     masks: bool = False
     reason: str = ""
     softcap: Optional[float] = None
+    alibi: Optional[AlibiForm] = None
 
 
 _T = TypeVar("_T")
@@ -185,7 +187,10 @@ def _trace_structure(fn: Callable[..., Tensor], dtype: torch.dtype, device: torc
     except Exception as e:  # anything untraceable still runs, on the generic path
         first = (str(e).strip().splitlines() or [""])[0][:120]
         return Structure("general", reason=f"it could not be traced ({type(e).__name__}: {first})")
-    return _classify(graph)
+    found = _classify(graph)
+    if found.kind == "additive" and not found.masks:
+        return dataclasses.replace(found, alibi=alibi_of(fn, graph))
+    return found
 
 
 _SHAPE_ONLY = {
@@ -291,13 +296,15 @@ class TracedScoreMod:
     Called as the score_mod itself. ``additive_bias(b, h, q_idx, kv_idx)`` (only for the
     additive kind) is the callback on a zero score: exactly its bias (``-inf`` where it masks), the
     float tile a fused kernel adds to its scores. ``not_additive`` says why a general one is not.
-    ``softcap``: ``c`` for a soft cap ``c * tanh(score / c)``, else None.
+    ``softcap``: ``c`` for a soft cap ``c * tanh(score / c)``, else None. ``alibi``: ALiBi with the
+    slopes ``fn`` captures now (:class:`~subquad._graphs.Alibi`), else None.
     """
 
     def __init__(self, fn: Callable[..., Tensor], structure: Structure, dtype: torch.dtype) -> None:
         self.fn, self.structure, self.dtype = fn, structure, dtype
         self.may_mask = structure.masks
         self.softcap = structure.softcap
+        self.alibi = None if structure.alibi is None else structure.alibi.on(fn)
         if structure.kind == "general":
             self.not_additive = structure.reason
 
@@ -547,6 +554,8 @@ def _traced_score_mod(inp: Inputs) -> Tuple[Inputs, Optional[str]]:
         mask = ScoreModAsMask(fn, inp.stats_dtype)
         mask_mod = mask if mask_mod is None else mods.and_masks(mask_mod, mask)
     note = "score_mod is score + bias (traced): the bias is evaluated per tile"
+    if traced.alibi is not None:
+        note = f"score_mod is score + bias (traced), the bias {traced.alibi.describe()}"
     return dataclasses.replace(inp, score_mod=traced, mask_mod=mask_mod), note
 
 

@@ -6,9 +6,10 @@ order the planner asks them in. The rest of the package uses the names below.
 """
 
 from .base import MPS_MAX_MATMUL_ELEMENTS, TARGET_TILE_BYTES, Backend, Fit, Options, compile_allowed
-from .dispatch import BACKEND_NAMES, BACKENDS, priority
+from .dispatch import BACKEND_NAMES, BACKENDS, priority, tiles_backend
 from .flex import Flex, FlexUnavailable
 from .fused import FusedCPU, cpu_flash_forward, cpu_flash_unavailable_reason
+from .loops import Loops
 from .matmul import Matmul
 from .sdpa import TORCH_SDPA, Sdpa
 
@@ -20,6 +21,7 @@ __all__ = [
     "Flex",
     "FlexUnavailable",
     "FusedCPU",
+    "Loops",
     "Matmul",
     "MPS_MAX_MATMUL_ELEMENTS",
     "Options",
@@ -30,4 +32,5 @@ __all__ = [
     "cpu_flash_forward",
     "cpu_flash_unavailable_reason",
     "priority",
+    "tiles_backend",
 ]

@@ -12,12 +12,14 @@ from . import loop_choice, segments
 from .base import Backend
 from .flex import Flex
 from .fused import FusedCPU
+from .loops import Loops
 from .matmul import Matmul
 from .sdpa import Sdpa
 
-BACKENDS: Dict[str, Backend] = {b.name: b for b in (Sdpa(), Flex(), FusedCPU(), Matmul())}
+BACKENDS: Dict[str, Backend] = {b.name: b for b in (Sdpa(), Flex(), FusedCPU(), Loops(), Matmul())}
 BACKEND_NAMES: Tuple[str, ...] = tuple(BACKENDS)
-"""The backends a call can name with ``backend=`` (besides ``"auto"``): ``"sdpa"``, ``"flex"``, ``"fused"``, ``"matmul"``.
+"""The backends a call can name with ``backend=`` (besides ``"auto"``): ``"sdpa"``, ``"flex"``,
+``"fused"``, ``"loops"``, ``"matmul"``.
 
 Public as ``subquad.BACKENDS``. Which of them can run a given call, and why the others cannot, is
 what :func:`subquad.explain` prints.
@@ -28,36 +30,42 @@ def priority(device: Union[torch.device, str]) -> List[str]:
     """Backend names, fastest first; the planner takes the first that supports the call and fits."""
     if (device if isinstance(device, str) else device.type) == "cpu":
         # flex: compiled callbacks (it refuses calls without them); fused: the kernel SDPA runs, but
-        # it also returns the lse and runs in tiles.
-        return ["flex", "fused", "sdpa", "matmul"]
+        # it also returns the lse and runs in tiles; loops: where this CPU's calibration measured
+        # them faster they go first (call_priority).
+        return ["flex", "fused", "sdpa", "loops", "matmul"]
     return ["sdpa", "flex", "matmul"]
 
 
 class Priority(NamedTuple):
     """:func:`call_priority`'s answer: the backend names, fastest first; what ``explain()`` says
-    where the C++ loops go first; and otherwise why they do not run the call (``not_loops``;
-    ``loops_can_run``: the reason is only that they measured slower, and ``matmul`` runs them)."""
+    where the C++ loops go first (``loop_note``); and otherwise why a backend above them takes the
+    call (``not_loops``: they refuse it, or this CPU measured them slower)."""
 
     names: List[str]
     loop_note: Optional[str] = None
     not_loops: Optional[str] = None
-    loops_can_run: bool = False
 
 
 def call_priority(inp: Inputs, need_grad: bool, packed: bool) -> Priority:
-    """The backend names for this call, fastest first: on a CPU the tiles' C++ loops (``matmul``)
-    go first where this CPU's calibration measured them faster than the fused kernel
-    (:func:`loop_choice.before_fused`); with what ``explain()`` says of them either way."""
+    """The backend names for this call, fastest first: on a CPU the C++ loops (``loops``) go
+    before the fused kernel where this CPU's calibration measured them faster
+    (:func:`loop_choice.before_fused`), else after it; with what ``explain()`` says of them."""
     names = priority(inp.device_type)
     if loop_choice.before_fused(inp, need_grad, packed):
-        first = ["matmul"] + [n for n in names if n != "matmul"]
+        first = ["loops"] + [n for n in names if n != "loops"]
         return Priority(first, loop_choice.before_fused_note(inp, need_grad, packed))
     if inp.device_type != "cpu" or packed:
         return Priority(names)
     refused = loop_choice.refusal(inp, need_grad)
-    if refused is not None:
-        return Priority(names, not_loops=refused)
-    return Priority(names, not_loops=loop_choice.slower_note(inp, need_grad), loops_can_run=True)
+    return Priority(names, not_loops=refused if refused is not None else loop_choice.slower_note(inp, need_grad))
+
+
+def tiles_backend(inp: Inputs, backward: bool) -> str:
+    """The tiled backend that runs what a whole-input kernel gave up on (``backward``: a backward
+    the fused kernel does not take): the C++ loops where they take it, else ``matmul``'s tiles."""
+    if inp.device_type != "cpu" or loop_choice.refusal(inp, backward) is not None:
+        return "matmul"
+    return "loops"
 
 
 LOOP_ROWS = segments.ROWS
@@ -65,12 +73,12 @@ LOOP_ROWS = segments.ROWS
 
 
 def loops_forward(inp: Inputs) -> bool:
-    """Whether ``matmul``'s forward of this call runs in the C++ loop."""
+    """Whether the ``loops`` backend runs this call's forward in the C++ loop."""
     return segments.segment_kernel(inp) is not None
 
 
 def loops_backward(inp: Inputs) -> bool:
-    """Whether ``matmul``'s backward of this call runs in the C++ loop."""
+    """Whether the ``loops`` backend runs this call's backward in the C++ loop."""
     return segments.backward_kernel(inp) is not None
 
 

@@ -35,7 +35,7 @@ WIDE_LOOP_MAX_HEAD_DIM = 384
 units' peak there)."""
 WIDE_LOOP_MIN_LANES = 16
 """Fallback: float32 and float16 calls take the loops only from a build of this many float lanes
-(AVX512F; an AVX2 build of 8 serves ``backend="matmul"``)."""
+(AVX512F; an AVX2 build of 8 serves ``backend="loops"``, and ``auto`` where the fused kernel refuses)."""
 
 _BEFORE_FUSED_SCORES = {
     torch.bfloat16: LOOP_BEFORE_FUSED_SCORES,

@@ -1,8 +1,8 @@
-"""The ``matmul`` forward's and backward's whole tile loops in C++ (:mod:`subquad._native`).
+"""The ``loops`` backend's forward and backward: the whole tile loops in C++ (:mod:`subquad._native`).
 
 They take CPU calls without dropout whose callbacks they evaluate themselves (:func:`loop_mods`: a
-soft cap ``c * tanh(score / c)`` found by tracing, :func:`subquad.mods.alibi` of fixed slopes, a
-``mask_mod`` that is a band of diagonals, whose hidden blocks of keys are skipped), with or without
+soft cap ``c * tanh(score / c)`` found by tracing, ALiBi of fixed slopes, a ``mask_mod`` that is a
+band of diagonals, whose hidden blocks of keys are skipped; built-in or traced equal), with or without
 an ``attn_mask`` (read in place, a row at a time): bfloat16 on AVX512-BF16, float32 and float16
 (converted exactly, float32 products) on AVX512F or AVX2 with FMA. Scores are float32 before the
 softmax, as in torch's fused kernel: no product is offset or computed again.
@@ -31,9 +31,11 @@ import torch
 from torch import Tensor
 
 from .. import mods
+from .._graphs import formula_band
 from .._inputs import Inputs
 from .._native import tile_kernel
 from .._tiles import NEG_INF, Grads, RowState, Segment, add_into, finish_rows
+from .._traced import TracedMask, TracedScoreMod
 from .base import unit_stride
 from .offsets import LN2, LOG2E
 
@@ -111,9 +113,10 @@ Band = Tuple[Optional[int], Optional[int]]
 def loop_mods(inp: Inputs) -> Optional[LoopMods]:
     """The call's ``score_mod`` and ``mask_mod`` as :class:`LoopMods` where the loops evaluate them
     themselves; else None. A ``score_mod``: none, a soft cap (:func:`softcap`, passed apart) or
-    :func:`subquad.mods.alibi` whose slopes need no gradient (the loops give none) and cover the
-    call's heads. A ``mask_mod``: none or a band (:func:`mask_band`). Positions are the callbacks'
-    (``q_offset + i``, ``kv_offset + j``; heads from ``h_offset``), turned into the call's own."""
+    ALiBi (:func:`_alibi_slopes`). A ``mask_mod``: none or a band (:func:`mask_band`) and ranges
+    of keys (:data:`RANGED`). Built-in, or hand-written and traced equal to one
+    (:mod:`subquad._traced`). Positions are the callbacks' (``q_offset + i``, ``kv_offset + j``;
+    heads from ``h_offset``), turned into the call's own."""
     band: Band = (None, None)
     ranges: Optional[Tensor] = None
     if inp.mask_mod is not None:
@@ -125,14 +128,12 @@ def loop_mods(inp: Inputs) -> Optional[LoopMods]:
             ranges = _cached_ranges(inp, parts[1])
             if ranges is None:
                 return None
-    slopes = None
-    if inp.score_mod is not None and not softcap(inp):
-        slopes = _alibi_slopes(inp)
-        if slopes is None:
-            return None
     shift = inp.q_offset - inp.kv_offset  # callback positions: i - j + shift
     lo, hi = (None if x is None else x - shift for x in band)
-    return LoopMods(lo, hi, slopes, shift, ranges)
+    if inp.score_mod is None or softcap(inp):
+        return LoopMods(lo, hi, None, shift, ranges)
+    alibi = _alibi_slopes(inp, band[0])
+    return None if alibi is None else LoopMods(lo, hi, alibi[0], shift + alibi[1], ranges)
 
 
 RANGED = (mods._Document, mods._PrefixLM, mods._KeyPadding)
@@ -142,9 +143,12 @@ keys' ids sorted; the prefix and the causal part; the keys before the padding)."
 
 def _mask_parts(mask_mod: object) -> Optional[Tuple[Band, List[object]]]:
     """A built-in ``mask_mod`` as a band (:func:`mask_band`) and the :data:`RANGED` masks
-    intersected with it (:func:`~subquad.mods.and_masks`); None for any other."""
+    intersected with it (:func:`~subquad.mods.and_masks`), or a traced one that equals such
+    (:func:`_traced_parts`); None for any other."""
     if isinstance(mask_mod, RANGED):
         return (None, None), [mask_mod]
+    if isinstance(mask_mod, TracedMask):
+        return _traced_parts(mask_mod)
     if isinstance(mask_mod, mods._AndMasks):
         ranged: List[object] = [p for p in mask_mod.mask_mods if isinstance(p, RANGED)]
         bands = [p for p in mask_mod.mask_mods if not isinstance(p, RANGED)]
@@ -255,6 +259,9 @@ def mask_band(mask_mod: object) -> Optional[Band]:
         return mask_mod.lo, mask_mod.window
     if isinstance(mask_mod, mods._LocalWindow):
         return _bound(mask_mod.lo), _bound(mask_mod.hi)
+    if isinstance(mask_mod, TracedMask):
+        parts = _traced_parts(mask_mod)
+        return parts[0] if parts is not None and not parts[1] else None
     return None
 
 
@@ -262,17 +269,44 @@ def _bound(x: float) -> Optional[int]:
     return None if math.isinf(x) else int(x)
 
 
-def _alibi_slopes(inp: Inputs) -> Optional[Tensor]:
-    """The slopes of the call's heads of an ALiBi ``score_mod`` (:func:`subquad.mods.alibi`),
-    float32 as the per-tile path's scores; None for another ``score_mod``, slopes that need a
-    gradient, or too few of them (the per-tile path says so)."""
-    fn = inp.score_mod
-    if not isinstance(fn, mods._Alibi):
+def _traced_parts(mask_mod: TracedMask) -> Optional[Tuple[Band, List[object]]]:
+    """A hand-written ``mask_mod`` whose traced formula is a band of diagonals (``kv <= q``,
+    ``q - kv < W``, ``(q - kv).abs() <= W`` and their ``&``), intersected with ``kv < n`` (as
+    :func:`~subquad.mods.key_padding`) or ``(kv < P) | (kv <= q)`` (as :func:`~subquad.mods.prefix_lm`),
+    as :func:`_mask_parts` gives the built-ins; None for another."""
+    s = mask_mod.structure
+    if s.kind == "causal":  # kv <= q + offset
+        return (-s.offset, None), []
+    found = None if s.formula is None else formula_band(s.formula)
+    if found is None:
         return None
-    t = fn.slopes
+    ranged: List[object] = [mods.prefix_lm(n) if k == "prefix_lm" else mods.key_padding(n) for k, n in found[1]]
+    return found[0], ranged
+
+
+def _alibi_slopes(inp: Inputs, lo: Optional[int]) -> Optional[Tuple[Tensor, int]]:
+    """The slopes of the call's heads of an ALiBi ``score_mod`` (:func:`subquad.mods.alibi`, or a
+    hand-written one traced equal to it: :class:`~subquad._graphs.Alibi`), float32 as the per-tile
+    path's scores, and its shift of the diagonal; None for another ``score_mod``, slopes that need
+    a gradient, or too few of them (the per-tile path says so). A traced ``slopes[h] * (kv - q)``
+    is ALiBi only where no key lies after its query's diagonal: under the causal flag or a band
+    whose ``lo`` (callback positions, :func:`mask_band`) keeps it so."""
+    fn, shift = inp.score_mod, 0
+    if isinstance(fn, mods._Alibi):
+        t = fn.slopes
+    elif isinstance(fn, TracedScoreMod) and fn.alibi is not None:
+        t, shift = fn.alibi.slopes, fn.alibi.shift
+        bounds = [] if lo is None else [lo]  # on q_idx - kv_idx, the callbacks' positions
+        if inp.is_causal:  # kv - kv_offset <= q - q_offset + causal_offset
+            bounds.append(inp.q_offset - inp.kv_offset - inp.causal_offset)
+        if fn.alibi.signed and (not bounds or max(bounds) + shift < 0):
+            return None
+    else:
+        return None
     if t.requires_grad or t.dim() != 1 or t.shape[0] < inp.h_offset + inp.Hq:
         return None
-    return t.detach()[inp.h_offset : inp.h_offset + inp.Hq].to(device="cpu", dtype=torch.float32).contiguous()
+    slopes = t.detach()[inp.h_offset : inp.h_offset + inp.Hq].to(device="cpu", dtype=torch.float32).contiguous()
+    return slopes, shift
 
 
 def fast_kernel(inp: Inputs) -> Optional[ModuleType]:
@@ -328,12 +362,12 @@ TILE_TARGET = 32 << 20
 """The planner's ceiling on :func:`tile_bytes` where the loops run a call (the eager tiles' is
 4 MiB, the scores a tile's passes stream): the accumulator is not streamed, and each call copies
 its keys and values again and ends with its threads waiting on the last task
-(:meth:`Matmul.tile_target <subquad._backends.matmul.Matmul.tile_target>`). Whole rows against
+(:meth:`Loops.tile_target <subquad._backends.loops.Loops.tile_target>`). Whole rows against
 row blocks of 1024: docs/benchmarks/loops.md ("Faster loops, whole rows")."""
 
 
 def forward_rows(inp: Inputs, qs: int, qe: int, segments: Iterable[Segment], out: Tensor, kernel: ModuleType) -> Tensor:
-    """:meth:`Matmul.forward_rows <subquad._backends.matmul.Matmul.forward_rows>` for rows
+    """:meth:`Loops.forward_rows <subquad._backends.loops.Loops.forward_rows>`: ``matmul``'s forward for rows
     ``[qs, qe)`` with the C++ loop: writes ``out`` and returns the lse ``(B, Hq, qn)``."""
     B, Hq, qn = inp.B, inp.Hq, qe - qs
     rows = B * Hq * qn
@@ -493,7 +527,7 @@ def backward_rows(
     grad_lse: Optional[Tensor],
     kernel: ModuleType,
 ) -> None:
-    """:meth:`Matmul.backward_rows <subquad._backends.matmul.Matmul.backward_rows>` for rows
+    """:meth:`Loops.backward_rows <subquad._backends.loops.Loops.backward_rows>`: ``matmul``'s backward for rows
     ``[qs, qe)`` with the C++ loop: adds into ``grads.dq``, ``grads.dk`` and ``grads.dv`` (through
     a float32 block of the rows or keys where one is absent or not a float32 view with a dense
     last dim)."""

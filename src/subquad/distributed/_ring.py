@@ -297,7 +297,7 @@ def _block_grads(
             block=b.positions,
         )
     kernel = plan.backward_backend or plan.backend
-    if kernel not in ("fused", "matmul"):
+    if kernel not in ("fused", "loops", "matmul"):
         kernel = "matmul"
     chunk = plan.backward_chunk_size or plan.chunk_size or (max(inp.Lq, 1), max(inp.Lk, 1))
     dq, dk, dv, dmask, dcap = backward_grads(
