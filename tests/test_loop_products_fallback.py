@@ -20,8 +20,8 @@ import torch
 
 import subquad
 import test_native
-from subquad import _native
 from subquad._backends import calibration
+from test_loop_products import products_both_ways  # noqa: F401  (a fixture)
 from test_native_loop_mods import LOOPS, _check, _inputs, two_threads  # noqa: F401  (a fixture)
 
 pytestmark = test_native.pytestmark  # a C++ compiler and ninja
@@ -34,19 +34,14 @@ CASES = [
 
 
 @pytest.fixture
-def refusing(native_dir, monkeypatch):
-    """The session's build with its loops' calls recorded (``Counting``); disarms the hook and
-    restores what the loops multiplied on afterwards."""
-    real = test_native.load_kernel(native_dir, monkeypatch)
+def refusing(products_both_ways):  # noqa: F811  (the fixture imported above)
+    """The session's build with its loops' calls recorded (``Counting``); disarms the hook
+    afterwards (``products_both_ways`` restores what the loops multiplied on)."""
+    real, counting = products_both_ways
     if not hasattr(real, "_fail_aten_products"):
         pytest.skip("the native kernel was built without the products' test hook")
-    counting = test_native.Counting(_native._LOADED["module"], real)
-    monkeypatch.setitem(_native._LOADED, "module", counting)
-    before = {w: real.products(w) == "aten" for w in calibration.PRODUCT_KINDS}
     yield real, counting
     real._fail_aten_products(0)
-    for w, aten in before.items():
-        real.set_products(w, aten)
 
 
 def _run(name: str, dtype: torch.dtype, armed: str, real, n: int) -> Tuple[torch.Tensor, ...]:
