@@ -29,8 +29,8 @@ last two also on the fused kernel with their bias tile) against plain causal on 
 and prints ``explain()``'s prediction over the measured time. ``--cases products`` times the loops
 on host calls with their own products against ATen's micro-kernels (oneDNN's brgemm), alternating. ``--cases loop-backward --backward`` times
 the shapes the backward loop was first measured on (:data:`LOOP_BACKWARD_CASES`); ``--without-loops``
-times ``backend="matmul"`` instead: the tiles with the native kernel's passes over each tile, as
-they ran before the loops.
+times ``backend="matmul"`` with the loops switched off instead: the tiles with the native kernel's
+passes over each tile, as they ran before the loops.
 
 ``--cases accuracy`` times nothing: the errors against float64 (largest and mean absolute) of the
 loops, of the same tiles without them (``"tiles, per tile"``: the native kernel's passes over each
@@ -60,6 +60,7 @@ import torch.nn.functional as F
 
 import subquad
 from subquad import _native
+from subquad._backends import matmul
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _harness import machine
@@ -139,16 +140,21 @@ TILES = ("tiles, C++ loops", "tiles, per tile", "tiles, eager passes")
 @contextlib.contextmanager
 def _tiles(which: str) -> Iterator[str]:
     """The backend that runs the tiles as ``which`` says: the loops (``backend="loops"``, as
-    built), the ``matmul`` tiles with the native kernel's passes over each tile, or without the
-    native kernel (the eager passes)."""
-    saved = dict(_native._LOADED)
+    built), ``matmul``'s tiles with the native kernel's passes over each tile (the loops, which
+    ``matmul`` runs where they take a call, switched off), or without the native kernel (the
+    eager passes)."""
+    saved = dict(_native._LOADED), matmul.segment_kernel, matmul.backward_kernel
     try:
+        if which != "tiles, C++ loops":
+            matmul.segment_kernel = lambda inp: None  # type: ignore[assignment]
+            matmul.backward_kernel = lambda inp: None  # type: ignore[assignment]
         if which == "tiles, eager passes":
             _native._LOADED["module"] = None
         yield "loops" if which == "tiles, C++ loops" else "matmul"
     finally:
         _native._LOADED.clear()
-        _native._LOADED.update(saved)
+        _native._LOADED.update(saved[0])
+        matmul.segment_kernel, matmul.backward_kernel = saved[1], saved[2]
 
 
 def _errors(out: torch.Tensor, golden: torch.Tensor) -> Dict[str, float]:

@@ -1,6 +1,7 @@
 """The C++ loops as a backend of their own (``loops``): named in plans and refusals, chosen before
 or after the fused kernel by the dispatch layer, and taking over what the fused kernel gives up
-(a backward it does not take, a refused call) where they can; ``matmul`` never runs them."""
+(a backward it does not take, a refused call) where they can. ``matmul``, forced, runs them too
+where they take the call (its fastest form); what they refuse it runs in PyTorch."""
 
 from __future__ import annotations
 
@@ -27,15 +28,18 @@ def _qkv(*shape, dtype=BF16, seed=0, grad=False):
     return [torch.randn(*shape, generator=g).to(dtype).requires_grad_(grad) for _ in range(3)]
 
 
-def test_loops_is_a_backend_name_and_matmul_never_runs_them(loop):
+def test_loops_is_a_backend_name_and_forced_matmul_runs_them_too(loop):
     assert "loops" in subquad.BACKENDS
     q, k, v = _qkv(1, 2, 300, 64)
-    out = subquad.attention(q, k, v, is_causal=True, backend="matmul")
-    assert not any(n.startswith("forward_segment") for n in loop.names), loop.names
     plan = subquad.explain(q, k, v, is_causal=True, backend="loops")
     assert plan.backend == "loops"
+    loop.calls.clear()
     same = subquad.attention(q, k, v, is_causal=True, backend="loops")
-    assert loop.names.count("forward_segment_bf16") >= 1
+    out = subquad.attention(q, k, v, is_causal=True, backend="matmul")
+    assert loop.names == ["forward_segment_bf16"] * 2, loop.names
+    loop.calls.clear()
+    subquad.attention(q, k, v, is_causal=True, dropout_p=0.3, backend="matmul")  # refused by the loops
+    assert not any(n.startswith("forward_segment") for n in loop.names), loop.names
     golden = naive_attention(*to64(q, k, v), is_causal=True)
     ref = naive_attention(q.float(), k.float(), v.float(), is_causal=True).to(BF16)
     assert_close_to_golden(out, golden, ref, name="matmul")

@@ -374,8 +374,8 @@ def test_a_narrow_bands_backward_keeps_the_loops_fixed_work(monkeypatch):
     assert fixed["window 8"] / train("window 8") > 4 * fixed["causal"] / train("causal")
     # A backward not in the loops keeps no such term: its forward's share alone.
     w = inps["window 8"]
-    matmul = subquad.explain(q, q, q, backend="matmul", mask_mod=mods.sliding_window(8, causal=True))
-    assert matmul.backward_backend == "matmul"
-    backward = _time_model.predict_seconds(w, matmul, True) - _time_model.predict_seconds(w, matmul, False)
-    per_forward = _time_model.backward_per_forward(w, "matmul")
-    assert backward == pytest.approx(per_forward * _time_model.forward_seconds(w, "matmul", matmul.backward_chunk_size))
+    fused = subquad.explain(q, q, q, backend="fused", mask_mod=mods.sliding_window(8, causal=True))
+    assert fused.backward_backend == "fused"
+    backward = _time_model.predict_seconds(w, fused, True) - _time_model.predict_seconds(w, fused, False)
+    per_forward = _time_model.backward_per_forward(w, "fused")
+    assert backward == pytest.approx(per_forward * _time_model.forward_seconds(w, "fused", fused.backward_chunk_size))

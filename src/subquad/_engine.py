@@ -284,7 +284,7 @@ def _forward_packed(
     p = inp.packed
     assert p is not None
     shared: set = set()
-    kernel = packed_kernel(inp) if backend == "loops" else None
+    kernel = packed_kernel(inp) if backend in ("loops", "matmul") else None
     if kernel is not None:  # the C++ loop, a sequence at a time
         shared = forward_packed(inp, kernel, limit, out, lse)
         TILES.computed += len(shared)

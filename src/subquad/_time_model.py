@@ -46,8 +46,9 @@ _RATES: Dict[Tuple[str, torch.dtype], Tuple[float, float]] = {}
 
 
 def _runs_loops(backend: str, inp: Inputs, *, backward: bool = False) -> bool:
-    """Whether ``backend`` runs this call's forward (``backward``: its backward) in the C++ loops."""
-    return backend == "loops" and (loops_backward(inp) if backward else loops_forward(inp))
+    """Whether ``backend`` runs this call's forward (``backward``: its backward) in the C++ loops
+    (``loops``, and ``matmul`` wherever they take the call)."""
+    return backend in ("loops", "matmul") and (loops_backward(inp) if backward else loops_forward(inp))
 
 
 def _parts(inp: Inputs) -> List[Tuple[int, int, int]]:

@@ -73,12 +73,12 @@ LOOP_ROWS = segments.ROWS
 
 
 def loops_forward(inp: Inputs) -> bool:
-    """Whether the ``loops`` backend runs this call's forward in the C++ loop."""
+    """Whether the ``loops`` backend (and ``matmul``) runs this call's forward in the C++ loop."""
     return segments.segment_kernel(inp) is not None
 
 
 def loops_backward(inp: Inputs) -> bool:
-    """Whether the ``loops`` backend runs this call's backward in the C++ loop."""
+    """Whether the ``loops`` backend (and ``matmul``) runs this call's backward in the C++ loop."""
     return segments.backward_kernel(inp) is not None
 
 

@@ -7,10 +7,10 @@ and of tensors captured by ``score_mod``. The products (:meth:`Matmul.compute_dt
 - float32 or float64; half-precision inputs converted once per row block or tile;
 - on CUDA, half operands with float32 results, the passes in Triton (:mod:`~subquad._backends.triton_passes`);
 - on a CPU that multiplies bfloat16 natively, bfloat16 offset per row (:class:`OffsetOperand`), the
-  passes in the native kernel (:mod:`subquad._native`) where it is built.
-
-The native kernel's C++ loops, which take whole rows of tiles at once, are a backend of their own
-(``loops``, :mod:`~subquad._backends.loops`).
+  passes in the native kernel (:mod:`subquad._native`) where it is built;
+- none: the native kernel's C++ loops take the whole call where they can
+  (:mod:`subquad._backends.segments`). ``auto`` names that path ``loops``
+  (:mod:`~subquad._backends.loops`): the backend that runs only them and refuses the rest.
 
 What each path costs per tile, and what MPS runs: docs/benchmarks/half.md.
 """
@@ -32,6 +32,13 @@ from .base import Backend, Options, _bh, _grad_accum_bytes
 from .offsets import LOG2E, OFFSET_DRIFT, OffsetOperand, exp_, far_rows, first_offsets, redo_batches
 from .products import HALF_PRODUCTS_MIN_HEAD_DIM, native_bf16_products, product, widening_products
 from .scratch import Scratch, call_buffers, pass_scratch
+from .segments import TILE_TARGET as LOOP_TILE_TARGET
+from .segments import backward_bytes as loop_backward_bytes
+from .segments import backward_kernel, segment_bytes, segment_kernel
+from .segments import backward_rows as loop_backward_rows
+from .segments import backward_tile_bytes as loop_backward_tile_bytes
+from .segments import forward_rows as loop_forward_rows
+from .segments import tile_bytes as loop_tile_bytes
 
 
 class Matmul(Backend):
@@ -51,10 +58,18 @@ class Matmul(Backend):
     def tile_bytes(self, inp: Inputs, qc: int, kc: int) -> int:
         return self.tile_bytes_of(inp)(qc, kc)
 
+    def tile_target(self, inp: Inputs) -> int:
+        loops = backward_kernel(inp) if inp.requires_grad else segment_kernel(inp)  # no tile of scores
+        return LOOP_TILE_TARGET if loops is not None else super().tile_target(inp)
+
     def tile_bytes_of(self, inp: Inputs) -> Callable[[int, int], int]:
         # What a tile's elementwise work streams: its float32 scores, or, where the native kernel
-        # does an inference forward's passes, the bfloat16 product alone (docs/benchmarks/loops.md).
+        # does an inference forward's, the bfloat16 product alone (docs/benchmarks/loops.md).
         lq, lk, grad = max(inp.Lq, 1), max(inp.Lk, 1), inp.requires_grad
+        if not grad and segment_kernel(inp) is not None:  # no tile of scores
+            return lambda qc, kc: loop_tile_bytes(inp, min(qc, lq), min(kc, lk))
+        if grad and backward_kernel(inp) is not None:  # both passes in C++: no tile of scores either
+            return lambda qc, kc: loop_backward_tile_bytes(inp, min(qc, lq), min(kc, lk))
         per_score = _bh(inp) * (2 if not grad and _forward_kernel(inp) is not None else inp.stats_itemsize)
         return lambda qc, kc: per_score * min(qc, lq) * min(kc, lk)
 
@@ -62,6 +77,8 @@ class Matmul(Backend):
         qc, kc = min(qc, max(inp.Lq, 1)), min(kc, max(inp.Lk, 1))
         bh, st = _bh(inp), inp.stats_itemsize
         lse = inp.lse_bytes() if need_lse else 0
+        if segment_kernel(inp) is not None:  # acc, m, l, lse and the result's rows; no tile
+            return int((bh * qc * (2 * inp.Ev + 4) * st + segment_bytes(inp, qc, kc) + lse) * 1.15) + (1 << 18)
         cs = torch.tensor([], dtype=Matmul.compute_dtype(inp)).element_size()
         tile = bh * qc * kc
         n = inp.B * inp.Hq * qc * inp.E * cs  # scaled q block
@@ -88,6 +105,8 @@ class Matmul(Backend):
 
     def backward_bytes(self, inp: Inputs, qc: int, kc: int, opts: Options) -> int:
         qc, kc = min(qc, max(inp.Lq, 1)), min(kc, max(inp.Lk, 1))
+        if backward_kernel(inp) is not None:  # the loop in C++: no tile of scores
+            return int(loop_backward_bytes(inp, qc, kc) * 1.15) + _grad_accum_bytes(inp) + 256 * 1024
         bh, st = _bh(inp), inp.stats_itemsize
         tile = bh * qc * kc
         n = bh * qc * (2 * inp.E + 3 * inp.Ev + 2) * st  # q, dq block, dO, O, D
@@ -270,6 +289,9 @@ class Matmul(Backend):
     ) -> Tensor:
         """Online softmax over ``segments`` for rows ``[qs, qe)``; writes ``out`` and returns the lse."""
         assert out is not None, "returns_rows is off: the engine always passes the output buffer"
+        loop = segment_kernel(inp)
+        if loop is not None:  # the whole loop in C++ (subquad._backends.segments)
+            return loop_forward_rows(inp, qs, qe, segments, out, loop)
         B, Hq, Hk, G = inp.B, inp.Hq, inp.Hk, inp.G
         qn = qe - qs
         sdt = inp.stats_dtype
@@ -363,6 +385,9 @@ class Matmul(Backend):
         a ``score_mod`` or a float mask S's product is float32 instead) and ``dP`` by ``D``
         (``dP - D`` cancels: rounding ``dP`` itself would lose ``dS``).
         """
+        loop = backward_kernel(inp)
+        if loop is not None:  # the whole loop in C++ (subquad._backends.segments)
+            return loop_backward_rows(inp, qs, qe, segments, grad_out, out, lse, grads, grad_lse, loop)
         rows = _RowBlockBackward(self, inp, qs, qe, grad_out, out, lse, seed, grads, grad_lse)
         for seg in segments:
             rows.add_tile(seg)

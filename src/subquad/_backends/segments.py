@@ -1,4 +1,5 @@
-"""The ``loops`` backend's forward and backward: the whole tile loops in C++ (:mod:`subquad._native`).
+"""The tiles' forward and backward as whole loops in C++ (:mod:`subquad._native`): the ``loops``
+backend, which ``matmul`` also runs wherever they take a call.
 
 They take CPU calls without dropout whose callbacks they evaluate themselves (:func:`loop_mods`: a
 soft cap ``c * tanh(score / c)`` found by tracing, ALiBi of fixed slopes, a ``mask_mod`` that is a
@@ -362,12 +363,12 @@ TILE_TARGET = 32 << 20
 """The planner's ceiling on :func:`tile_bytes` where the loops run a call (the eager tiles' is
 4 MiB, the scores a tile's passes stream): the accumulator is not streamed, and each call copies
 its keys and values again and ends with its threads waiting on the last task
-(:meth:`Loops.tile_target <subquad._backends.loops.Loops.tile_target>`). Whole rows against
+(:meth:`Matmul.tile_target <subquad._backends.matmul.Matmul.tile_target>`). Whole rows against
 row blocks of 1024: docs/benchmarks/loops.md ("Faster loops, whole rows")."""
 
 
 def forward_rows(inp: Inputs, qs: int, qe: int, segments: Iterable[Segment], out: Tensor, kernel: ModuleType) -> Tensor:
-    """:meth:`Loops.forward_rows <subquad._backends.loops.Loops.forward_rows>`: ``matmul``'s forward for rows
+    """:meth:`Matmul.forward_rows <subquad._backends.matmul.Matmul.forward_rows>` for rows
     ``[qs, qe)`` with the C++ loop: writes ``out`` and returns the lse ``(B, Hq, qn)``."""
     B, Hq, qn = inp.B, inp.Hq, qe - qs
     rows = B * Hq * qn
@@ -527,7 +528,7 @@ def backward_rows(
     grad_lse: Optional[Tensor],
     kernel: ModuleType,
 ) -> None:
-    """:meth:`Loops.backward_rows <subquad._backends.loops.Loops.backward_rows>`: ``matmul``'s backward for rows
+    """:meth:`Matmul.backward_rows <subquad._backends.matmul.Matmul.backward_rows>` for rows
     ``[qs, qe)`` with the C++ loop: adds into ``grads.dq``, ``grads.dk`` and ``grads.dv`` (through
     a float32 block of the rows or keys where one is absent or not a float32 view with a dense
     last dim)."""
